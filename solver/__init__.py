@@ -1,0 +1,23 @@
+"""Strategy-graph optimizer. Never imports torch.
+
+``Problem`` (the graph) -> ``solve`` -> ``Solution`` (one strategy per node).
+"""
+
+from solver.evaluate import Evaluation, evaluate
+from solver.iopddl import load as load_iopddl
+from solver.iopddl import save as save_iopddl
+from solver.problem import FORBIDDEN, Problem, ProblemError
+from solver.solve import InfeasibleError, Solution, solve
+
+__all__ = [
+    "FORBIDDEN",
+    "Evaluation",
+    "InfeasibleError",
+    "Problem",
+    "ProblemError",
+    "Solution",
+    "evaluate",
+    "load_iopddl",
+    "save_iopddl",
+    "solve",
+]

@@ -1,0 +1,151 @@
+"""The strategy graph: what the solver optimizes.
+
+A :class:`Problem` is a superset of the IOPDDL contest format. Every node ``v``
+has ``k_v`` candidate strategies, each with a cost and a memory usage, and a
+half-open liveness interval ``[lo, hi)``. Every edge ``(u, v)`` has a
+``k_u x k_v`` cost matrix. At every integer time ``t`` the chosen usages of the
+nodes live at ``t`` must sum to at most ``usage_limit``. On top of the contest
+format: pins (node fixed to one strategy) and ties (nodes that must pick the
+same strategy index: repeated layers). A cost at or above ``FORBIDDEN`` (or
+``inf``) marks a choice that must never be made.
+
+Everything is numpy arrays, one array per node or edge, never a Python object
+per strategy: industrial instances have tens of thousands of nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Costs at or above this value mark forbidden choices (the contest uses ~1e15+).
+FORBIDDEN = 1e15
+
+
+class ProblemError(ValueError):
+    """A problem whose arrays are inconsistent with each other."""
+
+
+@dataclass
+class Problem:
+    """A strategy graph with memory liveness, pins and ties.
+
+    Arrays are validated and normalized (to float64 / int64) in ``__post_init__``.
+    """
+
+    node_costs: list[np.ndarray]
+    """``node_costs[v][i]``: cost of node ``v`` taking strategy ``i`` (length ``k_v >= 1``)."""
+    node_usages: list[np.ndarray]
+    """``node_usages[v][i]``: memory usage of node ``v`` under strategy ``i`` (>= 0)."""
+    intervals: np.ndarray
+    """``(n, 2)`` int64: node ``v`` is live at integer times ``lo <= t < hi``."""
+    edges: np.ndarray
+    """``(m, 2)`` int64: edge ``e`` joins nodes ``edges[e, 0] -> edges[e, 1]``."""
+    edge_costs: list[np.ndarray]
+    """``edge_costs[e]``: ``(k_u, k_v)`` matrix of the cost of each strategy pair."""
+    usage_limit: float | None = None
+    """Memory budget at every time point; ``None`` means unconstrained."""
+    pins: dict[int, int] = field(default_factory=dict)
+    """Node -> the only strategy index it may take."""
+    ties: list[list[int]] = field(default_factory=list)
+    """Groups of nodes with equal strategy counts that must all take the same index."""
+    name: str = ""
+    """Free-form label (instance name, model name) for reports."""
+    node_names: list[str] | None = None
+    """Optional label per node, used in error messages and reports."""
+
+    def __post_init__(self) -> None:
+        n = len(self.node_costs)
+        if len(self.node_usages) != n:
+            raise ProblemError(
+                f"node_usages has {len(self.node_usages)} entries but node_costs has {n}: "
+                "expected one usage vector per node"
+            )
+        self.node_costs = [np.atleast_1d(np.asarray(c, dtype=np.float64)) for c in self.node_costs]
+        self.node_usages = [np.atleast_1d(np.asarray(u, dtype=np.float64)) for u in self.node_usages]
+        for v, (c, u) in enumerate(zip(self.node_costs, self.node_usages)):
+            if c.ndim != 1 or c.size == 0:
+                raise ProblemError(f"node {self._label(v)}: expected >= 1 strategy costs, found shape {c.shape}")
+            if u.shape != c.shape:
+                raise ProblemError(
+                    f"node {self._label(v)}: {c.size} strategy costs but {u.size} usages; expected equal counts"
+                )
+            if np.any(u < 0) or np.any(np.isnan(u)):
+                raise ProblemError(f"node {self._label(v)}: usages must be >= 0, found {u.tolist()}")
+            if np.any(np.isnan(c)):
+                raise ProblemError(f"node {self._label(v)}: cost is NaN")
+        iv = np.asarray(self.intervals, dtype=np.int64).reshape(-1, 2) if n else np.zeros((0, 2), np.int64)
+        if iv.shape != (n, 2):
+            raise ProblemError(f"intervals: expected shape ({n}, 2), found {iv.shape}")
+        bad = np.nonzero(iv[:, 0] > iv[:, 1])[0]
+        if bad.size:
+            v = int(bad[0])
+            raise ProblemError(f"node {self._label(v)}: interval [{iv[v, 0]}, {iv[v, 1]}) has lo > hi")
+        self.intervals = iv
+        ed = np.asarray(self.edges, dtype=np.int64).reshape(-1, 2)
+        if len(self.edge_costs) != ed.shape[0]:
+            raise ProblemError(f"{ed.shape[0]} edges but {len(self.edge_costs)} edge cost matrices")
+        if ed.size and (ed.min() < 0 or ed.max() >= n):
+            raise ProblemError(f"edges reference nodes outside [0, {n}): min {ed.min()}, max {ed.max()}")
+        self.edges = ed
+        mats = []
+        for e, m in enumerate(self.edge_costs):
+            u, v = int(ed[e, 0]), int(ed[e, 1])
+            ku, kv = self.num_strategies(u), self.num_strategies(v)
+            m = np.asarray(m, dtype=np.float64)
+            if m.size != ku * kv:
+                raise ProblemError(
+                    f"edge {e} ({self._label(u)} -> {self._label(v)}): cost matrix has {m.size} entries, "
+                    f"expected {ku} x {kv} = {ku * kv}"
+                )
+            if np.any(np.isnan(m)):
+                raise ProblemError(f"edge {e}: cost is NaN")
+            mats.append(m.reshape(ku, kv))
+        self.edge_costs = mats
+        if self.usage_limit is not None and not self.usage_limit >= 0:
+            raise ProblemError(f"usage_limit must be >= 0 or None, found {self.usage_limit}")
+        for v, i in self.pins.items():
+            if not 0 <= v < n or not 0 <= i < self.num_strategies(v):
+                raise ProblemError(
+                    f"pin {v} -> {i}: node must be in [0, {n}) and strategy in [0, k_v)"
+                )
+        for group in self.ties:
+            ks = {self.num_strategies(v) for v in group}
+            if len(ks) > 1:
+                raise ProblemError(f"tie {group}: nodes have different strategy counts {sorted(ks)}")
+
+    def _label(self, v: int) -> str:
+        if self.node_names is not None and v < len(self.node_names):
+            return f"{v} ({self.node_names[v]})"
+        return str(v)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_costs)
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edges.shape[0])
+
+    def num_strategies(self, v: int) -> int:
+        return int(self.node_costs[v].size)
+
+    def allowed(self, v: int) -> np.ndarray:
+        """Boolean mask of the strategies of ``v`` that are not forbidden or pinned away."""
+        mask = self.node_costs[v] < FORBIDDEN
+        if v in self.pins:
+            pinned = np.zeros_like(mask)
+            pinned[self.pins[v]] = True
+            mask &= pinned
+        return mask
+
+    def stats(self) -> dict:
+        ks = np.array([c.size for c in self.node_costs]) if self.num_nodes else np.zeros(1)
+        return {
+            "nodes": self.num_nodes,
+            "edges": self.num_edges,
+            "strategies": int(ks.sum()),
+            "max_strategies": int(ks.max()),
+            "edge_entries": int(sum(m.size for m in self.edge_costs)),
+        }
