@@ -1,0 +1,30 @@
+"""autoshard: cost-model-driven auto-sharding for PyTorch.
+
+    plan = autoshard.plan(model, example_inputs, mesh)      # ILP over DTensor strategies
+    plan.save("plan.json")
+    model = autoshard.parallelize(model, plan, mesh)        # DTensor executes it
+"""
+
+from autoshard.api import plan
+from autoshard.errors import AutoshardError, MeshError, PlanError, TraceError
+from autoshard.mesh import fake_mesh, parse_mesh
+from autoshard.parallelize import parallelize
+from autoshard.plan import PLAN_VERSION, ParamPlacement, Plan
+from autoshard.trace import trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PLAN_VERSION",
+    "AutoshardError",
+    "MeshError",
+    "ParamPlacement",
+    "Plan",
+    "PlanError",
+    "TraceError",
+    "fake_mesh",
+    "parallelize",
+    "parse_mesh",
+    "plan",
+    "trace",
+]

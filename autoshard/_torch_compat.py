@@ -1,0 +1,81 @@
+"""Every private torch API autoshard uses, in one place.
+
+A torch upgrade that moves one of these touches this file only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy  # noqa: F401
+from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+
+from costmodel.spec import Spec
+
+
+def sharding_propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def make_spec(mesh, spec: Spec, t: torch.Tensor) -> DTensorSpec:
+    return DTensorSpec(mesh, to_placements(spec), tensor_meta=tensor_meta(t))
+
+
+def to_placements(spec: Spec) -> tuple:
+    out = []
+    for p in spec.placements:
+        if p == "R":
+            out.append(Replicate())
+        elif p.startswith("S("):
+            out.append(Shard(int(p[2:-1])))
+        else:
+            out.append(Partial(p[2:-1]))
+    return tuple(out)
+
+
+def from_placements(placements) -> Spec | None:
+    """Our spec for plain DTensor placements; None for kinds we do not plan with
+    (strided shards, norm partials)."""
+    out = []
+    for p in placements:
+        if isinstance(p, _StridedShard):
+            return None
+        if type(p) is Shard:
+            out.append(f"S({p.dim})")
+        elif type(p) is Replicate:
+            out.append("R")
+        elif type(p) is Partial and p.reduce_op in ("sum", "avg", "max", "min"):
+            out.append(f"P({p.reduce_op})")
+        else:
+            return None
+    return Spec(tuple(out))
+
+
+def op_strategy(op, schema: OpSchema, mesh, out_meta):
+    """DTensor's full strategy list for ``op``; None when DTensor has no rule.
+
+    Single-dim rules are expanded to every mesh axis by DTensor's own expander.
+    """
+    prop = sharding_propagator()
+    if op in prop.op_single_dim_strategy_funcs:
+        info = prop.op_single_dim_strategy_funcs[op]
+        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, info, out_meta)
+        return fn(op, schema.args_meta, schema.kwargs_meta)
+    if op in prop.op_strategy_funcs:
+        if op in prop.op_to_schema_info:
+            schema.schema_info = prop.op_to_schema_info[op]
+        return prop.op_strategy_funcs[op](schema)
+    return None
+
+
+def has_rule(op) -> bool:
+    prop = sharding_propagator()
+    return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs

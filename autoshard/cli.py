@@ -1,0 +1,145 @@
+"""The ``autoshard`` command line.
+
+  autoshard demo [--mesh dp=8,tp=8]                 plan a small GPT on a fake 64-rank mesh
+  autoshard plan MODULE:FACTORY --mesh dp=8,tp=8 -o plan.json
+  autoshard show plan.json                          print a plan's summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+EXAMPLES = """examples:
+  autoshard demo
+  autoshard demo --mesh dp=4,tp=2 --layers 1 -o plan.json
+  autoshard plan mypkg.models:make --mesh dp=8,tp=8 --memory-budget 70GiB -o plan.json
+  autoshard show plan.json
+
+exit codes: 0 ok, 1 unexpected error, 2 bad input (message says what was expected and found)
+"""
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    import re
+
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"memory size {text!r}: expected a number with an optional unit "
+                                         f"({', '.join(u for u in _UNITS if u)}), e.g. 70GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _log(msg: str) -> None:
+    print(f"[autoshard] {msg}", file=sys.stderr, flush=True)
+
+
+def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
+    p.add_argument("--mesh", default=default_mesh, required=default_mesh is None,
+                   help="mesh axes as name=size,... (e.g. dp=8,tp=8)")
+    p.add_argument("--profile", default="h100-sxm", help="shipped profile name or profile file")
+    p.add_argument("--memory-budget", type=parse_bytes, default=None,
+                   help="bytes per device, e.g. 70GiB (default: the profile's device memory)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
+    p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+
+
+def _run_plan(model, inputs, args) -> int:
+    import autoshard
+
+    shape, names = autoshard.parse_mesh(args.mesh)
+    mesh = autoshard.fake_mesh(shape, names)
+    t0 = time.perf_counter()
+    plan = autoshard.plan(model, inputs, mesh, profile=args.profile,
+                          memory_budget=args.memory_budget if args.memory_budget else "auto",
+                          time_limit=args.time_limit, log=_log)
+    print(plan.describe())
+    print(f"planned in {time.perf_counter() - t0:.1f} s")
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from autoshard.models import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(dim=args.dim, n_heads=args.heads, n_layers=args.layers, vocab_size=args.vocab)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="meta")
+    _log(f"demo: GPT dim={cfg.dim} heads={cfg.n_heads} layers={cfg.n_layers} vocab={cfg.vocab_size}, "
+         f"batch {args.batch} x seq {args.seq}, mesh {args.mesh} (fake process group, no GPU)")
+    return _run_plan(model, (tokens,), args)
+
+
+def cmd_plan(args) -> int:
+    from autoshard.errors import AutoshardError
+
+    mod_name, _, fn_name = args.factory.partition(":")
+    if not fn_name:
+        raise AutoshardError(f"factory {args.factory!r}: expected MODULE:FUNCTION")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise AutoshardError(f"factory {args.factory!r}: cannot import: {exc}") from None
+    made = fn()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise AutoshardError(f"factory {args.factory!r}: expected it to return (model, example_inputs), "
+                             f"found {type(made).__name__}")
+    model, inputs = made
+    return _run_plan(model, inputs, args)
+
+
+def cmd_show(args) -> int:
+    from autoshard.plan import Plan
+
+    plan = Plan.load(args.plan)
+    print(plan.describe(max_params=args.max_params))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autoshard", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="plan a small GPT on a fake 64-rank mesh and print the plan")
+    _common(d, "dp=8,tp=8")
+    d.add_argument("--layers", type=int, default=2)
+    d.add_argument("--dim", type=int, default=1024)
+    d.add_argument("--heads", type=int, default=16)
+    d.add_argument("--vocab", type=int, default=8192)
+    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--seq", type=int, default=512)
+    d.set_defaults(func=cmd_demo)
+    p = sub.add_parser("plan", help="plan a model made by MODULE:FACTORY() -> (model, example_inputs)")
+    p.add_argument("factory")
+    _common(p, None)
+    p.set_defaults(func=cmd_plan)
+    s = sub.add_parser("show", help="print a plan file's summary")
+    s.add_argument("plan")
+    s.add_argument("--max-params", type=int, default=40)
+    s.set_defaults(func=cmd_show)
+    return ap
+
+
+def main(argv=None) -> int:
+    from autoshard.errors import AutoshardError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (AutoshardError, FileNotFoundError, ValueError) as exc:
+        print(f"autoshard: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The plan: what to shard how, as a versioned JSON file.
+
+A plan holds the mesh it was made for, a fingerprint of the model (every
+parameter's FQN and shape), per-parameter placements by FQN, per-input specs,
+per-node specs, every redistribute with its predicted steps and time, a
+predicted cost summary and solver statistics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from autoshard.errors import PlanError
+from costmodel.spec import Spec
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class ParamPlacement:
+    """Placement of one parameter (or buffer) by mesh axis name."""
+
+    placements: dict[str, str]
+    """Mesh axis name -> ``R`` / ``S(d)``."""
+    shard_order: dict[str, list[str]] = field(default_factory=dict)
+    """Tensor dim (as a string) -> mesh axis names in split order, where non-default."""
+    shape: list[int] = field(default_factory=list)
+    """Global shape the plan was made for."""
+
+    def spec(self, axis_names: list[str]) -> Spec:
+        missing = [a for a in axis_names if a not in self.placements]
+        if missing:
+            raise PlanError(f"placements {self.placements} lack mesh axes {missing}")
+        order = tuple((int(d), tuple(axis_names.index(a) for a in axes)) for d, axes in self.shard_order.items())
+        return Spec(tuple(self.placements[a] for a in axis_names), order)
+
+
+@dataclass
+class Plan:
+    mesh_shape: list[int]
+    axis_names: list[str]
+    params: dict[str, ParamPlacement]
+    """Parameter and buffer FQN -> placement."""
+    inputs: list[str]
+    """Spec of each example input, in order."""
+    nodes: dict[str, dict] = field(default_factory=dict)
+    """Graph node name -> {"op", "out", "in"} specs."""
+    redistributes: list[dict] = field(default_factory=list)
+    """Every non-free redistribute: node, arg, from, to, steps, us."""
+    summary: dict = field(default_factory=dict)
+    """Predicted step_us, compute_us, comm_us, peak_mem_bytes; fallback_ops; counts."""
+    solver: dict = field(default_factory=dict)
+    profile: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+    """``{"class": name, "fingerprint": sha256 of FQNs and shapes}``."""
+    version: int = PLAN_VERSION
+
+    # ---- model identity -------------------------------------------------
+    @staticmethod
+    def fingerprint(shapes: dict[str, list[int]]) -> str:
+        text = json.dumps(sorted((k, list(v)) for k, v in shapes.items()))
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def param_spec(self, fqn: str) -> Spec:
+        return self.params[fqn].spec(self.axis_names)
+
+    # ---- JSON ------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "mesh": {"shape": self.mesh_shape, "axis_names": self.axis_names},
+            "profile": self.profile,
+            "model": self.model,
+            "params": {k: asdict(v) for k, v in self.params.items()},
+            "inputs": self.inputs,
+            "nodes": self.nodes,
+            "redistributes": self.redistributes,
+            "summary": self.summary,
+            "solver": self.solver,
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError(f"plan: expected a JSON object, found {type(data).__name__}")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan version: expected {PLAN_VERSION}, found {version!r}")
+        try:
+            mesh = data["mesh"]
+            params = {
+                k: ParamPlacement(placements=dict(v["placements"]), shard_order=dict(v.get("shard_order", {})),
+                                  shape=list(v.get("shape", [])))
+                for k, v in data["params"].items()
+            }
+            plan = Plan(
+                mesh_shape=[int(s) for s in mesh["shape"]],
+                axis_names=list(mesh["axis_names"]),
+                params=params,
+                inputs=list(data["inputs"]),
+                nodes=data.get("nodes", {}),
+                redistributes=data.get("redistributes", []),
+                summary=data.get("summary", {}),
+                solver=data.get("solver", {}),
+                profile=data.get("profile", {}),
+                model=data.get("model", {}),
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise PlanError(f"plan: missing or malformed field {exc}") from None
+        if len(plan.mesh_shape) != len(plan.axis_names):
+            raise PlanError(
+                f"plan mesh: {len(plan.mesh_shape)} sizes {plan.mesh_shape} but "
+                f"{len(plan.axis_names)} axis names {plan.axis_names}"
+            )
+        try:
+            for fqn in plan.params:
+                plan.param_spec(fqn)
+            for s in plan.inputs:
+                Spec.parse(s)
+        except ValueError as exc:
+            raise PlanError(f"plan: bad placement: {exc}") from None
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"{path}: cannot read a plan JSON file: {exc}") from None
+        return Plan.from_json(data)
+
+    # ---- reading ---------------------------------------------------------
+    def describe(self, max_params: int = 40) -> str:
+        """A human-readable summary: mesh, predicted costs, parameter placements."""
+        s = self.summary
+        lines = [
+            f"autoshard plan v{self.version} for {self.model.get('class', '?')} "
+            f"on mesh {dict(zip(self.axis_names, self.mesh_shape))}",
+            f"  predicted step: {s.get('step_us', 0) / 1e3:.3f} ms "
+            f"(compute {s.get('compute_us', 0) / 1e3:.3f} ms, communication {s.get('comm_us', 0) / 1e3:.3f} ms)",
+            f"  peak memory per device: {s.get('peak_mem_bytes', 0) / 2**20:.1f} MiB"
+            + (f" of budget {s['memory_budget_bytes'] / 2**20:.1f} MiB" if s.get("memory_budget_bytes") else ""),
+            f"  graph: {s.get('graph_nodes', '?')} nodes, {s.get('strategies', '?')} strategies, "
+            f"{s.get('edges', '?')} edges; {len(self.redistributes)} redistributes",
+            f"  solver: {self.solver.get('backend', '?')} {self.solver.get('status', '?')} "
+            f"in {self.solver.get('seconds', 0):.2f} s (gap {self.solver.get('gap')})",
+        ]
+        if s.get("fallback_ops"):
+            lines.append(f"  ops with no sharding rule (replicated): {s['fallback_ops']}")
+        lines.append("  inputs: " + ", ".join(self.inputs))
+        lines.append("  parameters:")
+        width = max((len(k) for k in self.params), default=0)
+        for k, (fqn, p) in enumerate(self.params.items()):
+            if k == max_params:
+                lines.append(f"    ... {len(self.params) - max_params} more")
+                break
+            pl = " ".join(f"{a}={p.placements[a]}" for a in self.axis_names)
+            lines.append(f"    {fqn:<{width}}  {pl}  {tuple(p.shape)}")
+        return "\n".join(lines)

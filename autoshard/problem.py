@@ -1,0 +1,246 @@
+"""Turn a traced graph and its strategies into a ``solver.Problem``.
+
+ILP nodes are the placeholders (parameters, buffers, inputs) and every
+call_function node except ``getitem`` (which only selects an output of its
+producer). Costs, all in microseconds:
+
+- node cost: compute of the sharded op (roofline on its FLOPs divided by the
+  number of ranks that split the work), plus for the loss the all-reduce to a
+  replicated scalar;
+- edge cost: the redistribute from the producer's output spec to the spec the
+  consumer's strategy wants for that argument; one extra edge per parameter,
+  from its gradient's producer to the parameter, costs the gradient's
+  redistribute to the parameter's spec (data parallel's all-reduce, FSDP's
+  reduce-scatter).
+
+Memory (bytes per device): each node's output shard is live from the node to
+its last use; parameters, their optimizer state and buffers for the whole step;
+gradients from their producer to the end of the step. View ops alias their input
+and add nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoshard import _torch_compat as tc
+from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
+from autoshard.trace import TracedGraph
+from costmodel import MeshTopology, Profile, Spec, compute_time_us, plan_steps
+import solver
+
+
+@dataclass
+class ArgEdge:
+    """Where a consumer's tensor argument comes from."""
+
+    consumer: int
+    arg: int
+    """Index into the consumer strategy's ``ins``; -1 for a gradient-to-parameter edge."""
+    producer: int
+    out: int
+    """Which output of the producer (getitem index)."""
+
+
+@dataclass
+class GraphProblem:
+    problem: solver.Problem
+    nodes: list[fx.Node]
+    """ILP node index -> graph node."""
+    strategies: list[list[Strategy]]
+    edges: list[ArgEdge]
+    compute_us: list[np.ndarray]
+    """Per ILP node, compute time of each strategy (the loss's reduction excluded)."""
+    fallback_ops: dict[str, int] = field(default_factory=dict)
+    index: dict[str, int] = field(default_factory=dict)
+    """Graph node name -> ILP node index."""
+
+
+def _itemsize(t: torch.Tensor) -> int:
+    return t.element_size()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def local_bytes(spec: Spec, t: torch.Tensor, mesh_shape) -> int:
+    return int(np.prod(spec.local_shape(tuple(t.shape), mesh_shape), dtype=np.int64)) * t.element_size()
+
+
+class _RedistCache:
+    """Redistribute costs memoized by (src, dst, shape, itemsize)."""
+
+    def __init__(self, topo: MeshTopology, profile: Profile):
+        self.topo, self.profile, self.memo = topo, profile, {}
+
+    def cost(self, src: Spec, dst: Spec, t: torch.Tensor) -> float:
+        key = (src, dst, tuple(t.shape), t.element_size())
+        c = self.memo.get(key)
+        if c is None:
+            c = sum(s.us for s in plan_steps(src, dst, tuple(t.shape), t.element_size(), self.topo, self.profile))
+            self.memo[key] = c
+        return c
+
+    def matrix(self, srcs: list[Spec], dsts: list[Spec], t: torch.Tensor) -> np.ndarray:
+        us, ui = np.unique([str(s) for s in srcs], return_inverse=True)
+        vs, vi = np.unique([str(s) for s in dsts], return_inverse=True)
+        by_str_s = {str(s): s for s in srcs}
+        by_str_d = {str(s): s for s in dsts}
+        small = np.array([[self.cost(by_str_s[a], by_str_d[b], t) for b in vs] for a in us]).reshape(len(us), len(vs))
+        return small[np.ix_(ui, vi)]
+
+
+def _flops(node: fx.Node, memo: dict) -> float:
+    key = (node.target, tuple(tuple(a.meta["val"].shape) for a in node.all_input_nodes if is_tensor(a)),
+           tuple(repr(a) for a in node.args if not isinstance(a, fx.Node)))
+    if key in memo:
+        return memo[key]
+    vals = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+    fm = next((a.meta["val"].fake_mode for a in node.all_input_nodes if is_tensor(a)), None)
+    flops = 0.0
+    if fm is not None:
+        try:
+            with fm, FlopCounterMode(display=False) as fc:
+                node.target(*vals[0], **vals[1])
+            flops = float(fc.get_total_flops())
+        except Exception:
+            flops = 0.0
+    memo[key] = flops
+    return flops
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and bool(getattr(node.target, "is_view", False)) \
+        or node.target in (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
+
+
+def build_problem(
+    tg: TracedGraph,
+    mesh,
+    profile: Profile,
+    memory_budget: float | None,
+    optimizer_states: int = 2,
+) -> GraphProblem:
+    """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``."""
+    mesh_shape = tuple(mesh.shape)
+    topo = MeshTopology(mesh_shape, profile.devices_per_node)
+    redist = _RedistCache(topo, profile)
+    en = StrategyEnumerator(mesh)
+    order = list(tg.gm.graph.nodes)
+    pos = {n: k for k, n in enumerate(order)}
+    end = len(order)
+
+    nodes: list[fx.Node] = []
+    strategies: list[list[Strategy]] = []
+    per_node: list[NodeStrategies | None] = []
+    for n in order:
+        if n.op == "placeholder":
+            val = n.meta["val"]
+            specs = en.specs_for(val, partial=False)
+            nodes.append(n)
+            strategies.append([Strategy(outs=(s,), ins=()) for s in specs])
+            per_node.append(None)
+        elif n.op == "call_function" and not is_getitem(n):
+            ns = en.for_node(n)
+            nodes.append(n)
+            strategies.append(ns.strategies)
+            per_node.append(ns)
+    index = {n.name: k for k, n in enumerate(nodes)}
+
+    def resolve(a: fx.Node) -> tuple[int, int]:
+        if is_getitem(a):
+            return index[a.args[0].name], int(a.args[1])
+        return index[a.name], 0
+
+    # Last use of each ILP node's outputs (through getitem).
+    last = {}
+    for n in order:
+        for a in n.all_input_nodes:
+            src = a.args[0] if is_getitem(a) else a
+            last[src] = max(last.get(src, -1), pos[n])
+    grad_producers = {resolve(g)[0] for g in tg.grad_of.values()}
+    loss_idx = resolve(tg.loss_node)[0] if tg.loss_node is not None else None
+
+    flop_memo: dict = {}
+    costs, usages, intervals, compute = [], [], [], []
+    for v, (n, strats) in enumerate(zip(nodes, strategies)):
+        val = n.meta["val"]
+        outs_vals = list(val) if isinstance(val, (tuple, list)) else [val]
+        if n.op == "placeholder":
+            kind = tg.kinds[n.name]
+            factor = 1 + (optimizer_states if kind == "param" and val.requires_grad else 0)
+            usage = np.array([local_bytes(s.outs[0], val, mesh_shape) * factor for s in strats], dtype=np.float64)
+            lo, hi = (0, end) if kind != "input" else (0, last.get(n, 0) + 1)
+            c = np.zeros(len(strats))
+            if kind == "input":
+                # Loading the batch: a rank that holds a shard reads less, so ties go to sharded inputs.
+                c = np.array([local_bytes(s.outs[0], val, mesh_shape) / (profile.mem_bandwidth_gbps * 1e3)
+                              for s in strats])
+        else:
+            flops = _flops(n, flop_memo)
+            view = _is_view(n)
+            ins_vals = [a.meta["val"] for a in per_node[v].tensor_args]
+            c = np.zeros(len(strats))
+            usage = np.zeros(len(strats))
+            for i, s in enumerate(strats):
+                out_b = sum(local_bytes(o, t, mesh_shape) for o, t in zip(s.outs, outs_vals)
+                            if o is not None and isinstance(t, torch.Tensor))
+                if not view:
+                    usage[i] = out_b
+                    in_b = sum(local_bytes(sp, t, mesh_shape) for sp, t in zip(s.ins, ins_vals))
+                    split = 1
+                    for axis in range(len(mesh_shape)):
+                        sharded_in = any(sp.placements[axis].startswith("S(") for sp in s.ins)
+                        if sharded_in or (not s.ins and any(o is not None and o.placements[axis].startswith("S(")
+                                                            for o in s.outs)):
+                            split *= mesh_shape[axis]
+                    c[i] = compute_time_us(flops / split, in_b + out_b, profile)
+            lo = pos[n]
+            hi = end if v in grad_producers or v == loss_idx else last.get(n, pos[n]) + 1
+        compute.append(c.copy())
+        if v == loss_idx:
+            r = Spec(("R",) * len(mesh_shape))
+            c = c + np.array([redist.cost(s.outs[0], r, val) for s in strats])
+        costs.append(c)
+        usages.append(usage)
+        intervals.append((lo, hi))
+
+    edges: list[ArgEdge] = []
+    mats = []
+    for v, n in enumerate(nodes):
+        ns = per_node[v]
+        if ns is None:
+            continue
+        for k, a in enumerate(ns.tensor_args):
+            u, o = resolve(a)
+            t = a.meta["val"]
+            srcs = [s.outs[o] for s in strategies[u]]
+            dsts = [s.ins[k] for s in strategies[v]]
+            edges.append(ArgEdge(v, k, u, o))
+            mats.append(redist.matrix(srcs, dsts, t))
+    for fqn, g in tg.grad_of.items():
+        u, o = resolve(g)
+        p = next(x for x in tg.placeholders if tg.fqn_of[x.name] == fqn)
+        v = index[p.name]
+        srcs = [s.outs[o] for s in strategies[u]]
+        dsts = [s.outs[0] for s in strategies[v]]
+        edges.append(ArgEdge(v, -1, u, o))
+        mats.append(redist.matrix(srcs, dsts, g.meta["val"] if not is_getitem(g) else g.meta["val"]))
+
+    problem = solver.Problem(
+        node_costs=costs,
+        node_usages=usages,
+        intervals=np.array(intervals, dtype=np.int64).reshape(-1, 2),
+        edges=np.array([(e.producer, e.consumer) for e in edges], dtype=np.int64).reshape(-1, 2),
+        edge_costs=mats,
+        usage_limit=memory_budget,
+        name="autoshard",
+        node_names=[n.name for n in nodes],
+    )
+    return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index)

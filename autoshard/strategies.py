@@ -1,0 +1,232 @@
+"""Per node, the candidate specs DTensor's sharding rules allow.
+
+For every call_function node, each tensor argument is offered every spec on the
+mesh (R, S(d), P(sum) per axis) and DTensor's strategy function (full strategy
+functions, or single-dim rules expanded to the mesh by DTensor) returns the
+(input specs, output spec) pairs it can run without further communication.
+Results are cached by (op, argument shapes and dtypes, non-tensor arguments), so
+identical layers cost one enumeration. Ops with no rule fall back to
+all-replicate and are reported.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autoshard import _torch_compat as tc
+from costmodel.spec import Spec
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: the spec of each output and of each tensor argument."""
+
+    outs: tuple[Spec | None, ...]
+    """Per output (one for single-output ops); None for non-tensor outputs."""
+    ins: tuple[Spec, ...]
+    """Per tensor argument, in ``tensor_args`` order."""
+
+
+@dataclass
+class NodeStrategies:
+    node: fx.Node
+    strategies: list[Strategy]
+    tensor_args: list[fx.Node]
+    """Tensor arguments (producer nodes), in the order of ``Strategy.ins``."""
+    fallback: bool = False
+    """No DTensor rule: all-replicate is the only strategy."""
+
+
+@dataclass
+class StrategyStats:
+    enumerated: int = 0
+    cache_hits: int = 0
+    fallback_ops: dict[str, int] = field(default_factory=dict)
+
+
+def is_tensor(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def all_specs(ndim: int, mesh_ndim: int, partial: bool = True, shape=None, mesh_shape=None) -> list[Spec]:
+    """Every spec with one of R, S(d), P(sum) per mesh axis, default shard order.
+
+    With ``shape`` and ``mesh_shape``, specs that shard a tensor dim into more
+    pieces than it has elements are left out.
+    """
+    opts = ["R"] + [f"S({d})" for d in range(ndim)] + (["P(sum)"] if partial else [])
+    out = []
+    for combo in itertools.product(opts, repeat=mesh_ndim):
+        spec = Spec(tuple(combo))
+        if shape is not None:
+            pieces = [1] * ndim
+            for axis, d in enumerate(spec.shard_dims()):
+                if d is not None:
+                    pieces[d] *= mesh_shape[axis]
+            if any(p > s for p, s in zip(pieces, shape)):
+                continue
+        out.append(spec)
+    return out
+
+
+def _val(node):
+    return node.meta["val"]
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    found = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) if is_tensor(a) else None)
+    return found
+
+
+def _key(node: fx.Node):
+    def norm(a):
+        if is_tensor(a):
+            v = _val(a)
+            return ("T", tuple(v.shape), v.dtype)
+        if isinstance(a, fx.Node):
+            return ("N", str(a.meta.get("val")))
+        if isinstance(a, (list, tuple)):
+            return tuple(norm(x) for x in a)
+        return repr(a)
+
+    return (node.target, norm(node.args), tuple(sorted((k, norm(v)) for k, v in node.kwargs.items())))
+
+
+class StrategyEnumerator:
+    """Enumerates and caches strategies on one mesh."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.cache: dict = {}
+        self.stats = StrategyStats()
+
+    def specs_for(self, t: torch.Tensor, partial: bool = True) -> list[Spec]:
+        return all_specs(t.ndim, len(self.mesh_shape), partial, tuple(t.shape), self.mesh_shape)
+
+    def for_node(self, node: fx.Node) -> NodeStrategies:
+        targs = _tensor_args(node)
+        try:
+            key = _key(node)
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and key in self.cache:
+            self.stats.cache_hits += 1
+            return NodeStrategies(node, self.cache[key][0], targs, self.cache[key][1])
+        strategies = self._enumerate(node, targs)
+        fallback = not strategies
+        if fallback:
+            name = str(node.target)
+            self.stats.fallback_ops[name] = self.stats.fallback_ops.get(name, 0) + 1
+            strategies = [self._replicate(node, targs)]
+        self.stats.enumerated += 1
+        if key is not None:
+            self.cache[key] = (strategies, fallback)
+        return NodeStrategies(node, strategies, targs, fallback)
+
+    def _replicate(self, node, targs) -> Strategy:
+        r = Spec(("R",) * len(self.mesh_shape))
+        val = _val(node)
+        outs = tuple(r if isinstance(v, torch.Tensor) else None for v in val) if isinstance(val, (tuple, list)) else (r,)
+        return Strategy(outs=outs, ins=tuple(r for _ in targs))
+
+    def _schema(self, node: fx.Node, arg_specs):
+        """An OpSchema whose tensor arguments carry the given candidate spec lists."""
+        it = iter(arg_specs)
+
+        def conv(a):
+            if is_tensor(a):
+                specs = next(it)
+                return tc.OpStrategy([tc.OpSpec(tc.make_spec(self.mesh, s, _val(a))) for s in specs])
+            if isinstance(a, fx.Node):
+                return _val(a)
+            return a
+
+        args = tuple(
+            conv(a) if not isinstance(a, (list, tuple)) else type(a)(conv(x) for x in a) for a in node.args
+        )
+        kwargs = {k: conv(v) for k, v in node.kwargs.items()}
+        return tc.OpSchema(node.target, args, kwargs)
+
+    def _out_meta(self, node):
+        val = _val(node)
+        if isinstance(val, torch.Tensor):
+            return tc.tensor_meta(val)
+        if isinstance(val, (tuple, list)):
+            return tuple(tc.tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+        return None
+
+    def _enumerate(self, node: fx.Node, targs: list[fx.Node]) -> list[Strategy]:
+        op = node.target
+        if not isinstance(op, torch._ops.OpOverload) or not tc.has_rule(op):
+            return []
+        if any(isinstance(a, (list, tuple)) and any(is_tensor(x) for x in a) for a in node.args):
+            return []  # tensor-list arguments: not planned yet (fallback replicate)
+        cands = [self.specs_for(_val(a)) for a in targs]
+        out_meta = self._out_meta(node)
+        prop = tc.sharding_propagator()
+        results: list = []
+        if op in prop.op_single_dim_strategy_funcs:
+            # Single-dim rules read one spec per argument only to learn which shard
+            # kinds exist; the expansion itself covers every mesh axis.
+            seed = [[next((s for s in c if "S(" in str(s)), c[0])] for c in cands]
+            try:
+                results.append(tc.op_strategy(op, self._schema(node, seed), self.mesh, out_meta))
+            except Exception:
+                pass
+        else:
+            try:
+                results.append(tc.op_strategy(op, self._schema(node, cands), self.mesh, out_meta))
+            except Exception:
+                # Some rules (views) reject whole candidate lists; ask per spec of the first argument.
+                for s in cands[0] if cands else []:
+                    try:
+                        results.append(tc.op_strategy(op, self._schema(node, [[s]] + cands[1:]), self.mesh, out_meta))
+                    except Exception:
+                        continue
+        return self._collect(results, node, targs)
+
+    def _collect(self, results, node, targs) -> list[Strategy]:
+        seen, out = set(), []
+        multi = isinstance(_val(node), (tuple, list))
+        for st in results:
+            if st is None or not hasattr(st, "strategies"):
+                continue
+            for ospec in st.strategies:
+                outs_raw = ospec.output_specs
+                outs_raw = tuple(outs_raw) if isinstance(outs_raw, (tuple, list)) else (outs_raw,)
+                outs = []
+                ok = True
+                for o in outs_raw:
+                    if o is None:
+                        outs.append(None)
+                        continue
+                    s = tc.from_placements(o.placements)
+                    if s is None:
+                        ok = False
+                        break
+                    outs.append(s)
+                if not ok or (not multi and len(outs) != 1):
+                    continue
+                if ospec.input_specs is None:
+                    ins = [outs[0]] * len(targs)
+                else:
+                    ins = [tc.from_placements(i.placements) for i in ospec.input_specs[: len(targs)]]
+                if len(ins) != len(targs) or any(i is None for i in ins):
+                    continue
+                strat = Strategy(outs=tuple(outs), ins=tuple(ins))
+                if strat not in seen:
+                    seen.add(strat)
+                    out.append(strat)
+        return out
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,131 @@
+"""Trace a training step into one joint forward+backward aten graph on fake tensors.
+
+The step is ``loss = loss_fn(model(*inputs)); grads = autograd.grad(loss, params)``,
+traced by ``make_fx`` under ``FakeTensorMode``: no weight is materialized, so the
+model may live on the meta device. Placeholders are tagged ``param``, ``buffer``
+or ``input``; outputs ``loss`` or ``grad`` (with the parameter's FQN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.func import functional_call
+
+from autoshard._torch_compat import FakeTensorMode, make_fx
+from autoshard.errors import TraceError
+
+
+def default_loss(out):
+    """Mean of the (first) output: a scalar whose gradient reaches every parameter used."""
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise TraceError(f"model output: expected a tensor (or tuple of tensors), found {type(out).__name__}")
+    return out if out.ndim == 0 else out.float().mean()
+
+
+@dataclass
+class TracedGraph:
+    """The joint graph and what each placeholder and output is."""
+
+    gm: fx.GraphModule
+    param_fqns: list[str]
+    """Parameter FQNs, in placeholder order."""
+    buffer_fqns: list[str]
+    """Buffer FQNs, in placeholder order after the parameters."""
+    num_inputs: int
+    """Number of tensor example inputs (placeholders after the buffers)."""
+    kinds: dict[str, str] = field(default_factory=dict)
+    """Placeholder node name -> ``param`` / ``buffer`` / ``input``."""
+    fqn_of: dict[str, str] = field(default_factory=dict)
+    """Placeholder node name -> parameter or buffer FQN, or ``input{k}``."""
+    loss_node: fx.Node | None = None
+    grad_of: dict[str, fx.Node] = field(default_factory=dict)
+    """Parameter FQN -> the node producing its gradient (absent when unused)."""
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def input_nodes(self) -> list[fx.Node]:
+        return [n for n in self.placeholders if self.kinds[n.name] == "input"]
+
+
+def _to_fake(fm: FakeTensorMode, t: torch.Tensor, device: torch.device, requires_grad=False):
+    with fm:
+        out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: Callable | None = None,
+) -> TracedGraph:
+    """Trace one training step of ``model`` on ``example_inputs`` (real, fake or meta tensors)."""
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    bad = [type(x).__name__ for x in example_inputs if not isinstance(x, torch.Tensor)]
+    if bad:
+        raise TraceError(f"example_inputs: expected a sequence of tensors, found element types {bad}")
+    loss_fn = loss_fn or default_loss
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    devices = {x.device for x in example_inputs if x.device.type != "meta"}
+    device = next(iter(devices)) if devices else torch.device("cpu")
+
+    fm = FakeTensorMode(allow_non_fake_inputs=True)
+    fparams = [_to_fake(fm, p, device, requires_grad=p.requires_grad) for p in params.values()]
+    fbuffers = [_to_fake(fm, b, device) for b in buffers.values()]
+    finputs = [_to_fake(fm, x, device, requires_grad=False) for x in example_inputs]
+    names_p, names_b = list(params), list(buffers)
+    trainable = [i for i, p in enumerate(params.values()) if p.requires_grad]
+
+    def step(*flat):
+        ps = flat[: len(names_p)]
+        bs = flat[len(names_p): len(names_p) + len(names_b)]
+        xs = flat[len(names_p) + len(names_b):]
+        state = {**dict(zip(names_p, ps)), **dict(zip(names_b, bs))}
+        out = functional_call(model, state, tuple(xs))
+        loss = loss_fn(out)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise TraceError(f"loss: expected a scalar tensor, found {getattr(loss, 'shape', type(loss))}")
+        grads = torch.autograd.grad(loss, [ps[i] for i in trainable], allow_unused=True)
+        return (loss, *grads)
+
+    try:
+        with fm:
+            gm = make_fx(step, pre_dispatch=False)(*fparams, *fbuffers, *finputs)
+    except TraceError:
+        raise
+    except Exception as exc:  # the model's own error, reported with the shapes it got
+        shapes = [tuple(x.shape) for x in example_inputs]
+        raise TraceError(
+            f"{type(model).__name__}.forward failed on example inputs of shapes {shapes}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
+
+    tg = TracedGraph(gm=gm, param_fqns=names_p, buffer_fqns=names_b, num_inputs=len(example_inputs))
+    ph = tg.placeholders
+    for k, node in enumerate(ph):
+        if k < len(names_p):
+            tg.kinds[node.name], tg.fqn_of[node.name] = "param", names_p[k]
+        elif k < len(names_p) + len(names_b):
+            tg.kinds[node.name], tg.fqn_of[node.name] = "buffer", names_b[k - len(names_p)]
+        else:
+            tg.kinds[node.name], tg.fqn_of[node.name] = "input", f"input{k - len(names_p) - len(names_b)}"
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(fx.node.map_aggregate(out_node.args[0], lambda a: a))
+    flat = outs if not isinstance(outs[0], (list, tuple)) else list(outs[0])
+    tg.loss_node = flat[0]
+    for idx, g in zip(trainable, flat[1:]):
+        if isinstance(g, fx.Node):
+            tg.grad_of[names_p[idx]] = g
+    return tg

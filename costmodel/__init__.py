@@ -1,0 +1,22 @@
+"""What things cost: collectives, compute, redistributes; hardware profiles."""
+
+from costmodel.collectives import KINDS, MeshTopology, collective_time_us
+from costmodel.compute import compute_time_us
+from costmodel.profile import LinkModel, Profile, builtin_profiles, load_profile
+from costmodel.redistribute import Step, plan_steps, redistribute_cost_us
+from costmodel.spec import Spec
+
+__all__ = [
+    "KINDS",
+    "LinkModel",
+    "MeshTopology",
+    "Profile",
+    "Spec",
+    "Step",
+    "builtin_profiles",
+    "collective_time_us",
+    "compute_time_us",
+    "load_profile",
+    "plan_steps",
+    "redistribute_cost_us",
+]

@@ -1,0 +1,17 @@
+"""Compute time: a roofline with an efficiency factor and a launch floor."""
+
+from __future__ import annotations
+
+from costmodel.profile import Profile
+
+
+def compute_time_us(flops: float, nbytes: float, profile: Profile) -> float:
+    """max(FLOPs / (peak * efficiency), bytes / bandwidth), at least one kernel launch.
+
+    Zero work costs nothing: views and metadata ops launch no kernel.
+    """
+    if flops <= 0 and nbytes <= 0:
+        return 0.0
+    t_flops = flops / (profile.peak_tflops * 1e6 * profile.compute_efficiency)
+    t_mem = nbytes / (profile.mem_bandwidth_gbps * 1e3)
+    return max(t_flops, t_mem, profile.kernel_launch_us)
