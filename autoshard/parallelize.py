@@ -40,6 +40,15 @@ def check_plan_matches(model: nn.Module, plan: Plan, mesh) -> None:
         raise PlanError(f"plan places {extra[0]} which the model ({type(model).__name__}) does not have")
 
 
+def _to_placements_hook(mesh, placements):
+    def hook(grad):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
+            return grad.redistribute(mesh, placements)
+        return grad
+
+    return hook
+
+
 def parallelize(model: nn.Module, plan: Plan, mesh) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
 
@@ -59,7 +68,12 @@ def parallelize(model: nn.Module, plan: Plan, mesh) -> nn.Module:
                 )
             placements = to_placements(plan.param_spec(prefix + name))
             dt = distribute_tensor(p.detach(), mesh, placements)
-            mod.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+            param = nn.Parameter(dt, requires_grad=p.requires_grad)
+            if param.requires_grad:
+                # The plan costs the gradient's move to the parameter's spec (DDP's all-reduce,
+                # FSDP's reduce-scatter); without this DTensor would leave it Partial.
+                param.register_hook(_to_placements_hook(mesh, placements))
+            mod.register_parameter(name, param)
         for name, b in list(mod.named_buffers(recurse=False)):
             if b is None:
                 continue

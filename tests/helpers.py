@@ -1,0 +1,45 @@
+"""Shared pieces of the tests: a profile where sharding pays, and numerics checks."""
+
+import torch
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from costmodel import LinkModel, Profile
+
+# Slow compute and fast links: on toy models the planner then shards work
+# instead of replicating it, so the numerics tests exercise real shardings.
+SHARDING_PROFILE = Profile(
+    name="test-slow-compute",
+    device="test",
+    peak_tflops=1e-6,
+    mem_bandwidth_gbps=1.0,
+    memory_bytes=2**34,
+    devices_per_node=8,
+    intra_node=LinkModel(latency_us=1.0, busbw_gbps=1000.0),
+    inter_node=LinkModel(latency_us=1.0, busbw_gbps=1000.0),
+    compute_efficiency=1.0,
+    kernel_launch_us=0.0,
+)
+
+
+def full(t):
+    """A DTensor (possibly of LocalTensors) as one plain tensor."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    rec = getattr(t, "reconcile", None)
+    return rec() if rec is not None else t
+
+
+def local_mesh(shape, names):
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def reference_step(model, inputs, loss_fn):
+    model.zero_grad()
+    loss = loss_fn(model(*inputs))
+    loss.backward()
+    return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+__all__ = ["SHARDING_PROFILE", "LocalTensorMode", "full", "local_mesh", "reference_step"]

@@ -1,0 +1,160 @@
+import itertools
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import solver
+from solver import FORBIDDEN, Problem, ProblemError, evaluate, solve
+from solver.iopddl import from_dict, to_dict
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "iopddl"
+EXAMPLE = SHARED / "example.json"
+
+
+def random_problem(rng, n=6, kmax=3, density=0.4, limit=True, ties=False, pins=False, forbid=False):
+    ks = rng.integers(1, kmax + 1, size=n)
+    costs = [rng.integers(0, 50, size=k).astype(float) for k in ks]
+    usages = [rng.integers(0, 10, size=k).astype(float) for k in ks]
+    lo = rng.integers(0, 10, size=n)
+    iv = np.stack([lo, lo + rng.integers(0, 8, size=n)], axis=1)
+    edges, mats = [], []
+    for u, v in itertools.combinations(range(n), 2):
+        if rng.random() < density:
+            m = rng.integers(0, 40, size=(ks[u], ks[v])).astype(float)
+            if forbid and rng.random() < 0.3:
+                m[rng.integers(ks[u]), rng.integers(ks[v])] = 2 * FORBIDDEN
+            edges.append((u, v))
+            mats.append(m)
+    p = Problem(costs, usages, iv, np.array(edges).reshape(-1, 2), mats)
+    if limit:
+        lows = [u.min() for u in usages]
+        highs = [u.max() for u in usages]
+        p.usage_limit = float(rng.uniform(sum(lows) * 0.6, sum(highs)))
+    if ties:
+        for k in set(ks.tolist()):
+            same = [v for v in range(n) if ks[v] == k]
+            if len(same) >= 2 and k > 1:
+                p.ties = [same[:2]]
+                break
+    if pins:
+        v = int(rng.integers(n))
+        p.pins = {v: int(rng.integers(ks[v]))}
+    return p
+
+
+def brute_force(p: Problem):
+    best = None
+    for choice in itertools.product(*[range(p.num_strategies(v)) for v in range(p.num_nodes)]):
+        ev = evaluate(p, choice)
+        if ev.feasible and (best is None or ev.cost < best - 1e-9):
+            best = ev.cost
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    p = random_problem(rng, limit=seed % 4 != 0, ties=seed % 3 == 0, pins=seed % 5 == 0, forbid=seed % 2 == 0)
+    exact = brute_force(p)
+    if exact is None:
+        with pytest.raises(solver.InfeasibleError):
+            solve(p, time_limit=10)
+        return
+    sol = solve(p, time_limit=10)
+    ev = evaluate(p, sol.choice)
+    assert ev.feasible, ev.reason
+    assert sol.cost == pytest.approx(exact, abs=1e-6)
+    assert ev.cost == pytest.approx(sol.cost)
+    assert sol.status == "optimal"
+    assert sol.lower_bound == pytest.approx(exact, abs=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+def test_example_instance(backend):
+    p = solver.load_iopddl(EXAMPLE)
+    # Hand computation for [0, 0, 2, 1, 0]: nodes 15+55+35+75+95, edges 30+40+10+30+60.
+    ev = evaluate(p, [0, 0, 2, 1, 0])
+    assert ev.cost == 15 + 55 + 35 + 75 + 95 + 30 + 40 + 10 + 30 + 60 == 445
+    assert brute_force(p) == 445
+    sol = solve(p, time_limit=10, backend=backend)
+    assert sol.cost == 445
+    assert evaluate(p, sol.choice).feasible
+
+
+def test_evaluator_reports_memory_violation():
+    p = solver.load_iopddl(EXAMPLE)
+    p.usage_limit = 40
+    ev = evaluate(p, [0, 0, 1, 0, 0])
+    assert not ev.feasible
+    # Nodes 0, 1, 2 are live on [50, 70): 10 + 25 + 20 = 55.
+    assert ev.peak_usage == 55 and 50 <= ev.peak_time < 70
+    assert "exceeds the limit 40" in ev.reason
+
+
+def test_infeasible_reports_smallest_limit():
+    p = solver.load_iopddl(EXAMPLE)
+    p.usage_limit = 20
+    with pytest.raises(solver.InfeasibleError) as err:
+        solve(p, time_limit=5)
+    # Least usages live together on [50, 70): 10 + 25 + 15 = 50.
+    assert err.value.min_feasible_limit_bound == 50
+    assert "must be >= 50" in str(err.value)
+
+
+def test_iopddl_roundtrip(tmp_path):
+    p = solver.load_iopddl(EXAMPLE)
+    for name in ("x.json", "x.json.gz"):
+        solver.save_iopddl(p, tmp_path / name)
+        q = solver.load_iopddl(tmp_path / name)
+        assert to_dict(q) == to_dict(p)
+
+
+def test_deterministic():
+    rng = np.random.default_rng(7)
+    p = random_problem(rng, n=12, kmax=4, density=0.3)
+    a, b = solve(p, time_limit=10), solve(p, time_limit=10)
+    assert a.to_list() == b.to_list() and a.cost == b.cost
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["problem"]["edges"]["costs"].__setitem__(0, [1, 2, 3]), "expected 1 x 2 = 2"),
+        (lambda d: d["problem"]["nodes"]["intervals"].__setitem__(0, [70, 30]), "lo > hi"),
+        (lambda d: d["problem"]["nodes"]["usages"].__setitem__(1, [-1, 25]), "usages must be >= 0"),
+        (lambda d: d["problem"]["nodes"].pop("costs"), "missing"),
+        (lambda d: d["problem"]["edges"]["nodes"].__setitem__(0, [0, 9]), "outside [0, 5)"),
+    ],
+)
+def test_bad_problems_are_named(mutate, message):
+    import json
+
+    d = json.loads(EXAMPLE.read_text())
+    mutate(d)
+    with pytest.raises(ProblemError, match=re.escape(message)):
+        from_dict(d)
+
+
+def test_malformed_file(tmp_path):
+    f = tmp_path / "bad.json"
+    f.write_text("{not json")
+    with pytest.raises(ProblemError, match="cannot read"):
+        solver.load_iopddl(f)
+
+
+def test_cli_prints_choice_last(capsys):
+    from solver.__main__ import main
+
+    assert main([str(EXAMPLE), "5"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "[0, 0, 2, 1, 0]"
+
+
+def test_solver_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, solver; solver.solve; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
