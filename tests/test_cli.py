@@ -1,0 +1,34 @@
+import json
+
+import pytest
+
+from autoshard.cli import main, parse_bytes
+
+
+def test_demo_writes_a_plan(world, tmp_path, capsys):
+    world(64)
+    out = tmp_path / "plan.json"
+    rc = main(["demo", "--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128", "--batch", "8",
+               "--seq", "16", "-o", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "on mesh {'dp': 8, 'tp': 8}" in text and "predicted step" in text
+    assert json.loads(out.read_text())["mesh"]["shape"] == [8, 8]
+    assert main(["show", str(out)]) == 0
+    assert "embed.weight" in capsys.readouterr().out
+
+
+def test_bad_input_exit_code_2(capsys, tmp_path):
+    assert main(["demo", "--mesh", "dp=x"]) == 2
+    assert "expected 'name=size,...'" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["show", str(bad)]) == 2
+    assert "plan version: expected 1, found None" in capsys.readouterr().err
+
+
+def test_parse_bytes():
+    assert parse_bytes("70GiB") == 70 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    with pytest.raises(Exception, match="expected a number"):
+        parse_bytes("lots")

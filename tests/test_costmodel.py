@@ -1,0 +1,73 @@
+import numpy as np
+import pytest
+
+from costmodel import (LinkModel, MeshTopology, Profile, Spec, builtin_profiles, collective_time_us,
+                       compute_time_us, load_profile, plan_steps)
+
+
+@pytest.mark.parametrize("text", ["RR", "S(0)R", "P(sum)S(1)", "S(0)[1,0]S(0)", "RS(2)P(avg)"])
+def test_spec_text_roundtrip(text):
+    assert str(Spec.parse(text)) == text
+
+
+def test_spec_errors():
+    with pytest.raises(ValueError, match="cannot parse"):
+        Spec.parse("Q(0)")
+    with pytest.raises(ValueError, match="must list exactly the axes"):
+        Spec(("S(0)", "R"), ((0, (0, 1)),))
+
+
+def test_local_shape_rounds_up():
+    assert Spec.parse("S(0)S(1)").local_shape((10, 16), (4, 8)) == (3, 2)
+    assert Spec.parse("S(0)[1,0]S(0)").local_shape((64, 3), (2, 4)) == (8, 3)
+
+
+def test_bus_bandwidth_conventions():
+    link = LinkModel(latency_us=0.0, busbw_gbps=100.0)
+    b = 1e9
+    # 1 GB over 8 ranks at 100 GB/s bus bandwidth: all_gather moves 7/8 of it, all_reduce twice that.
+    assert collective_time_us("all_gather", b, 8, link) == pytest.approx(1e4 * 7 / 8)
+    assert collective_time_us("all_reduce", b, 8, link) == pytest.approx(2e4 * 7 / 8)
+    assert collective_time_us("all_reduce", b, 1, link) == 0
+    sizes = np.logspace(3, 9, 20)
+    t = collective_time_us("reduce_scatter", sizes, 8, link)
+    assert np.all(np.diff(t) > 0)
+
+
+def test_topology_inner_axis_is_intra_node():
+    topo = MeshTopology((8, 8), devices_per_node=8)
+    assert topo.group_is_intra_node((1,)) and not topo.group_is_intra_node((0,))
+
+
+def test_redistribute_steps_and_bytes():
+    prof = load_profile("h100-sxm")
+    topo = MeshTopology((8, 8), 8)
+    steps = plan_steps(Spec.parse("P(sum)S(1)"), Spec.parse("RR"), (1024, 1024), 4, topo, prof)
+    assert [(s.kind, s.axis) for s in steps] == [("all_reduce", 0), ("all_gather", 1)]
+    assert steps[0].nbytes == 1024 * 1024 * 4 // 8 and steps[1].nbytes == 1024 * 1024 * 4
+    assert plan_steps(Spec.parse("RR"), Spec.parse("S(0)P(sum)"), (8, 8), 4, topo, prof) == []
+    # Crossing nodes is slower than staying inside one.
+    inter = plan_steps(Spec.parse("S(0)R"), Spec.parse("RR"), (4096, 4096), 4, topo, prof)[0].us
+    intra = plan_steps(Spec.parse("RS(0)"), Spec.parse("RR"), (4096, 4096), 4, topo, prof)[0].us
+    assert inter > 4 * intra
+
+
+def test_compute_roofline():
+    prof = load_profile("h100-sxm")
+    assert compute_time_us(0, 0, prof) == 0
+    assert compute_time_us(1, 1, prof) == prof.kernel_launch_us
+    big = 1e15
+    assert compute_time_us(big, 0, prof) == pytest.approx(big / (prof.peak_tflops * 1e6 * prof.compute_efficiency))
+
+
+def test_profiles_load_save_validate(tmp_path):
+    assert {"h100-sxm", "cpu-gloo"} <= set(builtin_profiles())
+    p = load_profile("h100-sxm")
+    p.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == p
+    with pytest.raises(FileNotFoundError, match="shipped"):
+        load_profile("no-such-profile")
+    with pytest.raises(ValueError, match="busbw_gbps must be > 0"):
+        LinkModel(latency_us=1, busbw_gbps=0)
+    with pytest.raises(ValueError, match="version"):
+        Profile.from_json({**p.to_json(), "version": 7})

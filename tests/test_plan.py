@@ -1,0 +1,106 @@
+"""Planning on a fake 64-rank mesh, the plan file, and errors on bad input."""
+
+import json
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import MeshError, PlanError, TraceError
+from autoshard.models import MLP, Transformer, TransformerConfig
+from helpers import SHARDING_PROFILE
+
+
+@pytest.fixture
+def mesh64(world):
+    world(64)
+    return autoshard.fake_mesh((8, 8), ("dp", "tp"))
+
+
+def small_gpt():
+    cfg = TransformerConfig(dim=64, n_heads=4, n_layers=1, vocab_size=128)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return model, (torch.randint(0, 128, (16, 32), device="meta"),)
+
+
+def test_plan_on_64_ranks_roundtrips(mesh64, tmp_path):
+    model, inputs = small_gpt()
+    plan = autoshard.plan(model, inputs, mesh64, profile=SHARDING_PROFILE, time_limit=60)
+    assert plan.mesh_shape == [8, 8] and plan.axis_names == ["dp", "tp"]
+    assert set(plan.params) == {k for k, _ in model.named_parameters()}
+    assert plan.solver["status"] in ("optimal", "feasible")
+    assert plan.summary["step_us"] == pytest.approx(plan.summary["compute_us"] + plan.summary["comm_us"], rel=1e-6)
+    assert plan.summary["fallback_ops"] == {}
+    # Slow compute on 64 ranks: the batch must be split.
+    assert "S(0)" in plan.inputs[0]
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = autoshard.Plan.load(path)
+    assert again.to_json() == plan.to_json()
+    assert json.loads(path.read_text())["version"] == autoshard.PLAN_VERSION
+    assert "Transformer" in again.describe()
+
+
+def test_same_inputs_same_plan(mesh64):
+    a = autoshard.plan(*small_gpt(), mesh64, profile=SHARDING_PROFILE)
+    b = autoshard.plan(*small_gpt(), mesh64, profile=SHARDING_PROFILE)
+    assert a.params == b.params and a.inputs == b.inputs and a.nodes == b.nodes
+
+
+def test_memory_budget_binds(mesh64):
+    model, inputs = MLP(dim=256, hidden=1024), (torch.randn(64, 256),)
+    free = autoshard.plan(model, inputs, mesh64, memory_budget=None)
+    tight_budget = free.summary["peak_mem_bytes"] * 0.6
+    tight = autoshard.plan(model, inputs, mesh64, memory_budget=tight_budget, time_limit=20)
+    # The budget forces parameters to be sharded; the plan pays communication for it.
+    assert any("S(" in str(tight.param_spec(f)) for f in tight.params)
+    assert tight.summary["peak_mem_bytes"] <= tight_budget
+    assert tight.summary["step_us"] >= free.summary["step_us"] - 1e-6
+
+
+def test_infeasible_budget_names_the_floor(mesh64):
+    model, inputs = small_gpt()
+    with pytest.raises(autoshard.AutoshardError, match=r"smallest feasible budget is at least \d"):
+        autoshard.plan(model, inputs, mesh64, memory_budget=1024)
+
+
+def test_mesh_size_must_match_world(world):
+    world(8)
+    with pytest.raises(MeshError, match="needs 64 ranks but the process group has world size 8"):
+        autoshard.fake_mesh((8, 8))
+
+
+def test_bad_example_inputs_are_named(mesh64):
+    model = MLP(dim=16, hidden=32)
+    with pytest.raises(TraceError, match=r"MLP.forward failed on example inputs of shapes \[\(4, 7\)\]"):
+        autoshard.plan(model, (torch.randn(4, 7),), mesh64)
+    with pytest.raises(TraceError, match="expected a sequence of tensors"):
+        autoshard.plan(model, ("x",), mesh64)
+
+
+def test_plan_file_errors(tmp_path, mesh64):
+    model, inputs = small_gpt()
+    plan = autoshard.plan(model, inputs, mesh64, memory_budget=None)
+    data = plan.to_json()
+    bad = tmp_path / "v99.json"
+    bad.write_text(json.dumps({**data, "version": 99}))
+    with pytest.raises(PlanError, match="expected 1, found 99"):
+        autoshard.Plan.load(bad)
+    # A plan for another model: the first mismatch is named.
+    with pytest.raises(PlanError, match="model has fc1.weight"):
+        autoshard.parallelize(MLP(dim=64, hidden=32), plan, mesh64)
+    other = Transformer(TransformerConfig(dim=64, n_heads=4, n_layers=1, vocab_size=256))
+    with pytest.raises(PlanError, match=r"embed.weight: plan was made for shape \(128, 64\), the model has \(256, 64\)"):
+        autoshard.parallelize(other, plan, mesh64)
+
+
+def test_plan_for_other_mesh(world, mesh64):
+    model, inputs = small_gpt()
+    plan = autoshard.plan(model, inputs, mesh64, memory_budget=None)
+    world(64)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    flat = init_device_mesh("cpu", (64,), mesh_dim_names=("dp",))
+    with pytest.raises(MeshError, match=r"plan was made for mesh shape \[8, 8\], the mesh given has \[64\]"):
+        autoshard.parallelize(model, plan, flat)
