@@ -6,6 +6,8 @@ returns anything worse, so a stalled MILP still yields a usable plan.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from solver.evaluate import memory_profile
@@ -66,8 +68,13 @@ def initial_choice(problem: Problem) -> np.ndarray:
     return choice
 
 
-def local_search(problem: Problem, choice: np.ndarray, max_rounds: int = 20) -> np.ndarray:
-    """Move one tie group at a time to its best strategy while memory stays within the limit."""
+def local_search(problem: Problem, choice: np.ndarray, max_rounds: int = 20,
+                 deadline: float | None = None) -> np.ndarray:
+    """Move one tie group at a time to its best strategy while memory stays within the limit.
+
+    Stops after ``max_rounds`` sweeps without improvement or at ``deadline``
+    (a ``time.perf_counter()`` value): a memory check costs O(n log n) per move.
+    """
     adj = _Adjacency(problem)
     groups = _tie_groups(problem)
     choice = choice.copy()
@@ -75,6 +82,8 @@ def local_search(problem: Problem, choice: np.ndarray, max_rounds: int = 20) -> 
     for _ in range(max_rounds):
         improved = False
         for g in groups:
+            if deadline is not None and time.perf_counter() > deadline:
+                return choice
             gain = sum(_local_cost(problem, adj, choice, v) for v in g)
             cur = gain[choice[g[0]]]
             best = int(np.argmin(gain))

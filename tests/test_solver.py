@@ -9,8 +9,8 @@ import solver
 from solver import FORBIDDEN, Problem, ProblemError, evaluate, solve
 from solver.iopddl import from_dict, to_dict
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "iopddl"
-EXAMPLE = SHARED / "example.json"
+# The IOPDDL contest's 5-node example (google/iopddl, Apache-2.0), shipped so tests need no shared/.
+EXAMPLE = Path(__file__).parent / "data" / "iopddl_example.json"
 
 
 def random_problem(rng, n=6, kmax=3, density=0.4, limit=True, ties=False, pins=False, forbid=False):

@@ -1,0 +1,82 @@
+"""Run the solver on every IOPDDL instance in a folder, against plain HiGHS.
+
+    python benchmarks/iopddl.py [FOLDER] [--only G,A] [--scale 1.0]
+
+For each instance: our ``solver.solve`` and the baseline (the same ILP handed to
+HiGHS with no incumbent and no reductions) within the contest time limit.
+Score = best known / cost (0 when infeasible). Last line: the mean score ratio
+ours / baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import pulp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from solver import InfeasibleError, evaluate, load_iopddl, solve  # noqa: E402
+from solver import ilp  # noqa: E402
+
+BEST = {"A": (6_548_641_531, 60), "G": (217_039, 120), "M": (49_928_460_991, 180), "S": (1_534_613_444, 240)}
+
+
+def baseline(problem, limit):
+    t0 = time.perf_counter()
+    try:
+        model = ilp.build(problem)
+        model.lp.solve(pulp.HiGHS(msg=False, timeLimit=max(1.0, limit - (time.perf_counter() - t0)), threads=1))
+        choice = ilp.extract(model, problem)
+    except Exception:
+        choice = None
+    if choice is None:
+        return None, time.perf_counter() - t0
+    ev = evaluate(problem, choice)
+    return (ev.cost if ev.feasible else None), time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folder", nargs="?", default=str(Path(__file__).resolve().parents[2] / "shared" / "iopddl"))
+    ap.add_argument("--only", default="", help="comma-separated instance letters")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every time limit")
+    args = ap.parse_args()
+    files = sorted(Path(args.folder).glob("asplos-2025-iopddl-*.json.gz"))
+    only = set(args.only.split(",")) - {""}
+    rows = []
+    print(f"{'inst':<5} {'ours':>16} {'baseline':>16} {'best known':>16} {'score':>6} {'base':>6} "
+          f"{'ours s':>7} {'base s':>7} {'peak MB':>8}", flush=True)
+    for f in files:
+        letter = f.name.split("-")[-1].split(".")[0]
+        if only and letter not in only:
+            continue
+        best, limit = BEST.get(letter, (None, 60))
+        limit *= args.scale
+        problem = load_iopddl(f)
+        t0 = time.perf_counter()
+        try:
+            sol = solve(problem, time_limit=limit)
+            ours = sol.cost
+        except InfeasibleError:
+            ours = None
+        ours_s = time.perf_counter() - t0
+        base, base_s = baseline(problem, limit)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        score = best / ours if (best and ours) else 0.0
+        bscore = best / base if (best and base) else 0.0
+        rows.append((score, bscore))
+        print(f"{letter:<5} {ours or float('nan'):>16.0f} {base or float('nan'):>16.0f} {best or 0:>16} "
+              f"{score:>6.3f} {bscore:>6.3f} {ours_s:>7.1f} {base_s:>7.1f} {peak:>8.0f}", flush=True)
+    mean = sum(r[0] for r in rows) / max(1, len(rows))
+    bmean = sum(r[1] for r in rows) / max(1, len(rows))
+    print(f"mean score ours {mean:.3f}, baseline {bmean:.3f}")
+    print(f"ratio ours/baseline (mean score): {mean / bmean if bmean else float('inf'):.3f}")
+
+
+if __name__ == "__main__":
+    main()
