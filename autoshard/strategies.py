@@ -165,6 +165,11 @@ class StrategyEnumerator:
 
     def _enumerate(self, node: fx.Node, targs: list[fx.Node]) -> list[Strategy]:
         op = node.target
+        val = _val(node)
+        if not targs and isinstance(val, torch.Tensor):
+            # Factory ops (zeros, arange, ...) read no tensor: each rank can make any shard of
+            # the result locally, so every non-partial spec is free to produce.
+            return [Strategy(outs=(s,), ins=()) for s in self.specs_for(val, partial=False)]
         if not isinstance(op, torch._ops.OpOverload) or not tc.has_rule(op):
             return []
         if any(isinstance(a, (list, tuple)) and any(is_tensor(x) for x in a) for a in node.args):

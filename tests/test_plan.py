@@ -104,3 +104,20 @@ def test_plan_for_other_mesh(world, mesh64):
     flat = init_device_mesh("cpu", (64,), mesh_dim_names=("dp",))
     with pytest.raises(MeshError, match=r"plan was made for mesh shape \[8, 8\], the mesh given has \[64\]"):
         autoshard.parallelize(model, plan, flat)
+
+
+class _TraceModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.trace(self.lin(x))
+
+
+def test_ops_without_rule_fall_back_and_are_listed(mesh64):
+    plan = autoshard.plan(_TraceModel(), (torch.randn(8, 8),), mesh64, memory_budget=None)
+    assert plan.summary["fallback_ops"] == {"aten.trace.default": 1}
+    trace_nodes = [v for v in plan.nodes.values() if v["op"] == "aten.trace.default"]
+    assert trace_nodes and all(s == "RR" for s in trace_nodes[0]["in"]) and trace_nodes[0]["out"] == "RR"
+    assert "no sharding rule" in plan.describe()
