@@ -1,25 +1,41 @@
-"""Redistribute cost between two specs: one collective per mesh axis that changes.
+"""The redistribute planner: the cheapest sequence of collectives between two specs.
 
-Skeleton model (the device-order-aware planner replaces it): axes are visited in
-order; the bytes an axis's collective moves are those of the tensor as sharded
-by the other axes at that moment.
+A state is a spec: per mesh axis ``R``, ``P(op)`` or sharding, plus for every
+tensor dim the mesh axes that split it, in split order (the shard order).
+Transitions, as in DTensor's own planner, each a single collective on one axis:
 
-==========  ==========  ===================================
-from        to          collective on that axis
-==========  ==========  ===================================
-S(d)        R           all_gather
-S(d)        S(e)        all_to_all
-S(d)        P           all_gather (then a local zeroing)
-P           R           all_reduce
-P           S(d)        reduce_scatter
-P(x)        P(y)        all_reduce
-R           S(d), P     none (local chunk / zeroing)
-==========  ==========  ===================================
+==================  =======================================================  ==============
+step                what changes                                             collective
+==================  =======================================================  ==============
+gather              drop the last axis x of dim d's order; x becomes R       all_gather
+all_to_all          move the last axis x of d's order to the end of e's      all_to_all
+reduce              P(op) on x becomes R                                     all_reduce
+reduce_scatter      P(op) on x becomes S(d), x appended to d's order         reduce_scatter
+chunk               R on x becomes S(d), x appended to d's order             none (local)
+partition           R on x becomes P(op), for an op the target holds         none (local)
+==================  =======================================================  ==============
+
+plus merged transitions, one collective over a flattened group of axes
+(ascending axis order, as DeviceMesh flattens): the last k axes of a dim's order
+gathered at once, several partial axes reduced at once, or reduce-scattered onto
+one dim at once. Shard merges need even shards (nested uneven shards are not a
+flat uneven shard).
+
+Each step is costed by the collective model with the bytes it moves (the local
+buffer, the shard sizes of the other axes taken into account, uneven shards
+rounded up) on the group it uses. Search is A* over canonical integer states
+with an admissible heuristic (zero when the target is reachable by local steps
+alone, else the cheapest latency of any collective), and results are cached
+by (src, dst, shape, itemsize).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import combinations
 
 import numpy as np
 
@@ -27,51 +43,337 @@ from costmodel.collectives import MeshTopology, collective_time_us, link_for
 from costmodel.profile import Profile
 from costmodel.spec import Spec
 
+R = -1
+_PARTIAL = {"P(sum)": -2, "P(avg)": -3, "P(max)": -4, "P(min)": -5}
+_PARTIAL_NAME = {v: k for k, v in _PARTIAL.items()}
+_COMPATIBLE_PARTIALS = {frozenset(), frozenset({-2}), frozenset({-3}), frozenset({-4}), frozenset({-5}),
+                        frozenset({-2, -3})}
+
+
+class RedistributeError(ValueError):
+    """A spec that does not fit the mesh or tensor, or a target no path reaches."""
+
 
 @dataclass(frozen=True)
 class Step:
+    """One collective (or local op) of a redistribute plan."""
+
     kind: str
-    axis: int
+    """``all_gather``, ``all_to_all``, ``all_reduce``, ``reduce_scatter``, ``chunk`` or ``partition``."""
+    axes: tuple[int, ...]
+    """Mesh axes of the group, ascending; several for a merged (flattened-group) step."""
     nbytes: int
+    """Bytes of the collective's full buffer, nccl-tests convention."""
     us: float
+    """Predicted time, microseconds."""
+    src: Spec
+    """Spec before the step."""
+    dst: Spec
+    """Spec after the step."""
+
+    @property
+    def axis(self) -> int:
+        return self.axes[0]
 
 
-def _transition(src: str, dst: str) -> str | None:
-    if src == dst:
-        return None
-    if src == "R":
-        return None
-    if src.startswith("S("):
-        return "all_to_all" if dst.startswith("S(") else "all_gather"
-    # src is partial
-    if dst.startswith("S("):
-        return "reduce_scatter"
-    return "all_reduce"
+@dataclass
+class RedistributePlan:
+    src: Spec
+    dst: Spec
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def us(self) -> float:
+        return float(sum(s.us for s in self.steps))
+
+    def describe(self, axis_names=None) -> str:
+        name = (lambda a: axis_names[a]) if axis_names else str
+        parts = [f"{s.kind}({','.join(name(a) for a in s.axes)}) {s.us:.1f}us" for s in self.steps]
+        return f"{self.src} -> {self.dst}: " + (" ; ".join(parts) if parts else "no-op") + f" = {self.us:.1f}us"
+
+
+# ---- canonical states ------------------------------------------------------
+# A state is (codes, orders): codes[axis] is R, a partial code, or the tensor
+# dim it shards; orders[d] is the tuple of axes splitting dim d, in order.
+
+
+def encode(spec: Spec, ndim: int, mesh_ndim: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    if len(spec.placements) != mesh_ndim:
+        raise RedistributeError(
+            f"spec {spec} has {len(spec.placements)} placements, the mesh has {mesh_ndim} axes"
+        )
+    codes = []
+    for p in spec.placements:
+        if p == "R":
+            codes.append(R)
+        elif p in _PARTIAL:
+            codes.append(_PARTIAL[p])
+        else:
+            d = int(p[2:-1])
+            if not 0 <= d < ndim:
+                raise RedistributeError(f"spec {spec} shards tensor dim {d}, the tensor has {ndim} dims")
+            codes.append(d)
+    given = dict(spec.shard_order)
+    orders = []
+    for d in range(ndim):
+        on = tuple(a for a, c in enumerate(codes) if c == d)
+        orders.append(tuple(given[d]) if d in given else on)
+    return tuple(codes), tuple(orders)
+
+
+def decode(codes, orders) -> Spec:
+    placements = tuple("R" if c == R else _PARTIAL_NAME[c] if c < R else f"S({c})" for c in codes)
+    order = tuple((d, o) for d, o in enumerate(orders) if len(o) > 1 and list(o) != sorted(o))
+    return Spec(placements, order)
+
+
+class RedistributePlanner:
+    """Plans redistributes for one mesh and profile; caches every answer."""
+
+    def __init__(self, topo: MeshTopology, profile: Profile, merge: bool = True, use_heuristic: bool = True):
+        self.topo, self.profile = topo, profile
+        self.merge, self.use_heuristic = merge, use_heuristic
+        self.shape = topo.shape
+        self.n = len(topo.shape)
+        self._links = {}
+        self._coef: dict = {}
+        self._min_latency = min(profile.intra_node.latency_us, profile.inter_node.latency_us)
+        self.cache: dict = {}
+        self.stats = {"searches": 0, "expanded": 0, "hits": 0}
+
+    def _link(self, axes):
+        lk = self._links.get(axes)
+        if lk is None:
+            lk = self._links[axes] = link_for(self.profile, self.topo, axes)
+        return lk
+
+    def _time(self, kind, nbytes, axes) -> float:
+        # Hot path: a pure-Python alpha + beta * bytes with memoized coefficients.
+        coef = self._coef.get((kind, axes))
+        if coef is None:
+            group = math.prod(self.shape[a] for a in axes)
+            alpha = float(collective_time_us(kind, 0, group, self._link(axes)))
+            beta = float(collective_time_us(kind, 1e9, group, self._link(axes))) - alpha
+            coef = self._coef[(kind, axes)] = (alpha, beta / 1e9)
+        return coef[0] + coef[1] * nbytes
+
+    # -- sizes ------------------------------------------------------------
+    def _local_elems(self, orders, tshape) -> int:
+        n = 1
+        for d, size in enumerate(tshape):
+            for a in orders[d]:
+                size = -(-size // self.shape[a])
+            n *= size
+        return n
+
+    def _even(self, d, axes_in_order, tshape, orders) -> bool:
+        """Dim d splits evenly through its current order and then ``axes_in_order``."""
+        size = tshape[d]
+        for a in orders[d] + tuple(axes_in_order):
+            if size % self.shape[a]:
+                return False
+            size //= self.shape[a]
+        return True
+
+    # -- transitions ------------------------------------------------------
+    def _neighbors(self, codes, orders, tshape, item, target_partials, dst_codes):
+        local = self._local_elems(orders, tshape) * item
+        out = []
+        ndim = len(orders)
+        for d in range(ndim):
+            od = orders[d]
+            if not od:
+                continue
+            x = od[-1]
+            n_x = self.shape[x]
+            # gather the last axis of d's order
+            new_orders = orders[:d] + (od[:-1],) + orders[d + 1:]
+            c2 = list(codes)
+            c2[x] = R
+            gathered = self._local_elems(new_orders, tshape) * item
+            out.append(("all_gather", (x,), gathered, tuple(c2), new_orders))
+            # merged gather of the last k axes (ascending, even shards)
+            if self.merge:
+                for k in range(2, len(od) + 1):
+                    tail = od[-k:]
+                    if list(tail) != sorted(tail) or not self._even_tail(d, od, tshape):
+                        continue
+                    no = orders[:d] + (od[:-k],) + orders[d + 1:]
+                    c3 = list(codes)
+                    for a in tail:
+                        c3[a] = R
+                    out.append(("all_gather", tuple(sorted(tail)), self._local_elems(no, tshape) * item,
+                                tuple(c3), no))
+            # all_to_all: move the last axis of d to the end of e
+            for e in range(ndim):
+                if e == d:
+                    continue
+                no = list(orders)
+                no[d] = od[:-1]
+                no[e] = orders[e] + (x,)
+                c4 = list(codes)
+                c4[x] = e
+                out.append(("all_to_all", (x,), local, tuple(c4), tuple(no)))
+        partial_axes = [a for a, c in enumerate(codes) if c < R]
+        for x in partial_axes:
+            c2 = list(codes)
+            c2[x] = R
+            out.append(("all_reduce", (x,), local, tuple(c2), orders))
+            for d in range(ndim):
+                no = list(orders)
+                no[d] = orders[d] + (x,)
+                c3 = list(codes)
+                c3[x] = d
+                out.append(("reduce_scatter", (x,), local, tuple(c3), tuple(no)))
+        if self.merge and len(partial_axes) > 1:
+            for k in range(2, len(partial_axes) + 1):
+                for group in combinations(partial_axes, k):
+                    if len({codes[a] for a in group}) > 1:
+                        continue  # one reduce op per merged collective
+                    c2 = list(codes)
+                    for a in group:
+                        c2[a] = R
+                    out.append(("all_reduce", group, local, tuple(c2), orders))
+                    for d in range(ndim):
+                        if not self._even(d, group, tshape, orders):
+                            continue
+                        no = list(orders)
+                        no[d] = orders[d] + group
+                        c3 = list(codes)
+                        for a in group:
+                            c3[a] = d
+                        out.append(("reduce_scatter", group, local, tuple(c3), tuple(no)))
+        for x, c in enumerate(codes):
+            if c != R:
+                continue
+            for d in range(ndim):
+                no = list(orders)
+                no[d] = orders[d] + (x,)
+                c2 = list(codes)
+                c2[x] = d
+                out.append(("chunk", (x,), 0, tuple(c2), tuple(no)))
+            for p in target_partials:
+                if dst_codes[x] != p:
+                    continue  # a partial the target does not hold on x would only cost a reduction
+                kinds = {cc for cc in codes if cc < R} | {p}
+                if frozenset(kinds) not in _COMPATIBLE_PARTIALS:
+                    continue
+                c2 = list(codes)
+                c2[x] = p
+                out.append(("partition", (x,), 0, tuple(c2), orders))
+        return out
+
+    def _even_tail(self, d, od, tshape) -> bool:
+        """Dim d splits evenly through all of its order ``od``."""
+        size = tshape[d]
+        for a in od:
+            if size % self.shape[a]:
+                return False
+            size //= self.shape[a]
+        return True
+
+    def _free_reachable(self, codes, orders, dst_codes, dst_orders) -> bool:
+        for a, (c, t) in enumerate(zip(codes, dst_codes)):
+            if c != t and c != R:
+                return False
+        return all(dst_o[: len(o)] == o for o, dst_o in zip(orders, dst_orders))
+
+    def transition_cost(self, src: Spec, dst: Spec, tshape: tuple[int, ...], itemsize: int) -> float:
+        """Cost of the single step ``src -> dst`` (one axis changes), as this model prices it.
+
+        Used to price another planner's path step by step.
+        """
+        ndim = len(tshape)
+        s0, goal = encode(src, ndim, self.n), encode(dst, ndim, self.n)
+        if s0 == goal:
+            return 0.0
+        partials = sorted({c for c in goal[0] if c < R})
+        for kind, axes, nbytes, c2, o2 in self._neighbors(*s0, tuple(tshape), itemsize, partials, goal[0]):
+            if (c2, o2) == goal and len(axes) == 1:
+                return 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
+        raise RedistributeError(f"{src} -> {dst} is not a single step")
+
+    # -- search -----------------------------------------------------------
+    def plan(self, src: Spec, dst: Spec, tshape: tuple[int, ...], itemsize: int) -> RedistributePlan:
+        key = (src, dst, tuple(tshape), itemsize)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.stats["hits"] += 1
+            return hit
+        result = self._search(src, dst, tuple(tshape), itemsize)
+        self.cache[key] = result
+        return result
+
+    def _search(self, src, dst, tshape, item) -> RedistributePlan:
+        ndim = len(tshape)
+        s0 = encode(src, ndim, self.n)
+        goal = encode(dst, ndim, self.n)
+        for spec, (codes, orders) in ((src, s0), (dst, goal)):
+            kinds = frozenset(c for c in codes if c < R)
+            if kinds not in _COMPATIBLE_PARTIALS:
+                raise RedistributeError(f"spec {spec} mixes partial kinds {sorted(_PARTIAL_NAME[k] for k in kinds)}")
+        self.stats["searches"] += 1
+        if s0 == goal:
+            return RedistributePlan(src, dst, [])
+        target_partials = sorted({c for c in goal[0] if c < R})
+        h0 = self._h(s0, goal)
+        frontier = [(h0, 0.0, 0, s0)]
+        best = {s0: 0.0}
+        parent = {s0: None}
+        tie = 0
+        while frontier:
+            f, g, _, state = heapq.heappop(frontier)
+            if state == goal:
+                return RedistributePlan(src, dst, self._unwind(parent, state))
+            if g > best.get(state, math.inf):
+                continue
+            self.stats["expanded"] += 1
+            codes, orders = state
+            for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, item, target_partials, goal[0]):
+                nxt = (c2, o2)
+                us = 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
+                # Local steps still cost a hair, so a plan never takes pointless detours.
+                ng = g + us + (1e-6 if us == 0 else 0)
+                if ng < best.get(nxt, math.inf) - 1e-12:
+                    best[nxt] = ng
+                    parent[nxt] = (state, kind, axes, nbytes, us)
+                    tie += 1
+                    heapq.heappush(frontier, (ng + self._h(nxt, goal), ng, tie, nxt))
+        raise RedistributeError(f"no sequence of collectives turns {src} into {dst}")
+
+    def _h(self, state, goal) -> float:
+        if not self.use_heuristic:
+            return 0.0
+        return 0.0 if self._free_reachable(state[0], state[1], goal[0], goal[1]) else self._min_latency
+
+    @staticmethod
+    def _unwind(parent, state) -> list[Step]:
+        steps = []
+        while parent[state] is not None:
+            prev, kind, axes, nbytes, us = parent[state]
+            steps.append(Step(kind, tuple(axes), int(nbytes), us, decode(*prev), decode(*state)))
+            state = prev
+        return steps[::-1]
+
+
+@lru_cache(maxsize=64)
+def _planner(topo: MeshTopology, profile: Profile) -> RedistributePlanner:
+    return RedistributePlanner(topo, profile)
+
+
+def plan_redistribute(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
+                      topo: MeshTopology, profile: Profile) -> RedistributePlan:
+    """The cheapest plan from ``src`` to ``dst`` (cached per mesh and profile)."""
+    return _planner(topo, profile).plan(src, dst, tuple(shape), itemsize)
 
 
 def plan_steps(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
                topo: MeshTopology, profile: Profile) -> list[Step]:
-    """The collectives that turn ``src`` into ``dst``, with bytes and predicted time."""
-    if len(src.placements) != len(topo.shape) or len(dst.placements) != len(topo.shape):
-        raise ValueError(
-            f"specs {src} -> {dst} must have one placement per mesh axis ({len(topo.shape)} axes)"
-        )
-    cur = list(src.placements)
-    steps = []
-    for axis in range(len(topo.shape)):
-        kind = _transition(cur[axis], dst.placements[axis])
-        cur[axis] = dst.placements[axis]
-        if kind is None:
-            continue
-        # The full buffer of this axis's collective: the tensor sharded by the other axes only.
-        others = Spec(tuple("R" if a == axis or p.startswith("P") else p for a, p in enumerate(cur)))
-        nbytes = int(np.prod(others.local_shape(shape, topo.shape), dtype=np.int64)) * itemsize
-        link = link_for(profile, topo, (axis,))
-        us = float(collective_time_us(kind, nbytes, topo.shape[axis], link))
-        steps.append(Step(kind, axis, nbytes, us))
-    return steps
+    """The collectives of the cheapest plan (local steps left out)."""
+    plan = plan_redistribute(src, dst, shape, itemsize, topo, profile)
+    return [s for s in plan.steps if s.kind not in ("chunk", "partition")]
 
 
 def redistribute_cost_us(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
                          topo: MeshTopology, profile: Profile) -> float:
-    return sum(s.us for s in plan_steps(src, dst, shape, itemsize, topo, profile))
+    return plan_redistribute(src, dst, shape, itemsize, topo, profile).us
