@@ -108,7 +108,7 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget, seconds) -> Plan:
             "arg": ae.arg if ae.arg >= 0 else "grad",
             "from": str(src),
             "to": str(dst),
-            "steps": [f"{st.kind}({names[st.axis]})" for st in steps],
+            "steps": [f"{st.kind}({','.join(names[a] for a in st.axes)})" for st in steps],
             "us": round(us, 3),
         })
     compute = float(sum(gp.compute_us[v][choice[v]] for v in range(len(gp.nodes))))

@@ -51,10 +51,18 @@ def suite(mesh_ndim: int, rng: random.Random) -> list[tuple[Spec, Spec]]:
 
 
 def torch_path(mesh, src_spec, dst_spec):
+    """Torch's planner, cold, through its public-to-DTensor entry; the state path it found."""
     planner = DTensorRedistributePlanner(mesh, src_spec.tensor_meta)
-    s = planner.DistState(src_spec.placements, src_spec.shard_order)
-    d = planner.DistState(dst_spec.placements, dst_spec.shard_order)
-    return planner.find_min_cost_path(s, d)
+    found = {}
+    search = planner.find_min_cost_path
+
+    def capture(s, d):
+        found["path"] = search(s, d)
+        return found["path"]
+
+    planner.find_min_cost_path = capture
+    planner.generate_graph_based_transform_infos(src_spec, dst_spec, SHAPE)
+    return found["path"]
 
 
 def to_spec(state) -> Spec:

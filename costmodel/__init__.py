@@ -3,7 +3,8 @@
 from costmodel.collectives import KINDS, MeshTopology, collective_time_us
 from costmodel.compute import compute_time_us
 from costmodel.profile import LinkModel, Profile, builtin_profiles, load_profile
-from costmodel.redistribute import Step, plan_steps, redistribute_cost_us
+from costmodel.redistribute import (RedistributeError, RedistributePlan, RedistributePlanner, Step,
+                                    plan_redistribute, plan_steps, redistribute_cost_us)
 from costmodel.spec import Spec
 
 __all__ = [
@@ -11,12 +12,16 @@ __all__ = [
     "LinkModel",
     "MeshTopology",
     "Profile",
+    "RedistributeError",
+    "RedistributePlan",
+    "RedistributePlanner",
     "Spec",
     "Step",
     "builtin_profiles",
     "collective_time_us",
     "compute_time_us",
     "load_profile",
+    "plan_redistribute",
     "plan_steps",
     "redistribute_cost_us",
 ]

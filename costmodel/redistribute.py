@@ -180,6 +180,7 @@ class RedistributePlanner:
         local = self._local_elems(orders, tshape) * item
         out = []
         ndim = len(orders)
+        dims_on = [range(ndim)] * self.n
         for d in range(ndim):
             od = orders[d]
             if not od:
@@ -205,7 +206,7 @@ class RedistributePlanner:
                     out.append(("all_gather", tuple(sorted(tail)), self._local_elems(no, tshape) * item,
                                 tuple(c3), no))
             # all_to_all: move the last axis of d to the end of e
-            for e in range(ndim):
+            for e in dims_on[x]:
                 if e == d:
                     continue
                 no = list(orders)
@@ -219,7 +220,7 @@ class RedistributePlanner:
             c2 = list(codes)
             c2[x] = R
             out.append(("all_reduce", (x,), local, tuple(c2), orders))
-            for d in range(ndim):
+            for d in dims_on[x]:
                 no = list(orders)
                 no[d] = orders[d] + (x,)
                 c3 = list(codes)
@@ -234,7 +235,7 @@ class RedistributePlanner:
                     for a in group:
                         c2[a] = R
                     out.append(("all_reduce", group, local, tuple(c2), orders))
-                    for d in range(ndim):
+                    for d in sorted({e for a in group for e in dims_on[a]}):
                         if not self._even(d, group, tshape, orders):
                             continue
                         no = list(orders)
@@ -246,7 +247,7 @@ class RedistributePlanner:
         for x, c in enumerate(codes):
             if c != R:
                 continue
-            for d in range(ndim):
+            for d in dims_on[x]:
                 no = list(orders)
                 no[d] = orders[d] + (x,)
                 c2 = list(codes)
@@ -316,17 +317,21 @@ class RedistributePlanner:
         if s0 == goal:
             return RedistributePlan(src, dst, [])
         target_partials = sorted({c for c in goal[0] if c < R})
-        h0 = self._h(s0, goal)
+        axis_lb = self._axis_lower_bounds(tshape, item)
+        h0 = self._h(s0, goal, axis_lb)
         frontier = [(h0, 0.0, 0, s0)]
         best = {s0: 0.0}
         parent = {s0: None}
         tie = 0
         while frontier:
             f, g, _, state = heapq.heappop(frontier)
-            if state == goal:
-                return RedistributePlan(src, dst, self._unwind(parent, state))
             if g > best.get(state, math.inf):
                 continue
+            if state == goal:
+                return RedistributePlan(src, dst, self._unwind(parent, state))
+            if self._free_reachable(state[0], state[1], goal[0], goal[1]):
+                # Popped with the least f and only local steps left: nothing can beat finishing here.
+                return RedistributePlan(src, dst, self._unwind(parent, state) + self._complete(state, goal))
             self.stats["expanded"] += 1
             codes, orders = state
             for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, item, target_partials, goal[0]):
@@ -338,13 +343,56 @@ class RedistributePlanner:
                     best[nxt] = ng
                     parent[nxt] = (state, kind, axes, nbytes, us)
                     tie += 1
-                    heapq.heappush(frontier, (ng + self._h(nxt, goal), ng, tie, nxt))
+                    heapq.heappush(frontier, (ng + self._h(nxt, goal, axis_lb), ng, tie, nxt))
         raise RedistributeError(f"no sequence of collectives turns {src} into {dst}")
 
-    def _h(self, state, goal) -> float:
+    @staticmethod
+    def _complete(state, goal) -> list[Step]:
+        """The local steps (chunks in the target's shard order, partitions) from ``state`` to ``goal``."""
+        codes, orders = list(state[0]), list(state[1])
+        steps = []
+        for d, dst_order in enumerate(goal[1]):
+            for x in dst_order[len(orders[d]):]:
+                prev = (tuple(codes), tuple(orders))
+                codes[x] = d
+                orders[d] = orders[d] + (x,)
+                steps.append(Step("chunk", (x,), 0, 0.0, decode(*prev), decode(tuple(codes), tuple(orders))))
+        for x, t in enumerate(goal[0]):
+            if t < R and codes[x] != t:
+                prev = (tuple(codes), tuple(orders))
+                codes[x] = t
+                steps.append(Step("partition", (x,), 0, 0.0, decode(*prev), decode(tuple(codes), tuple(orders))))
+        return steps
+
+    def _h(self, state, goal, axis_lb) -> float:
+        """Admissible: the dearest axis that some collective must still touch.
+
+        Axis a must take part in a collective when it holds a shard or partial the
+        target does not (or a shard out of the target's order). Any collective on a
+        group with a moves at least the fully sharded buffer at the best bus
+        bandwidth: ``axis_lb[a]``. One merged collective may serve several such
+        axes, so the bound is their maximum, not their sum.
+        """
         if not self.use_heuristic:
             return 0.0
-        return 0.0 if self._free_reachable(state[0], state[1], goal[0], goal[1]) else self._min_latency
+        codes, orders = state
+        gcodes, gorders = goal
+        h = 0.0
+        for a, c in enumerate(codes):
+            if c != R and c != gcodes[a]:
+                h = max(h, axis_lb[a])
+        for o, go in zip(orders, gorders):
+            k = 0
+            while k < len(o) and k < len(go) and o[k] == go[k]:
+                k += 1
+            for a in o[k:]:
+                h = max(h, axis_lb[a])
+        return h
+
+    def _axis_lower_bounds(self, tshape, item) -> list[float]:
+        m_min = max(1, math.prod(tshape) // math.prod(self.shape)) * item
+        bw = max(self.profile.intra_node.busbw_gbps, self.profile.inter_node.busbw_gbps) * 1e3
+        return [self._min_latency + m_min * (n - 1) / n / bw for n in self.shape]
 
     @staticmethod
     def _unwind(parent, state) -> list[Step]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor._redistribute import (disable_redistribute_transform_optimization,
+                                                    redistribute_local_tensor)
 from torch.distributed.tensor.debug import CommDebugMode
 
 from costmodel import MeshTopology, Spec, load_profile
@@ -49,14 +50,19 @@ def check_pairs(world, mesh_shape, shape, pairs):
             with CommDebugMode() as comm:
                 out = execute(local_of(src), plan, mesh, shape)
             if "P(" in str(dst):
-                # Partial values are not unique per rank: compare what they reduce to.
-                back = redistribute_local_tensor(out, dtensor_spec(dst, mesh, shape), dtensor_spec(rep, mesh, shape))
+                # Partial values are not unique per rank: compare what they reduce to. DTensor's
+                # flattened-merge optimization gathers nested uneven shards wrongly (torch 2.13:
+                # S(1)S(1)R -> RRR of a size-5 dim on (2, 2, 2)), so the reference runs without it.
+                with disable_redistribute_transform_optimization():
+                    back = redistribute_local_tensor(out, dtensor_spec(dst, mesh, shape), dtensor_spec(rep, mesh, shape))
                 for r, v in _rank_values(back).items():
                     torch.testing.assert_close(v, full, msg=f"{src} -> {dst} rank {r}: {plan.describe()}")
             else:
                 ref = local_of(dst)
                 for r, v in _rank_values(out).items():
-                    assert torch.equal(v, _rank_values(ref)[r]), f"{src} -> {dst} rank {r}: {plan.describe()}"
+                    # Exact but for summation order when partials are reduced (merged or nested).
+                    torch.testing.assert_close(v, _rank_values(ref)[r], rtol=1e-6, atol=1e-6,
+                                               msg=f"{src} -> {dst} rank {r}: {plan.describe()}")
             issued = Counter()
             for op, n in comm.get_comm_counts().items():
                 name = str(op)
@@ -87,13 +93,13 @@ def test_every_pair_on_2x2x2(world):
 def test_random_pairs_with_avg_on_2x2x2_uneven(world):
     specs = all_specs(3, 2)
     rng = random.Random(0)
-    check_pairs(world, (2, 2, 2), (6, 5), [(rng.choice(specs), rng.choice(specs)) for _ in range(400)])
+    check_pairs(world, (2, 2, 2), (6, 5), [(rng.choice(specs), rng.choice(specs)) for _ in range(250)])
 
 
 def test_random_pairs_on_2x2x2x2(world):
     specs = all_specs(4, 3, partials=("P(sum)",))
     rng = random.Random(1)
-    check_pairs(world, (2, 2, 2, 2), (4, 8, 3), [(rng.choice(specs), rng.choice(specs)) for _ in range(300)])
+    check_pairs(world, (2, 2, 2, 2), (4, 8, 3), [(rng.choice(specs), rng.choice(specs)) for _ in range(150)])
 
 
 def test_costs_bytes_and_groups():
@@ -103,10 +109,15 @@ def test_costs_bytes_and_groups():
     plan = planner.plan(Spec.parse("S(0)[1,0]S(0)"), Spec.parse("RR"), (1024, 1024), 4)
     assert [(s.kind, s.axes) for s in plan.steps] == [("all_gather", (0,)), ("all_gather", (1,))]
     assert plan.steps[0].nbytes == 1024 * 1024 * 4 // 8 and plan.steps[1].nbytes == 1024 * 1024 * 4
-    # The default order can gather both axes in one collective over the flattened group.
+    # On one node the default order gathers both axes in one collective over the flattened group.
+    one_node = RedistributePlanner(MeshTopology((2, 4), 8), PROFILE)
+    plan = one_node.plan(Spec.parse("S(0)S(0)"), Spec.parse("RR"), (1024, 1024), 4)
+    assert [(s.kind, s.axes) for s in plan.steps] == [("all_gather", (0, 1))]
+    # Across nodes a multi-step path can beat both plain gathers (it is searched, not assumed).
     plan = planner.plan(Spec.parse("S(0)S(0)"), Spec.parse("RR"), (1024, 1024), 4)
-    assert len(plan.steps) in (1, 2) and plan.us <= planner.plan(
-        Spec.parse("S(0)[1,0]S(0)"), Spec.parse("RR"), (1024, 1024), 4).us + 1e-9
+    naive = sum(planner.transition_cost(a, b, (1024, 1024), 4) for a, b in [
+        (Spec.parse("S(0)S(0)"), Spec.parse("S(0)R")), (Spec.parse("S(0)R"), Spec.parse("RR"))])
+    assert plan.us <= naive + 1e-9
     # Local steps are free.
     assert planner.plan(Spec.parse("RR"), Spec.parse("S(1)S(0)"), (64, 64), 4).us < 1e-3
     # Never costlier than going without merged steps.
