@@ -3,6 +3,7 @@
   autoshard demo [--mesh dp=8,tp=8]                 plan a small GPT on a fake 64-rank mesh
   autoshard plan MODULE:FACTORY --mesh dp=8,tp=8 -o plan.json
   autoshard show plan.json                          print a plan's summary
+  autoshard calibrate --mesh dp=2,tp=4 -o prof.json  measure collectives (under torchrun, or --nproc N)
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ EXAMPLES = """examples:
   autoshard demo --mesh dp=4,tp=2 --layers 1 -o plan.json
   autoshard plan mypkg.models:make --mesh dp=8,tp=8 --memory-budget 70GiB -o plan.json
   autoshard show plan.json
+  torchrun --nproc-per-node 8 -m autoshard calibrate --mesh dp=2,tp=4 -o h100-node.json
+  autoshard calibrate --backend gloo --nproc 4 --mesh dp=2,tp=2 --max-bytes 4MiB -o cpu.json
 
 exit codes: 0 ok, 1 unexpected error, 2 bad input (message says what was expected and found)
 """
@@ -98,6 +101,21 @@ def cmd_plan(args) -> int:
     return _run_plan(model, inputs, args)
 
 
+def cmd_calibrate(args) -> int:
+    from autoshard.mesh import parse_mesh
+    from costmodel.calibrate import CalibrationConfig, run
+
+    shape, names = parse_mesh(args.mesh)
+    cfg = CalibrationConfig(
+        kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+        min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
+        warmup=args.warmup, iters=args.iters, repeats=args.repeats, flattened=not args.no_flattened,
+        matmul_size=args.matmul_size,
+    )
+    run(shape, names, args.backend, cfg, args.output, nproc=args.nproc)
+    return 0
+
+
 def cmd_show(args) -> int:
     from autoshard.plan import Plan
 
@@ -123,6 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("factory")
     _common(p, None)
     p.set_defaults(func=cmd_plan)
+    c = sub.add_parser("calibrate", help="measure collectives on this cluster and write a profile",
+                       description="Run under torchrun (torchrun --nproc-per-node 8 -m autoshard calibrate "
+                                   "--mesh dp=2,tp=4 -o profile.json), or spawn local processes with --nproc.")
+    c.add_argument("--mesh", required=True, help="mesh axes as name=size,...; product = number of processes")
+    c.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    c.add_argument("--nproc", type=int, default=None, help="spawn this many local processes (no torchrun)")
+    c.add_argument("-o", "--output", required=True, help="profile JSON to write (rank 0)")
+    c.add_argument("--kinds", default="all_reduce,all_gather,reduce_scatter,all_to_all")
+    c.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("4KiB"))
+    c.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
+    c.add_argument("--factor", type=int, default=4)
+    c.add_argument("--warmup", type=int, default=2)
+    c.add_argument("--iters", type=int, default=5)
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--matmul-size", type=int, default=1024)
+    c.add_argument("--no-flattened", action="store_true", help="skip multi-axis (flattened) groups")
+    c.set_defaults(func=cmd_calibrate)
     s = sub.add_parser("show", help="print a plan file's summary")
     s.add_argument("plan")
     s.add_argument("--max-params", type=int, default=40)

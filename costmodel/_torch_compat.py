@@ -91,3 +91,10 @@ def execute(local: torch.Tensor, plan: RedistributePlan, mesh, shape) -> torch.T
         if hasattr(local, "wait"):
             local = local.wait()
     return local
+
+
+def flattened_group(mesh, axis_names: tuple[str, ...]):
+    """The process group of several mesh axes used as one (DeviceMesh's private ``_flatten``)."""
+    if len(axis_names) == 1:
+        return mesh.get_group(axis_names[0])
+    return mesh[axis_names]._flatten().get_group()

@@ -46,6 +46,13 @@ class MeshTopology:
         return span <= self.devices_per_node and self.devices_per_node % max(1, self.axis_stride(min(axes))) == 0
 
 
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' busbw / algbw for ``kind`` on ``n`` ranks."""
+    if kind not in _BUS_FACTOR:
+        raise ValueError(f"collective kind must be one of {KINDS}, found {kind!r}")
+    return float(_BUS_FACTOR[kind](np.float64(n)))
+
+
 def link_for(profile: Profile, topo: MeshTopology, axes: tuple[int, ...]) -> LinkModel:
     return profile.intra_node if topo.group_is_intra_node(axes) else profile.inter_node
 

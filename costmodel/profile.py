@@ -1,17 +1,31 @@
-"""Hardware profiles: the constants the cost model is evaluated with.
+"""Hardware profiles: what the cost model is evaluated with.
 
-The skeleton's collective model is alpha-beta per link class (within a node /
-across nodes); calibration (``autoshard calibrate``) will replace the constants
-with fitted curves per mesh axis and flattened group.
+A profile holds compute figures (peak, bandwidth, efficiency), an alpha-beta
+model per link class (within a node / across nodes) from data sheets or
+nccl-tests figures, and, once calibrated (``autoshard calibrate``), the raw
+samples and a fitted curve per (collective, group) measured on the user's own
+cluster, with the identity of what was measured.
+
+Collective lookup (:meth:`Profile.collective_predictor`), in order:
+
+1. a fit for the same kind, link class and group size: used as is;
+2. a fit for the same kind and link class, another group size: its latency and
+   bus bandwidth, rescaled to the group size by the nccl-tests bus factor;
+3. otherwise the link class's alpha-beta constants (never a silent zero).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
-PROFILE_VERSION = 1
+from costmodel.fit import CollectiveFit
+
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,29 @@ class Profile:
     """Floor on the time of any kernel, microseconds."""
     source: str = ""
     """Where the figures come from."""
+    collectives: tuple = ()
+    """Fitted :class:`CollectiveFit` per (kind, group), from calibration."""
+    mesh: dict = field(default_factory=dict)
+    """The mesh calibration ran on: ``{"shape": [...], "axis_names": [...]}``."""
+    identity: dict = field(default_factory=dict)
+    """What was measured: device, count, backend, torch and NCCL versions, host hash, date."""
+    samples: tuple = ()
+    """Raw calibration samples ``(kind, group, group_size, intra_node, bytes, us)``."""
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Profile) and self.digest() == other.digest()
+
+    def digest(self) -> str:
+        """sha256 of the JSON form: the profile's identity in plan files."""
+        d = self.__dict__.get("_digest")
+        if d is None:
+            text = json.dumps(self.to_json(), sort_keys=True)
+            d = "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+            object.__setattr__(self, "_digest", d)
+        return d
 
     def __post_init__(self):
         for f in ("peak_tflops", "mem_bandwidth_gbps", "memory_bytes", "devices_per_node"):
@@ -67,13 +104,60 @@ class Profile:
             object.__setattr__(self, "intra_node", LinkModel(**self.intra_node))
         if isinstance(self.inter_node, dict):
             object.__setattr__(self, "inter_node", LinkModel(**self.inter_node))
+        fits = tuple(CollectiveFit(**f) if isinstance(f, dict) else f for f in self.collectives)
+        object.__setattr__(self, "collectives", fits)
+        object.__setattr__(self, "samples", tuple(tuple(x) for x in self.samples))
+        if self.mesh:
+            shape, names = self.mesh.get("shape"), self.mesh.get("axis_names")
+            if not shape or not names or len(shape) != len(names):
+                raise ValueError(f"profile {self.name!r}: mesh must have equal-length shape and axis_names, "
+                                 f"found {self.mesh}")
 
     def to_json(self) -> dict:
-        return {"version": PROFILE_VERSION, **asdict(self)}
+        d = {k: v for k, v in asdict(self).items() if k not in ("collectives", "samples")}
+        d["collectives"] = [f.to_json() for f in self.collectives]
+        d["samples"] = [list(x) for x in self.samples]
+        return {"version": PROFILE_VERSION, **d}
+
+    def link(self, intra_node: bool) -> LinkModel:
+        return self.intra_node if intra_node else self.inter_node
+
+    def collective_predictor(self, kind: str, group_size: int, intra_node: bool) -> Callable[[float], float]:
+        """``bytes -> microseconds`` for ``kind`` on a group of ``group_size`` ranks (see module doc)."""
+        from costmodel.collectives import bus_factor
+
+        if group_size <= 1:
+            return lambda b: 0.0
+        same = [f for f in self.collectives if f.kind == kind and f.intra_node == intra_node]
+        exact = [f for f in same if f.group_size == group_size]
+        if exact:
+            return exact[0].predict_one
+        factor = bus_factor(kind, group_size)
+        if same:
+            near = min(same, key=lambda f: (abs(math.log(f.group_size / group_size)), f.group))
+            bw = near.busbw_gbps * 1e3  # bytes per microsecond
+            alpha = near.alpha_us
+            return lambda b: alpha + b * factor / bw if b > 0 else 0.0
+        link = self.link(intra_node)
+        bw = link.busbw_gbps * 1e3
+        return lambda b: link.latency_us + b * factor / bw if b > 0 else 0.0
+
+    def with_calibration(self, fits, samples, mesh: dict, identity: dict, **changes) -> "Profile":
+        return replace(self, collectives=tuple(fits), samples=tuple(samples), mesh=dict(mesh),
+                       identity=dict(identity), **changes)
+
+    def merge(self, other: "Profile") -> "Profile":
+        """Samples and fits of both (other's win on the same kind and group); same device only."""
+        if other.device != self.device:
+            raise ValueError(f"cannot merge profiles of different devices: {self.device!r} and {other.device!r}")
+        fits = {(f.kind, f.group): f for f in self.collectives}
+        fits.update({(f.kind, f.group): f for f in other.collectives})
+        return replace(self, collectives=tuple(fits[k] for k in sorted(fits)),
+                       samples=tuple(self.samples) + tuple(other.samples))
 
     @staticmethod
     def from_json(data: dict) -> "Profile":
-        version = data.get("version")
+        version = data.get("version") if isinstance(data, dict) else None
         if version != PROFILE_VERSION:
             raise ValueError(f"profile version: expected {PROFILE_VERSION}, found {version!r}")
         fields = {k: v for k, v in data.items() if k != "version"}

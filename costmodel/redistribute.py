@@ -39,7 +39,7 @@ from itertools import combinations
 
 import numpy as np
 
-from costmodel.collectives import MeshTopology, collective_time_us, link_for
+from costmodel.collectives import MeshTopology
 from costmodel.profile import Profile
 from costmodel.spec import Spec
 
@@ -135,27 +135,23 @@ class RedistributePlanner:
         self.merge, self.use_heuristic = merge, use_heuristic
         self.shape = topo.shape
         self.n = len(topo.shape)
-        self._links = {}
-        self._coef: dict = {}
-        self._min_latency = min(profile.intra_node.latency_us, profile.inter_node.latency_us)
+        self._pred: dict = {}
+        fits = profile.collectives
+        self._min_latency = min([profile.intra_node.latency_us, profile.inter_node.latency_us]
+                                + [f.alpha_us for f in fits])
+        self._max_busbw = max([profile.intra_node.busbw_gbps, profile.inter_node.busbw_gbps]
+                              + [f.busbw_gbps for f in fits if math.isfinite(f.busbw_gbps)])
         self.cache: dict = {}
         self.stats = {"searches": 0, "expanded": 0, "hits": 0}
 
-    def _link(self, axes):
-        lk = self._links.get(axes)
-        if lk is None:
-            lk = self._links[axes] = link_for(self.profile, self.topo, axes)
-        return lk
-
     def _time(self, kind, nbytes, axes) -> float:
-        # Hot path: a pure-Python alpha + beta * bytes with memoized coefficients.
-        coef = self._coef.get((kind, axes))
-        if coef is None:
+        # Hot path: one memoized bytes -> us predictor per (kind, group).
+        fn = self._pred.get((kind, axes))
+        if fn is None:
             group = math.prod(self.shape[a] for a in axes)
-            alpha = float(collective_time_us(kind, 0, group, self._link(axes)))
-            beta = float(collective_time_us(kind, 1e9, group, self._link(axes))) - alpha
-            coef = self._coef[(kind, axes)] = (alpha, beta / 1e9)
-        return coef[0] + coef[1] * nbytes
+            fn = self._pred[(kind, axes)] = self.profile.collective_predictor(
+                kind, group, self.topo.group_is_intra_node(axes))
+        return fn(nbytes)
 
     # -- sizes ------------------------------------------------------------
     def _local_elems(self, orders, tshape) -> int:
@@ -391,7 +387,7 @@ class RedistributePlanner:
 
     def _axis_lower_bounds(self, tshape, item) -> list[float]:
         m_min = max(1, math.prod(tshape) // math.prod(self.shape)) * item
-        bw = max(self.profile.intra_node.busbw_gbps, self.profile.inter_node.busbw_gbps) * 1e3
+        bw = self._max_busbw * 1e3
         return [self._min_latency + m_min * (n - 1) / n / bw for n in self.shape]
 
     @staticmethod

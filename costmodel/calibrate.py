@@ -1,0 +1,347 @@
+"""Calibration microbenchmarks: measure collectives on the user's own cluster.
+
+For each collective kind, each mesh axis and each flattened group of axes a plan
+can use (ascending axis order, as DeviceMesh flattens), a sweep of message sizes:
+warm-up, then ``repeats`` timed runs of ``iters`` back-to-back calls; each run's
+time is the maximum over ranks (the slowest rank finishes the collective), and a
+sample is kept per run. NCCL runs are timed with CUDA events, gloo runs with the
+wall clock between barriers. Bytes follow nccl-tests: the full buffer (output of
+all_gather, input of reduce_scatter). Rank 0 prints progress; Ctrl-C stops the
+sweep and keeps what was measured. A matmul microbenchmark calibrates compute.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import itertools
+import math
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from costmodel.collectives import MeshTopology
+from costmodel.fit import fit_collective
+from costmodel.profile import LinkModel, Profile, load_profile
+
+DEFAULT_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass
+class CalibrationConfig:
+    """What to measure and how hard."""
+
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    """Collectives to sweep."""
+    min_bytes: int = 4096
+    """Smallest message (full buffer), bytes."""
+    max_bytes: int = 64 * 2**20
+    """Largest message; also capped by ``memory_fraction`` of free device memory on GPUs."""
+    factor: int = 4
+    """Size step: each size is ``factor`` times the previous."""
+    warmup: int = 2
+    """Untimed calls before each size."""
+    iters: int = 5
+    """Least back-to-back calls per timed run."""
+    run_seconds: float = 0.02
+    """Each timed run lasts about this long (more calls for small messages): averages out scheduling noise."""
+    repeats: int = 3
+    """Timed runs per size (one sample each)."""
+    flattened: bool = True
+    """Also measure every multi-axis group (flattened sub-mesh)."""
+    matmul_size: int = 1024
+    """Side of the square matmul that calibrates compute efficiency (0: skip)."""
+
+    def __post_init__(self):
+        if not 0 < self.min_bytes <= self.max_bytes:
+            raise ValueError(f"need 0 < min_bytes <= max_bytes, found {self.min_bytes} and {self.max_bytes}")
+        if self.factor < 2:
+            raise ValueError(f"factor must be >= 2, found {self.factor}")
+        if self.iters < 1 or self.repeats < 1 or self.warmup < 0:
+            raise ValueError("iters and repeats must be >= 1 and warmup >= 0")
+        bad = set(self.kinds) - set(DEFAULT_KINDS) - {"broadcast"}
+        if bad:
+            raise ValueError(f"unknown collective kinds {sorted(bad)}; expected some of {DEFAULT_KINDS + ('broadcast',)}")
+
+    def sizes(self) -> list[int]:
+        out, b = [], self.min_bytes
+        while b <= self.max_bytes:
+            out.append(int(b))
+            b *= self.factor
+        return out
+
+
+def groups_of(axis_names: tuple[str, ...], flattened: bool) -> list[tuple[str, ...]]:
+    """Every axis alone, then (optionally) every ascending multi-axis group."""
+    groups = [(a,) for a in axis_names]
+    if flattened:
+        for k in range(2, len(axis_names) + 1):
+            groups += list(itertools.combinations(axis_names, k))
+    return groups
+
+
+def message_elems(kind: str, nbytes: int, n: int, itemsize: int) -> int:
+    """Elements of the full buffer: a multiple of the group size, at least one per rank."""
+    per = max(1, nbytes // (itemsize * n))
+    return per * n
+
+
+@dataclass
+class _Timer:
+    device: torch.device
+
+    def run(self, fn, iters: int) -> float:
+        """Seconds per call on this rank."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3 / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+
+
+def _op(kind: str, elems: int, n: int, dtype, device, group):
+    if kind == "all_reduce":
+        buf = torch.ones(elems, dtype=dtype, device=device)
+        return lambda: dist.all_reduce(buf, group=group)
+    if kind == "all_gather":
+        out = torch.empty(elems, dtype=dtype, device=device)
+        inp = torch.ones(elems // n, dtype=dtype, device=device)
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    if kind == "reduce_scatter":
+        inp = torch.ones(elems, dtype=dtype, device=device)
+        out = torch.empty(elems // n, dtype=dtype, device=device)
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    if kind == "all_to_all":
+        inp = torch.ones(elems, dtype=dtype, device=device)
+        out = torch.empty(elems, dtype=dtype, device=device)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    if kind == "broadcast":
+        buf = torch.ones(elems, dtype=dtype, device=device)
+        src = dist.get_global_rank(group, 0)
+        return lambda: dist.broadcast(buf, src=src, group=group)
+    raise ValueError(kind)
+
+
+def identity(mesh, backend: str) -> dict:
+    dev = mesh.device_type
+    name = torch.cuda.get_device_name() if dev == "cuda" else (platform.processor() or platform.machine())
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dev == "cuda" else None
+    return {
+        "device_name": name,
+        "device_count": dist.get_world_size(),
+        "backend": backend,
+        "torch": torch.__version__,
+        "nccl": nccl,
+        "host_hash": hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+    }
+
+
+@dataclass
+class SweepResult:
+    samples: list = field(default_factory=list)
+    """(kind, group, group_size, intra_node, bytes, us) per timed run."""
+    interrupted: bool = False
+    matmul_tflops: float | None = None
+
+
+def measure_matmul(device, n: int, dtype) -> float:
+    """Achieved TFLOP/s of an n x n matmul (best of a few runs)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    timer = _Timer(torch.device(device))
+    timer.run(lambda: a @ b, 2)
+    best = min(timer.run(lambda: a @ b, 3) for _ in range(3))
+    return 2 * n**3 / best / 1e12
+
+
+def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int, log=None) -> SweepResult:
+    """Run the microbenchmarks on ``mesh`` (every rank calls this)."""
+    rank = dist.get_rank()
+    say = log if (log is not None and rank == 0) else (lambda _m: None)
+    names = tuple(mesh.mesh_dim_names or [f"axis{k}" for k in range(mesh.ndim)])
+    topo = MeshTopology(tuple(mesh.shape), devices_per_node)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device("cpu")
+    dtype = torch.float32
+    itemsize = 4
+    timer = _Timer(device)
+    from costmodel._torch_compat import flattened_group
+
+    groups = groups_of(names, cfg.flattened)
+    plan = [(g, kind, size) for g in groups for kind in cfg.kinds for size in cfg.sizes()]
+    result = SweepResult()
+    world = dist.group.WORLD
+    t_start = time.perf_counter()
+    try:
+        if cfg.matmul_size:
+            result.matmul_tflops = measure_matmul(device, cfg.matmul_size,
+                                                  torch.bfloat16 if device.type == "cuda" else torch.float32)
+            say(f"matmul {cfg.matmul_size}^3: {result.matmul_tflops:.3f} TFLOP/s")
+        pgs = {g: flattened_group(mesh, g) for g in groups}
+        for k, (g, kind, size) in enumerate(plan):
+            axes = tuple(names.index(a) for a in g)
+            n = math.prod(mesh.shape[a] for a in axes)
+            pg = pgs[g]
+            elems = message_elems(kind, size, n, itemsize)
+            nbytes = elems * itemsize
+            fn = _op(kind, elems, n, dtype, device, pg)
+            for _ in range(cfg.warmup):
+                fn()
+            # All ranks agree on the number of calls: from the slowest rank's single-call time.
+            one = torch.tensor([timer.run(fn, 1)], dtype=torch.float64, device=device)
+            dist.all_reduce(one, op=dist.ReduceOp.MAX, group=world)
+            iters = max(cfg.iters, min(2000, int(cfg.run_seconds / max(float(one.item()), 1e-7))))
+            for _ in range(cfg.repeats):
+                dist.barrier(group=world)
+                secs = timer.run(fn, iters)
+                t = torch.tensor([secs], dtype=torch.float64, device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
+                us = float(t.item()) * 1e6
+                result.samples.append((kind, "+".join(g), n, topo.group_is_intra_node(axes), nbytes, us))
+            last = result.samples[-1][-1]
+            say(f"[{k + 1}/{len(plan)}] {kind:<14} {'+'.join(g):<10} n={n:<4} {nbytes / 2**20:9.3f} MiB "
+                f"{last:10.1f} us  ({time.perf_counter() - t_start:.0f}s)")
+    except KeyboardInterrupt:
+        result.interrupted = True
+        say(f"interrupted: keeping {len(result.samples)} samples")
+    return result
+
+
+def build_profile(result: SweepResult, mesh, base: Profile, backend: str, devices_per_node: int,
+                  name: str | None = None) -> Profile:
+    """Fit every measured (kind, group) and fold the fits into ``base``."""
+    by_key: dict = {}
+    for kind, group, n, intra, nbytes, us in result.samples:
+        by_key.setdefault((kind, group, n, intra), []).append((nbytes, us))
+    fits = []
+    for (kind, group, n, intra), pts in sorted(by_key.items()):
+        b, t = zip(*pts)
+        fits.append(fit_collective(kind, group, n, intra, b, t))
+    changes = {"devices_per_node": devices_per_node}
+    # The fallback constants come from the measured all_reduces of each link class.
+    for intra, key in ((True, "intra_node"), (False, "inter_node")):
+        ar = [f for f in fits if f.kind == "all_reduce" and f.intra_node == intra]
+        if ar:
+            big = max(ar, key=lambda f: f.group_size)
+            changes[key] = LinkModel(latency_us=big.alpha_us, busbw_gbps=min(big.busbw_gbps, 1e6))
+    if result.matmul_tflops:
+        if mesh.device_type == "cpu":
+            changes.update(peak_tflops=result.matmul_tflops, compute_efficiency=1.0)
+        else:
+            changes["compute_efficiency"] = min(1.0, result.matmul_tflops / base.peak_tflops)
+    mesh_info = {"shape": list(mesh.shape), "axis_names": list(mesh.mesh_dim_names or [])}
+    ident = identity(mesh, backend)
+    ident["interrupted"] = result.interrupted
+    return base.with_calibration(fits, result.samples, mesh_info, ident,
+                                 name=name or f"calibrated-{ident['device_name'] or backend}"[:64],
+                                 source=f"autoshard calibrate on {ident['date']}", **changes)
+
+
+def base_profile_for(device_type: str) -> Profile:
+    if device_type == "cpu":
+        return load_profile("cpu-gloo")
+    name = torch.cuda.get_device_name().lower()
+    for key, prof in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-sxm"), ("b200", "b200")):
+        if key in name:
+            try:
+                return load_profile(prof)
+            except FileNotFoundError:
+                break
+    return load_profile("h100-sxm")
+
+
+def progress(msg: str) -> None:
+    print(f"[calibrate] {msg}", file=sys.stderr, flush=True)
+
+
+def worker(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: str | None,
+           devices_per_node: int | None = None) -> Profile | None:
+    """Everything one rank does: mesh, sweep, and (rank 0) fit and write."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if math.prod(mesh_shape) != world:
+        raise ValueError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks but the world size is {world}")
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if device_type == "cpu":
+        # Ranks share the host's cores: more intra-op threads than cores makes timings noise.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(axis_names))
+    dpn = devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    result = sweep(mesh, cfg, dpn, log=progress)
+    if dist.get_rank() != 0:
+        return None
+    profile = build_profile(result, mesh, base_profile_for(device_type), backend, dpn)
+    if output:
+        profile.save(output)
+        progress(f"wrote {output}: {len(profile.collectives)} fits from {len(profile.samples)} samples")
+    return profile
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank, world, port, mesh_shape, axis_names, backend, cfg, output):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        worker(mesh_shape, axis_names, backend, cfg, output, devices_per_node=world)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_backend(backend: str) -> None:
+    if backend == "nccl":
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ValueError("backend 'nccl' needs CUDA GPUs and an NCCL build of torch; found "
+                             f"cuda available={torch.cuda.is_available()}: use --backend gloo on CPUs")
+    elif backend == "gloo":
+        if not dist.is_gloo_available():
+            raise ValueError("backend 'gloo' is not available in this torch build")
+    else:
+        raise ValueError(f"backend must be 'nccl' or 'gloo', found {backend!r}")
+
+
+def run(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: str | None,
+        nproc: int | None = None) -> None:
+    """Calibrate under torchrun (env set), or spawn ``nproc`` local processes."""
+    import torch.multiprocessing as mp
+
+    check_backend(backend)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        try:
+            worker(mesh_shape, axis_names, backend, cfg, output)
+        finally:
+            dist.destroy_process_group()
+        return
+    if not nproc:
+        raise ValueError("not under torchrun: pass --nproc N to spawn N local processes "
+                         "(or run `torchrun --nproc-per-node N -m autoshard calibrate ...`)")
+    if math.prod(mesh_shape) != nproc:
+        raise ValueError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks but --nproc is {nproc}")
+    mp.start_processes(_spawned, args=(nproc, _free_port(), tuple(mesh_shape), tuple(axis_names), backend, cfg,
+                                       output), nprocs=nproc, start_method="spawn")
