@@ -112,7 +112,7 @@ def cmd_calibrate(args) -> int:
         warmup=args.warmup, iters=args.iters, repeats=args.repeats, flattened=not args.no_flattened,
         matmul_size=args.matmul_size,
     )
-    run(shape, names, args.backend, cfg, args.output, nproc=args.nproc)
+    run(shape, names, args.backend, cfg, args.output, nproc=args.nproc, name=args.name)
     return 0
 
 
@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--matmul-size", type=int, default=1024)
     c.add_argument("--no-flattened", action="store_true", help="skip multi-axis (flattened) groups")
+    c.add_argument("--name", default=None, help="profile name (default: calibrated-<device>)")
     c.set_defaults(func=cmd_calibrate)
     s = sub.add_parser("show", help="print a plan file's summary")
     s.add_argument("plan")

@@ -120,11 +120,13 @@ def _op(kind: str, elems: int, n: int, dtype, device, group):
     if kind == "all_gather":
         out = torch.empty(elems, dtype=dtype, device=device)
         inp = torch.ones(elems // n, dtype=dtype, device=device)
-        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # renamed in torch 2.13
+        return lambda: gather(out, inp, group=group)
     if kind == "reduce_scatter":
         inp = torch.ones(elems, dtype=dtype, device=device)
         out = torch.empty(elems // n, dtype=dtype, device=device)
-        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        return lambda: scatter(out, inp, group=group)
     if kind == "all_to_all":
         inp = torch.ones(elems, dtype=dtype, device=device)
         out = torch.empty(elems, dtype=dtype, device=device)
@@ -271,7 +273,7 @@ def progress(msg: str) -> None:
 
 
 def worker(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: str | None,
-           devices_per_node: int | None = None) -> Profile | None:
+           devices_per_node: int | None = None, name: str | None = None) -> Profile | None:
     """Everything one rank does: mesh, sweep, and (rank 0) fit and write."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -289,7 +291,7 @@ def worker(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output:
     result = sweep(mesh, cfg, dpn, log=progress)
     if dist.get_rank() != 0:
         return None
-    profile = build_profile(result, mesh, base_profile_for(device_type), backend, dpn)
+    profile = build_profile(result, mesh, base_profile_for(device_type), backend, dpn, name=name)
     if output:
         profile.save(output)
         progress(f"wrote {output}: {len(profile.collectives)} fits from {len(profile.samples)} samples")
@@ -302,12 +304,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned(rank, world, port, mesh_shape, axis_names, backend, cfg, output):
+def _spawned(rank, world, port, mesh_shape, axis_names, backend, cfg, output, name=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        worker(mesh_shape, axis_names, backend, cfg, output, devices_per_node=world)
+        worker(mesh_shape, axis_names, backend, cfg, output, devices_per_node=world, name=name)
     finally:
         dist.destroy_process_group()
 
@@ -325,7 +327,7 @@ def check_backend(backend: str) -> None:
 
 
 def run(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: str | None,
-        nproc: int | None = None) -> None:
+        nproc: int | None = None, name: str | None = None) -> None:
     """Calibrate under torchrun (env set), or spawn ``nproc`` local processes."""
     import torch.multiprocessing as mp
 
@@ -334,7 +336,7 @@ def run(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: st
         if not dist.is_initialized():
             dist.init_process_group(backend)
         try:
-            worker(mesh_shape, axis_names, backend, cfg, output)
+            worker(mesh_shape, axis_names, backend, cfg, output, name=name)
         finally:
             dist.destroy_process_group()
         return
@@ -344,4 +346,4 @@ def run(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: st
     if math.prod(mesh_shape) != nproc:
         raise ValueError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks but --nproc is {nproc}")
     mp.start_processes(_spawned, args=(nproc, _free_port(), tuple(mesh_shape), tuple(axis_names), backend, cfg,
-                                       output), nprocs=nproc, start_method="spawn")
+                                       output, name), nprocs=nproc, start_method="spawn")

@@ -1,0 +1,147 @@
+"""Fits, profiles, lookup fallbacks, and a real 2-process gloo calibration."""
+
+import json
+
+import numpy as np
+import pytest
+
+from costmodel import LinkModel, Profile, load_profile
+from costmodel.calibrate import CalibrationConfig, check_backend, groups_of, run
+from costmodel.fit import CollectiveFit, fit_collective
+
+
+def synthetic(alpha=25.0, beta=2e-4, noise=0.02, seed=0, sizes=None):
+    rng = np.random.default_rng(seed)
+    b = np.repeat(sizes if sizes is not None else 4.0 ** np.arange(5, 14), 5)
+    t = (alpha + beta * b) * (1 + noise * rng.standard_normal(b.size))
+    return b, t
+
+
+def test_fit_recovers_alpha_beta():
+    b, t = synthetic()
+    f = fit_collective("all_reduce", "tp", 8, True, b, t)
+    assert f.alpha_us == pytest.approx(25.0, rel=0.05)
+    assert f.beta_us_per_byte == pytest.approx(2e-4, rel=0.05)
+    # busbw = bus factor / beta: 2*(7/8) / 2e-4 us/B = 8750 B/us = 8.75 GB/s
+    assert f.busbw_gbps == pytest.approx(8.75, rel=0.05)
+
+
+def test_fit_is_robust_to_outliers():
+    b, t = synthetic(noise=0.01)
+    t[::7] *= 20  # a few samples hit by a straggler
+    f = fit_collective("all_gather", "dp", 4, False, b, t)
+    assert f.beta_us_per_byte == pytest.approx(2e-4, rel=0.1)
+    assert f.predict_one(4.0**10) == pytest.approx(25 + 2e-4 * 4.0**10, rel=0.1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_predictions_are_monotone_and_extrapolate(seed):
+    b, t = synthetic(noise=0.3, seed=seed)  # very noisy: medians may go down with size
+    f = fit_collective("reduce_scatter", "tp", 4, True, b, t)
+    q = np.logspace(0, 12, 400)
+    p = f.predict(q)
+    assert np.all(np.diff(p) >= -1e-9)
+    assert f.predict_one(0) == 0.0 and p[0] > 0
+    # Beyond the sweep: the fitted bandwidth, not a constant or an explosion.
+    big = f.knots_bytes[-1]
+    assert f.predict_one(4 * big) - f.predict_one(big) == pytest.approx(f.beta_us_per_byte * 3 * big)
+
+
+def test_fit_rejects_bad_samples():
+    with pytest.raises(ValueError, match="positive and finite"):
+        fit_collective("all_reduce", "tp", 2, True, [1, 2], [1, -1])
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        fit_collective("all_reduce", "tp", 2, True, [1, 2], [1])
+    with pytest.raises(ValueError, match="knot sizes must increase"):
+        CollectiveFit("all_reduce", "tp", 2, True, 1.0, 0.1, [2.0, 1.0], [1.0, 2.0])
+
+
+def calibrated(fits) -> Profile:
+    return load_profile("h100-sxm").with_calibration(fits, [], {"shape": [2, 4], "axis_names": ["dp", "tp"]}, {})
+
+
+def test_lookup_exact_rescaled_then_constants():
+    b, t = synthetic()
+    fit = fit_collective("all_gather", "tp", 4, True, b, t)
+    prof = calibrated([fit])
+    # 1. exact (kind, class, size)
+    assert prof.collective_predictor("all_gather", 4, True)(1e6) == pytest.approx(fit.predict_one(1e6))
+    # 2. same kind and class, other size: alpha + bytes * busfactor(8) / fitted busbw
+    p8 = prof.collective_predictor("all_gather", 8, True)(1e6)
+    assert p8 == pytest.approx(fit.alpha_us + 1e6 * (7 / 8) / (fit.busbw_gbps * 1e3))
+    # 3. nothing measured for that kind or class: the link constants, never zero
+    inter = prof.collective_predictor("all_gather", 4, False)(1e6)
+    assert inter == pytest.approx(prof.inter_node.latency_us + 1e6 * 0.75 / (prof.inter_node.busbw_gbps * 1e3))
+    assert prof.collective_predictor("all_to_all", 4, True)(1e6) > 0
+    assert prof.collective_predictor("all_reduce", 1, True)(1e6) == 0
+
+
+def test_profile_roundtrip_merge_and_validation(tmp_path):
+    b, t = synthetic()
+    prof = calibrated([fit_collective("all_reduce", "dp", 2, False, b, t)])
+    prof.save(tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json")
+    assert again == prof and again.collectives[0].predict_one(1e5) == prof.collectives[0].predict_one(1e5)
+    other = calibrated([fit_collective("all_gather", "tp", 4, True, b, t)])
+    merged = prof.merge(other)
+    assert {(f.kind, f.group) for f in merged.collectives} == {("all_reduce", "dp"), ("all_gather", "tp")}
+    cpu = load_profile("cpu-gloo")
+    with pytest.raises(ValueError, match="different devices"):
+        prof.merge(cpu)
+    data = json.loads((tmp_path / "p.json").read_text())
+    (tmp_path / "old.json").write_text(json.dumps({**data, "version": 1}))
+    with pytest.raises(ValueError, match="expected 2, found 1"):
+        load_profile(tmp_path / "old.json")
+    with pytest.raises(ValueError, match="equal-length shape and axis_names"):
+        Profile.from_json({**data, "mesh": {"shape": [2, 4], "axis_names": ["dp"]}})
+    with pytest.raises(ValueError, match="busbw_gbps must be > 0"):
+        LinkModel(1.0, 0.0)
+
+
+def test_config_and_groups():
+    assert CalibrationConfig(min_bytes=1024, max_bytes=65536, factor=4).sizes() == [1024, 4096, 16384, 65536]
+    assert groups_of(("dp", "tp", "cp"), True) == [("dp",), ("tp",), ("cp",), ("dp", "tp"), ("dp", "cp"),
+                                                  ("tp", "cp"), ("dp", "tp", "cp")]
+    with pytest.raises(ValueError, match="unknown collective kinds"):
+        CalibrationConfig(kinds=("all_reduce", "gossip"))
+    with pytest.raises(ValueError, match="min_bytes <= max_bytes"):
+        CalibrationConfig(min_bytes=10, max_bytes=5)
+
+
+def test_bad_backend_and_mesh():
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA GPUs"):
+            check_backend("nccl")
+    with pytest.raises(ValueError, match="backend must be"):
+        check_backend("mpi-ish")
+    with pytest.raises(ValueError, match=r"mesh \(2, 2\) has 4 ranks but --nproc is 2"):
+        run((2, 2), ("dp", "tp"), "gloo", CalibrationConfig(), None, nproc=2)
+
+
+def test_real_gloo_calibration_two_processes(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "cpu.json"
+    cfg = CalibrationConfig(kinds=("all_reduce", "all_gather"), min_bytes=4096, max_bytes=65536, factor=4,
+                            warmup=1, iters=2, repeats=2, run_seconds=0.002, matmul_size=64)
+    run((2,), ("dp",), "gloo", cfg, str(out), nproc=2)
+    prof = load_profile(out)
+    assert {(f.kind, f.group, f.group_size) for f in prof.collectives} == {("all_reduce", "dp", 2),
+                                                                          ("all_gather", "dp", 2)}
+    assert len(prof.samples) == 2 * 3 * 2
+    assert prof.identity["backend"] == "gloo" and prof.identity["device_count"] == 2
+    assert prof.mesh == {"shape": [2], "axis_names": ["dp"]}
+    assert prof.peak_tflops > 0
+    for f in prof.collectives:
+        assert np.all(np.diff(f.predict(np.logspace(2, 9, 50))) >= -1e-9)
+
+
+def test_gpu_calibration_runs_on_a_gpu(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    cfg = CalibrationConfig(kinds=("all_reduce",), min_bytes=2**20, max_bytes=2**22, repeats=2, matmul_size=1024)
+    run((2,), ("dp",), "nccl", cfg, str(tmp_path / "gpu.json"), nproc=2)
+    assert load_profile(tmp_path / "gpu.json").collectives
