@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 import solver

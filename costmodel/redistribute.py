@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import combinations
 
-import numpy as np
 
 from costmodel.collectives import MeshTopology
 from costmodel.profile import Profile
@@ -182,7 +181,6 @@ class RedistributePlanner:
             if not od:
                 continue
             x = od[-1]
-            n_x = self.shape[x]
             # gather the last axis of d's order
             new_orders = orders[:d] + (od[:-1],) + orders[d + 1:]
             c2 = list(codes)

@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 
-from solver.evaluate import memory_profile
 from solver.problem import FORBIDDEN, Problem
 
 
@@ -47,12 +46,40 @@ def _tie_groups(problem: Problem) -> list[list[int]]:
     return groups
 
 
-def _peak_excess(problem: Problem, choice: np.ndarray) -> float:
-    if problem.usage_limit is None:
-        return 0.0
-    usage = np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
-    _, total = memory_profile(problem, usage)
-    return max(0.0, float(total.max(initial=0.0)) - problem.usage_limit)
+class _Memory:
+    """Total usage per time segment, updated per move: a move is checked in O(its interval)."""
+
+    def __init__(self, problem: Problem, choice: np.ndarray):
+        self.problem = problem
+        iv = problem.intervals
+        self.times = np.unique(iv.ravel())
+        self.a = np.searchsorted(self.times, iv[:, 0])
+        self.b = np.searchsorted(self.times, iv[:, 1])
+        self.total = np.zeros(max(1, self.times.size))
+        for v in range(problem.num_nodes):
+            self.total[self.a[v]:self.b[v]] += problem.node_usages[v][choice[v]]
+        self.limit = problem.usage_limit if problem.usage_limit is not None else np.inf
+
+    def fits(self, group, old: int, new: int) -> bool:
+        if not np.isfinite(self.limit):
+            return True
+        delta = {}
+        for v in group:
+            d = self.problem.node_usages[v][new] - self.problem.node_usages[v][old]
+            if d > 0:
+                delta[v] = d
+        if not delta:
+            return True
+        lo = min(self.a[v] for v in delta)
+        hi = max(self.b[v] for v in delta)
+        seg = self.total[lo:hi].copy()
+        for v, d in delta.items():
+            seg[self.a[v] - lo:self.b[v] - lo] += d
+        return seg.size == 0 or seg.max() <= self.limit
+
+    def move(self, group, old: int, new: int) -> None:
+        for v in group:
+            self.total[self.a[v]:self.b[v]] += self.problem.node_usages[v][new] - self.problem.node_usages[v][old]
 
 
 def initial_choice(problem: Problem) -> np.ndarray:
@@ -70,40 +97,76 @@ def initial_choice(problem: Problem) -> np.ndarray:
 
 def local_search(problem: Problem, choice: np.ndarray, max_rounds: int = 20,
                  deadline: float | None = None) -> np.ndarray:
-    """Move one tie group at a time to its best strategy while memory stays within the limit.
+    """Move one tie group at a time to its cheapest strategy that keeps memory within the limit.
 
-    Stops after ``max_rounds`` sweeps without improvement or at ``deadline``
-    (a ``time.perf_counter()`` value): a memory check costs O(n log n) per move.
+    Stops after a sweep without improvement, ``max_rounds`` sweeps, or at ``deadline``
+    (a ``time.perf_counter()`` value).
     """
     adj = _Adjacency(problem)
     groups = _tie_groups(problem)
     choice = choice.copy()
-    has_limit = problem.usage_limit is not None
+    mem = _Memory(problem, choice)
     for _ in range(max_rounds):
         improved = False
         for g in groups:
             if deadline is not None and time.perf_counter() > deadline:
                 return choice
             gain = sum(_local_cost(problem, adj, choice, v) for v in g)
-            cur = gain[choice[g[0]]]
-            best = int(np.argmin(gain))
-            if not gain[best] < cur - 1e-9 * max(1.0, abs(cur)):
+            old = int(choice[g[0]])
+            cur = gain[old]
+            if not np.min(gain) < cur - 1e-9 * max(1.0, abs(cur)):
                 continue
-            old = choice[g[0]]
-            choice[g] = best
-            if has_limit and _peak_excess(problem, choice) > 0:
-                # Try the candidates in order of gain; keep the first that fits.
-                choice[g] = old
-                for i in np.argsort(gain, kind="stable"):
-                    if gain[i] >= cur or gain[i] >= FORBIDDEN:
-                        break
+            for i in np.argsort(gain, kind="stable"):
+                if not gain[i] < cur - 1e-9 * max(1.0, abs(cur)) or gain[i] >= FORBIDDEN:
+                    break
+                if mem.fits(g, old, int(i)):
+                    mem.move(g, old, int(i))
                     choice[g] = i
-                    if _peak_excess(problem, choice) == 0:
-                        improved = True
-                        break
-                    choice[g] = old
-            else:
-                improved = True
+                    improved = True
+                    break
         if not improved:
+            break
+    return choice
+
+
+def repair_pairs(problem: Problem, choice: np.ndarray, deadline: float | None = None,
+                 max_rounds: int = 5) -> np.ndarray:
+    """Move both ends of each edge whose chosen pair is forbidden (or costly) at once.
+
+    Single-node moves cannot leave a forbidden pair when every other strategy of
+    either end is forbidden with some third neighbour; a joint move of the two ends
+    to their best compatible pair often can. Memory is checked for the joint move.
+    """
+    adj = _Adjacency(problem)
+    groups = {v: g for g in _tie_groups(problem) for v in g}
+    choice = choice.copy()
+    mem = _Memory(problem, choice)
+    for _ in range(max_rounds):
+        changed = False
+        for e, (u, v) in enumerate(problem.edges.tolist()):
+            if deadline is not None and time.perf_counter() > deadline:
+                return choice
+            m = problem.edge_costs[e]
+            if m[choice[u], choice[v]] < FORBIDDEN or u == v or len(groups[u]) > 1 or len(groups[v]) > 1:
+                continue
+            cu = _local_cost(problem, adj, choice, u) - m[:, choice[v]]
+            cv = _local_cost(problem, adj, choice, v) - m[choice[u], :]
+            total = cu[:, None] + cv[None, :] + m
+            cur = total[choice[u], choice[v]]
+            order = np.argsort(total, axis=None, kind="stable")
+            for flat in order[:64]:
+                i, j = divmod(int(flat), total.shape[1])
+                if not total[i, j] < cur:
+                    break
+                oi, oj = int(choice[u]), int(choice[v])
+                if mem.fits([u], oi, i):
+                    mem.move([u], oi, i)
+                    if mem.fits([v], oj, j):
+                        mem.move([v], oj, j)
+                        choice[u], choice[v] = i, j
+                        changed = True
+                        break
+                    mem.move([u], i, oi)
+        if not changed:
             break
     return choice

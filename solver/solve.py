@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import pulp
 
-from solver import heuristic, ilp
+from solver import heuristic, highs_model, ilp
 from solver.evaluate import evaluate, memory_profile
 from solver.problem import Problem
 
@@ -56,24 +56,6 @@ class Solution:
         return [int(i) for i in self.choice]
 
 
-class _HighsWithStart(pulp.HiGHS):
-    """PuLP's HiGHS API, plus a MIP start and the dual bound read back."""
-
-    def callSolver(self, lp):  # noqa: N802 (PuLP's name)
-        import highspy
-
-        if self.optionsDict.get("warmStart"):
-            sol = highspy.HighsSolution()
-            sol.col_value = [float(v.varValue) if v.varValue is not None else 0.0 for v in lp.variables()]
-            sol.value_valid = True
-            lp.solverModel.setSolution(sol)
-        lp.solverModel.setOptionValue("random_seed", 0)
-        super().callSolver(lp)
-        info = lp.solverModel.getInfo()
-        self.dual_bound = float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else None
-        self.primal_ok = info.primal_solution_status >= 2
-
-
 def memory_lower_bound(problem: Problem) -> tuple[float, list[int]]:
     """Peak usage when every node takes its least-usage allowed strategy, and where it peaks."""
     usage = np.array(
@@ -88,12 +70,51 @@ def memory_lower_bound(problem: Problem) -> tuple[float, list[int]]:
     return peak, [int(t) for t in binding]
 
 
+def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, say):
+    model = highs_model.build(problem, max_nonzeros=max_nonzeros)
+    say(f"milp: {model.stats['variables']} variables ({model.stats['edge_variables']} edge), "
+        f"{model.stats['constraints']} rows, {model.stats['nonzeros']} nonzeros "
+        f"after {time.perf_counter() - t0:.2f}s")
+    h = highs_model.to_highs(model, time_limit - (time.perf_counter() - t0), mip_gap)
+    if start is not None:
+        import highspy
+
+        sol = highspy.HighsSolution()
+        sol.col_value = highs_model.start_vector(model, start).tolist()
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+    info = h.getInfo()
+    lower = float(info.mip_dual_bound) + model.const if math.isfinite(info.mip_dual_bound) else None
+    import highspy
+
+    optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    choice = None
+    if info.primal_solution_status >= 2:
+        choice = highs_model.extract(model, np.asarray(h.getSolution().col_value), problem.num_nodes)
+    return choice, lower, optimal, model.stats
+
+
+def _solve_cbc(problem, start, t0, time_limit, mip_gap, say):
+    model = ilp.build(problem)
+    say(f"ilp (PuLP): {model.stats['variables']} variables, {model.stats['constraints']} constraints "
+        f"after {time.perf_counter() - t0:.2f}s")
+    if start is not None:
+        ilp.set_start(model, problem, start)
+    remaining = max(0.1, time_limit - (time.perf_counter() - t0))
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=remaining, gapRel=mip_gap, warmStart=start is not None,
+                               options=["randomSeed 0", "randomCbcSeed 0"])
+    lp_status = model.lp.solve(solver)
+    return ilp.extract(model, problem), None, pulp.LpStatus[lp_status] == "Optimal", model.stats
+
+
 def solve(
     problem: Problem,
     time_limit: float = 60.0,
     backend: str = "highs",
     mip_gap: float = 1e-6,
     log: Callable[[str], None] | None = None,
+    max_nonzeros: float = 30e6,
 ) -> Solution:
     """Pick one strategy per node minimizing cost under the memory limit.
 
@@ -117,43 +138,53 @@ def solve(
             )
     start = heuristic.initial_choice(problem)
     # The incumbent gets a tenth of the time; the MILP the rest.
+    start = heuristic.local_search(problem, start, deadline=t0 + 0.05 * time_limit)
+    start = heuristic.repair_pairs(problem, start, deadline=t0 + 0.08 * time_limit)
     start = heuristic.local_search(problem, start, deadline=t0 + 0.1 * time_limit)
     best = evaluate(problem, start)
     best_choice, status = start, "heuristic"
+    lower = None
     say(f"incumbent: cost {best.cost:.6g} (feasible={best.feasible}) after {time.perf_counter() - t0:.2f}s")
-
-    model = ilp.build(problem)
-    say(f"ilp: {model.stats['variables']} variables, {model.stats['constraints']} constraints "
-        f"after {time.perf_counter() - t0:.2f}s")
-    if best.feasible:
-        ilp.set_start(model, problem, best_choice)
-    remaining = max(0.1, time_limit - (time.perf_counter() - t0))
-    if backend == "highs":
-        solver = _HighsWithStart(msg=False, timeLimit=remaining, gapRel=mip_gap, threads=1,
-                                 warmStart=best.feasible)
-    else:
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=remaining, gapRel=mip_gap, warmStart=best.feasible,
-                                   options=["randomSeed 0", "randomCbcSeed 0"])
-    lp_status = model.lp.solve(solver)
-    lower = getattr(solver, "dual_bound", None)
-    if lower is not None:
-        # PuLP does not hand the objective's constant to HiGHS.
-        lower += float(model.lp.objective.constant)
-    choice = ilp.extract(model, problem)
-    if choice is not None:
-        ev = evaluate(problem, choice)
+    stats = dict(problem.stats())
+    try:
+        if backend == "highs":
+            choice, lower, optimal, mstats = _solve_highs(problem, best_choice if best.feasible else None,
+                                                          t0, time_limit, mip_gap, max_nonzeros, say)
+        else:
+            choice, lower, optimal, mstats = _solve_cbc(problem, best_choice if best.feasible else None,
+                                                        t0, time_limit, mip_gap, say)
+        stats.update(mstats)
+        if choice is not None:
+            ev = evaluate(problem, choice)
+            if ev.feasible and (not best.feasible or ev.cost <= best.cost):
+                best, best_choice = ev, choice
+                status = "optimal" if optimal else "feasible"
+    except highs_model.ModelTooLarge as exc:
+        say(f"milp skipped: {exc}; local search for the remaining time")
+        stats["milp_skipped"] = str(exc)
+        more = best_choice
+        for _ in range(100):
+            before = evaluate(problem, more).cost
+            more = heuristic.repair_pairs(problem, more, deadline=t0 + 0.95 * time_limit)
+            more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=t0 + 0.95 * time_limit)
+            if evaluate(problem, more).cost >= before or time.perf_counter() > t0 + 0.95 * time_limit:
+                break
+        ev = evaluate(problem, more)
         if ev.feasible and (not best.feasible or ev.cost <= best.cost):
-            best, best_choice = ev, choice
-            status = "optimal" if pulp.LpStatus[lp_status] == "Optimal" else "feasible"
+            best, best_choice = ev, more
+    except ValueError as exc:  # the reductions proved it infeasible
+        say(f"milp: {exc}")
     if not best.feasible:
         floor, binding = memory_lower_bound(problem)
         raise InfeasibleError(
-            f"no feasible assignment found ({pulp.LpStatus[lp_status]}): {best.reason}; "
-            f"the least-usage strategies peak at {floor:g}",
+            f"found no feasible assignment within {time_limit:g}s (the problem may still be feasible): "
+            f"{best.reason}; the least-usage strategies peak at {floor:g}",
             floor,
             binding,
         )
     if status == "optimal" and lower is None:
+        lower = best.cost
+    if lower is not None and lower > best.cost:
         lower = best.cost
     seconds = time.perf_counter() - t0
     say(f"solved: {status}, cost {best.cost:.6g}, bound {lower}, {seconds:.2f}s")
@@ -165,5 +196,5 @@ def solve(
         seconds=seconds,
         peak_usage=best.peak_usage,
         backend=backend,
-        stats={**problem.stats(), **{k: v for k, v in model.stats.items()}},
+        stats=stats,
     )

@@ -158,3 +158,23 @@ def test_solver_does_not_import_torch():
 
     code = "import sys, solver; solver.solve; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pair_repair_leaves_forbidden_pairs_single_moves_cannot():
+    from solver import heuristic
+
+    big = 2 * FORBIDDEN
+    p = Problem([np.zeros(2), np.zeros(2)], [np.zeros(2), np.zeros(2)], np.array([[0, 1], [0, 1]]),
+                np.array([[0, 1]]), [np.array([[big, big], [big, 5.0]])])
+    start = np.array([0, 0])
+    assert heuristic.local_search(p, start).tolist() == [0, 0]  # every single move stays forbidden
+    fixed = heuristic.repair_pairs(p, start)
+    assert fixed.tolist() == [1, 1] and evaluate(p, fixed).feasible
+
+
+def test_large_models_fall_back_to_heuristics_within_the_limit():
+    rng = np.random.default_rng(11)
+    p = random_problem(rng, n=30, kmax=4, density=0.3)
+    sol = solve(p, time_limit=5, max_nonzeros=10)  # any MILP is "too large"
+    assert evaluate(p, sol.choice).feasible and sol.status == "heuristic"
+    assert "milp_skipped" in sol.stats and sol.seconds < 5

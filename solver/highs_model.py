@@ -1,0 +1,361 @@
+r"""The same integer program as :mod:`solver.ilp`, built straight into HiGHS from numpy arrays.
+
+PuLP creates one Python object per variable and per coefficient: on the IOPDDL
+instances (2-3 million edge variables) its model build alone took over 10 minutes
+and 13 GB, so the time limit meant nothing. This builder makes the columns and a
+row-wise sparse matrix with numpy and hands them to HiGHS in a few calls.
+
+Formulation (see :mod:`solver.ilp` for the derivation): binaries x[v,i]; edge
+variables y[e,i,j] in [0,1] with two marginal rows per edge; one-hot rows; ties;
+memory rows at maximal live sets, where nodes whose usage does not depend on
+their strategy move to the right-hand side.
+
+Reductions done while building (each exact): nodes with one allowed strategy are
+constants; edges touching such a node fold into the other node's cost; parallel
+edges are summed; constant and rank-one (r[i] + s[j]) matrices fold into node costs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from solver.problem import FORBIDDEN, Problem
+
+
+class ModelTooLarge(RuntimeError):
+    """The MILP would exceed the nonzero budget: solve falls back to its heuristics."""
+
+
+@dataclass
+class ArrayModel:
+    """Columns, rows and the maps back to the problem."""
+
+    cost: np.ndarray
+    upper: np.ndarray
+    integer: np.ndarray
+    """Boolean per column."""
+    row_lower: list = field(default_factory=list)
+    row_upper: list = field(default_factory=list)
+    row_index: list = field(default_factory=list)
+    """Per row block, (row ids repeated per nonzero, column ids, values)."""
+    n_rows: int = 0
+    const: float = 0.0
+    node_cols: list = field(default_factory=list)
+    """Per node: column of each strategy (-1 where not a variable)."""
+    fixed: dict = field(default_factory=dict)
+    edge_blocks: list = field(default_factory=list)
+    """(u, v, first y column, i per y, j per y) per edge with y variables."""
+    stats: dict = field(default_factory=dict)
+
+    def add_rows(self, lower, upper, rows, cols, vals):
+        rows = np.asarray(rows, dtype=np.int64)
+        self.row_lower.append(np.asarray(lower, dtype=np.float64))
+        self.row_upper.append(np.asarray(upper, dtype=np.float64))
+        self.row_index.append((rows + self.n_rows, np.asarray(cols, dtype=np.int64), np.asarray(vals, np.float64)))
+        self.n_rows += len(lower)
+
+
+def _allowed(problem: Problem) -> list[np.ndarray]:
+    return [np.nonzero(problem.allowed(v))[0] for v in range(problem.num_nodes)]
+
+
+def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray,
+                    max_entries: float = np.inf, strategies: np.ndarray | None = None):
+    """The memory rows that are not implied by others: ``[(live varying nodes, base usage)]``.
+
+    Time splits into segments between interval endpoints; on segment k the
+    varying nodes S_k are live and the least usage of everything live is b_k.
+    The row of k reads  sum_(v in S_k) (usage_v - least_v) <= limit - b_k.  It is
+    implied by a neighbour j when S_k is a subset of S_j (no varying node starts or
+    ends between them, in the right direction) and b_k <= b_j. Runs of segments with
+    the same S keep the largest b; neighbours then differ in S, so no two rows drop
+    each other, and the survivors imply every dropped row.
+    """
+    from solver.evaluate import memory_profile
+
+    iv = problem.intervals
+    live = iv[:, 1] > iv[:, 0]
+    times, base_total = memory_profile(problem, np.where(live, base_usage, 0.0))
+    if times.size < 2:
+        return []
+    vn = np.nonzero(varying & live)[0]
+    # Per boundary (times[k]) whether a varying node starts / ends there.
+    vstart = np.zeros(times.size, dtype=bool)
+    vend = np.zeros(times.size, dtype=bool)
+    vstart[np.searchsorted(times, iv[vn, 0])] = True
+    vend[np.searchsorted(times, iv[vn, 1])] = True
+    nseg = times.size - 1
+    # Merge runs without varying changes: segment groups g, base = max over the run.
+    new_group = vstart[:nseg] | vend[:nseg]
+    new_group[0] = True
+    gid = np.cumsum(new_group) - 1
+    ng = int(gid[-1]) + 1
+    gbase = np.full(ng, -np.inf)
+    np.maximum.at(gbase, gid, base_total[:nseg])
+    gfirst = np.nonzero(new_group)[0]
+    keep = np.ones(ng, dtype=bool)
+    for g in range(ng):
+        t_left = gfirst[g]
+        if g > 0 and not vstart[t_left] and gbase[g] <= gbase[g - 1]:
+            keep[g] = False  # only ends at the left boundary: S_g is inside S_(g-1)
+            continue
+        if g + 1 < ng:
+            t_right = gfirst[g + 1]
+            if not vend[t_right] and gbase[g] <= gbase[g + 1]:
+                keep[g] = False  # only starts at the right boundary: S_g is inside S_(g+1)
+    # Entries of the kept rows, from live counts alone, before any set is built.
+    k_of = strategies if strategies is not None else np.ones(problem.num_nodes)
+    w_start = np.zeros(times.size)
+    np.add.at(w_start, np.searchsorted(times, iv[vn, 0]), k_of[vn])
+    np.add.at(w_start, np.searchsorted(times, iv[vn, 1]), -k_of[vn])
+    entries = float(np.cumsum(w_start)[gfirst][keep].sum())
+    if entries > max_entries:
+        raise ModelTooLarge(f"{int(keep.sum())} memory rows with ~{entries:.3g} entries exceed the budget "
+                            f"of {max_entries:.3g}")
+    # Sweep once more, materializing the kept sets.
+    starts = {}
+    ends = {}
+    for v in vn.tolist():
+        starts.setdefault(int(np.searchsorted(times, iv[v, 0])), []).append(v)
+        ends.setdefault(int(np.searchsorted(times, iv[v, 1])), []).append(v)
+    cur: set[int] = set()
+    out = []
+    for g in range(ng):
+        for t in range(gfirst[g - 1] + 1 if g > 0 else 0, gfirst[g] + 1):
+            for v in ends.get(t, []):
+                cur.discard(v)
+            cur.update(starts.get(t, []))
+        if keep[g] and cur:
+            out.append((np.array(sorted(cur), dtype=np.int64), float(gbase[g])))
+        elif keep[g] and gbase[g] > (problem.usage_limit or np.inf):
+            out.append((np.zeros(0, dtype=np.int64), float(gbase[g])))
+    return out
+
+
+def build(problem: Problem, max_nonzeros: float = np.inf) -> ArrayModel:
+    """The MILP as arrays; :class:`ModelTooLarge` when it would pass ``max_nonzeros``."""
+    n = problem.num_nodes
+    allowed = _allowed(problem)
+    for v, a in enumerate(allowed):
+        if a.size == 0:
+            raise ValueError(f"node {problem._label(v)} has no allowed strategy (all forbidden or pinned away)")
+    fixed = {v: int(a[0]) for v, a in enumerate(allowed) if a.size == 1}
+    linear = [problem.node_costs[v].copy() for v in range(n)]
+    const = 0.0
+
+    # Edges: fold what is linear, sum parallel edges, keep the rest.
+    merged: dict[tuple[int, int], np.ndarray] = {}
+    for e, (u, v) in enumerate(problem.edges.tolist()):
+        m = problem.edge_costs[e]
+        if u == v:
+            linear[u] = linear[u] + np.diag(m)
+            continue
+        if u in fixed and v in fixed:
+            const += float(m[fixed[u], fixed[v]])
+            continue
+        if u in fixed:
+            linear[v] = linear[v] + m[fixed[u], :]
+            continue
+        if v in fixed:
+            linear[u] = linear[u] + m[:, fixed[v]]
+            continue
+        key, mat = ((u, v), m) if u < v else ((v, u), m.T)
+        merged[key] = merged[key] + mat if key in merged else mat.astype(np.float64, copy=True)
+    pairs = []
+    for (u, v), m in merged.items():
+        sub = m[np.ix_(allowed[u], allowed[v])]
+        if np.all(sub < FORBIDDEN):
+            r = sub[:, 0] - sub[0, 0]
+            s = sub[0, :]
+            if np.allclose(sub, r[:, None] + s[None, :], rtol=0, atol=1e-9 * max(1.0, float(np.abs(sub).max()))):
+                linear[u][allowed[u]] += r
+                linear[v][allowed[v]] += s
+                continue
+        pairs.append((u, v, sub))
+
+    n_y = sum(int((sub < FORBIDDEN).sum()) for _, _, sub in pairs)
+    if 3 * n_y > max_nonzeros:
+        raise ModelTooLarge(f"{n_y} edge variables ({3 * n_y:.3g} nonzeros) exceed the budget of {max_nonzeros:.3g}")
+    # Node columns.
+    node_cols = [np.full(problem.num_strategies(v), -1, dtype=np.int64) for v in range(n)]
+    cost_parts, ncol = [], 0
+    for v in range(n):
+        if v in fixed:
+            c = float(linear[v][fixed[v]])
+            if c >= FORBIDDEN:
+                raise ValueError(f"node {problem._label(v)}: its only allowed strategy meets a forbidden edge")
+            const += c
+            continue
+        a = allowed[v]
+        node_cols[v][a] = np.arange(ncol, ncol + a.size)
+        cost_parts.append(linear[v][a])
+        ncol += a.size
+    if const >= FORBIDDEN:
+        raise ValueError("the nodes with a single allowed strategy form a forbidden pair")
+    x_cost = np.concatenate(cost_parts) if cost_parts else np.zeros(0)
+    x_upper = np.where(x_cost >= FORBIDDEN, 0.0, 1.0)
+    x_cost = np.where(x_cost >= FORBIDDEN, 0.0, x_cost)
+
+    # Edge columns and marginal rows.
+    y_cost, blocks, row_r, row_c, row_v = [], [], [], [], []
+    n_marg = 0
+    ycol = ncol
+    for u, v, sub in pairs:
+        ii, jj = np.nonzero(sub < FORBIDDEN)
+        k = ii.size
+        cols = np.arange(ycol, ycol + k)
+        y_cost.append(sub[ii, jj])
+        blocks.append((u, v, ycol, allowed[u][ii], allowed[v][jj]))
+        ku, kv = sub.shape
+        # rows n_marg + i (for u's strategy i) and n_marg + ku + j (for v's strategy j)
+        row_r += [n_marg + ii, n_marg + ku + jj, n_marg + np.arange(ku), n_marg + ku + np.arange(kv)]
+        row_c += [cols, cols, node_cols[u][allowed[u]], node_cols[v][allowed[v]]]
+        row_v += [np.ones(k), np.ones(k), -np.ones(ku), -np.ones(kv)]
+        n_marg += ku + kv
+        ycol += k
+    model = ArrayModel(
+        cost=np.concatenate([x_cost] + y_cost) if y_cost else x_cost,
+        upper=np.concatenate([x_upper, np.ones(ycol - ncol)]),
+        integer=np.concatenate([np.ones(ncol, bool), np.zeros(ycol - ncol, bool)]),
+        const=const, node_cols=node_cols, fixed=fixed, edge_blocks=blocks,
+    )
+    # One-hot rows.
+    var_nodes = [v for v in range(n) if v not in fixed]
+    if var_nodes:
+        cols = np.concatenate([node_cols[v][allowed[v]] for v in var_nodes])
+        rows = np.concatenate([np.full(allowed[v].size, k) for k, v in enumerate(var_nodes)])
+        model.add_rows(np.ones(len(var_nodes)), np.ones(len(var_nodes)), rows, cols, np.ones(cols.size))
+    if n_marg:
+        model.add_rows(np.zeros(n_marg), np.zeros(n_marg), np.concatenate(row_r), np.concatenate(row_c),
+                       np.concatenate(row_v))
+    _memory_rows(model, problem, allowed, max_nonzeros - 3 * n_y)
+    _tie_rows(model, problem)
+    model.stats.update(variables=int(model.cost.size), edge_variables=int(ycol - ncol), constraints=model.n_rows,
+                       kept_edges=len(pairs), nonzeros=int(sum(r[0].size for r in model.row_index)))
+    return model
+
+
+def _memory_rows(model: ArrayModel, problem: Problem, allowed, max_entries: float = np.inf) -> None:
+    if problem.usage_limit is None:
+        model.stats["memory_rows"] = 0
+        return
+    n = problem.num_nodes
+    base_usage = np.zeros(n)
+    varying = np.zeros(n, dtype=bool)
+    for v in range(n):
+        u = problem.node_usages[v][allowed[v]]
+        base_usage[v] = u.min()
+        varying[v] = v not in model.fixed and u.max() > u.min()
+    ks = np.array([a.size for a in allowed], dtype=np.float64)
+    segments = memory_segments(problem, varying, base_usage, max_entries, ks)
+    lower, upper, rr, cc, vv = [], [], [], [], []
+    rows = []
+    for live, base in segments:
+        if live.size == 0:
+            raise ValueError(f"memory limit {problem.usage_limit:g} is below the least usage {base:g}")
+        cols, vals = [], []
+        for v in live.tolist():
+            a = allowed[v]
+            d = problem.node_usages[v][a] - base_usage[v]
+            nz = d != 0
+            cols.append(model.node_cols[v][a][nz])
+            vals.append(d[nz])
+        cols = np.concatenate(cols)
+        rr.append(np.full(cols.size, len(rows)))
+        cc.append(cols)
+        vv.append(np.concatenate(vals))
+        lower.append(-math.inf)
+        upper.append(problem.usage_limit - base)
+        rows.append(live)
+    if rows:
+        model.add_rows(np.array(lower), np.array(upper), np.concatenate(rr), np.concatenate(cc), np.concatenate(vv))
+    model.stats["memory_rows"] = len(rows)
+
+
+def _tie_rows(model: ArrayModel, problem: Problem) -> None:
+    rr, cc, vv, k = [], [], [], 0
+    for group in problem.ties:
+        head = group[0]
+        for w in group[1:]:
+            for i in range(problem.num_strategies(head)):
+                a, b = model.node_cols[head][i], model.node_cols[w][i]
+                fa = 1.0 if model.fixed.get(head) == i else 0.0
+                fb = 1.0 if model.fixed.get(w) == i else 0.0
+                entries = [(a, 1.0)] if a >= 0 else []
+                entries += [(b, -1.0)] if b >= 0 else []
+                rhs = fb - fa
+                if not entries:
+                    if rhs != 0:
+                        raise ValueError(f"tie {group}: fixed nodes {head} and {w} take different strategies")
+                    continue
+                for c, val in entries:
+                    rr.append(k)
+                    cc.append(c)
+                    vv.append(val)
+                model.row_lower.append(np.array([rhs]))
+                model.row_upper.append(np.array([rhs]))
+                model.row_index.append((np.full(len(entries), model.n_rows), np.array([c for c, _ in entries]),
+                                        np.array([val for _, val in entries])))
+                model.n_rows += 1
+                k += 1
+
+
+def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int = 1, log: bool = False):
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", bool(log))
+    h.setOptionValue("time_limit", float(max(0.1, time_limit)))
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    h.setOptionValue("threads", int(threads))
+    h.setOptionValue("random_seed", 0)
+    nc = model.cost.size
+    h.addCols(nc, model.cost, np.zeros(nc), model.upper, 0, np.zeros(0, np.int32), np.zeros(0, np.int32),
+              np.zeros(0))
+    ints = np.nonzero(model.integer)[0].astype(np.int32)
+    if ints.size:
+        h.changeColsIntegrality(ints.size, ints, np.ones(ints.size, dtype=np.uint8))
+    if model.n_rows:
+        r = np.concatenate([b[0] for b in model.row_index])
+        c = np.concatenate([b[1] for b in model.row_index])
+        v = np.concatenate([b[2] for b in model.row_index])
+        order = np.argsort(r, kind="stable")
+        r, c, v = r[order], c[order], v[order]
+        starts = np.searchsorted(r, np.arange(model.n_rows)).astype(np.int32)
+        lower = np.concatenate(model.row_lower)
+        upper = np.concatenate(model.row_upper)
+        h.addRows(model.n_rows, np.where(np.isinf(lower), -highspy.kHighsInf, lower),
+                  np.where(np.isinf(upper), highspy.kHighsInf, upper), c.size, starts, c.astype(np.int32), v)
+    return h
+
+
+def start_vector(model: ArrayModel, choice: np.ndarray) -> np.ndarray:
+    x = np.zeros(model.cost.size)
+    for v, cols in enumerate(model.node_cols):
+        c = cols[choice[v]]
+        if c >= 0:
+            x[c] = 1.0
+    for u, v, first, ii, jj in model.edge_blocks:
+        hit = np.nonzero((ii == choice[u]) & (jj == choice[v]))[0]
+        if hit.size:
+            x[first + hit[0]] = 1.0
+    return x
+
+
+def extract(model: ArrayModel, values: np.ndarray, n: int) -> np.ndarray | None:
+    choice = np.zeros(n, dtype=np.int64)
+    for v in range(n):
+        if v in model.fixed:
+            choice[v] = model.fixed[v]
+            continue
+        cols = model.node_cols[v]
+        idx = np.nonzero(cols >= 0)[0]
+        vals = values[cols[idx]]
+        k = int(np.argmax(vals))
+        if vals[k] < 0.5:
+            return None
+        choice[v] = idx[k]
+    return choice
