@@ -14,6 +14,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
 
+from costmodel._torch_compat import placements_of as to_placements  # noqa: F401 (one converter)
 from costmodel.spec import Spec
 
 
@@ -27,18 +28,6 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 
 def make_spec(mesh, spec: Spec, t: torch.Tensor) -> DTensorSpec:
     return DTensorSpec(mesh, to_placements(spec), tensor_meta=tensor_meta(t))
-
-
-def to_placements(spec: Spec) -> tuple:
-    out = []
-    for p in spec.placements:
-        if p == "R":
-            out.append(Replicate())
-        elif p.startswith("S("):
-            out.append(Shard(int(p[2:-1])))
-        else:
-            out.append(Partial(p[2:-1]))
-    return tuple(out)
 
 
 def from_placements(placements) -> Spec | None:

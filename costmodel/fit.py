@@ -113,8 +113,18 @@ class CollectiveFit:
         return math.exp(self._logt[k] + f * (self._logt[k + 1] - self._logt[k]))
 
     def predict(self, nbytes) -> np.ndarray:
+        """Vectorized :meth:`predict_one` (same pieces, numpy throughout)."""
         b = np.asarray(nbytes, dtype=np.float64)
-        return np.vectorize(self.predict_one, otypes=[np.float64])(b)
+        kb, kt = np.asarray(self.knots_bytes), np.asarray(self.knots_us)
+        if kb.size == 0:
+            return np.where(b > 0, self.alpha_us + self.beta_us_per_byte * b, 0.0)
+        safe = np.maximum(b, 1e-300)
+        mid = np.exp(np.interp(np.log(safe), np.log(kb), np.log(np.maximum(kt, 1e-9))))
+        above = kt[-1] + self.beta_us_per_byte * (b - kb[-1])
+        floor = min(self.alpha_us, kt[0])
+        below = floor + (kt[0] - floor) * b / kb[0]
+        out = np.where(b >= kb[-1], above, np.where(b <= kb[0], below, mid))
+        return np.where(b > 0, out, 0.0)
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -145,3 +145,10 @@ def test_gpu_calibration_runs_on_a_gpu(tmp_path):
     cfg = CalibrationConfig(kinds=("all_reduce",), min_bytes=2**20, max_bytes=2**22, repeats=2, matmul_size=1024)
     run((2,), ("dp",), "nccl", cfg, str(tmp_path / "gpu.json"), nproc=2)
     assert load_profile(tmp_path / "gpu.json").collectives
+
+
+def test_vectorized_prediction_matches_scalar():
+    b, t = synthetic(noise=0.2, seed=4)
+    f = fit_collective("all_to_all", "dp+tp", 16, False, b, np.abs(t))
+    q = np.concatenate([[0.0, 1.0, 100.0], np.logspace(0, 12, 300)])
+    np.testing.assert_allclose(f.predict(q), [f.predict_one(x) for x in q], rtol=1e-12)
