@@ -112,7 +112,7 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget, seconds) -> Plan:
         })
     compute = float(sum(gp.compute_us[v][choice[v]] for v in range(len(gp.nodes))))
     total = float(sol.cost)
-    comm_total = total - compute  # edges plus the loss's reduction (input loading is negligible)
+    comm_total = max(0.0, total - compute)  # edges plus the loss reduction (input loading is negligible)
     shapes = {fqn: list(p.shape) for fqn, p in list(model.named_parameters()) + list(model.named_buffers())}
     summary = {
         "step_us": round(total, 3),

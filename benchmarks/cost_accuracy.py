@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from costmodel.calibrate import CalibrationConfig, _free_port, base_profile_for, build_profile, sweep  # noqa: E402
+from costmodel.calibrate import CalibrationConfig, free_port, base_profile_for, build_profile, sweep  # noqa: E402
 
 
 def _worker(rank, world, port, rounds, out_file):
@@ -82,7 +82,7 @@ def main() -> None:
     import tempfile
 
     out = tempfile.mktemp(suffix=".json")
-    mp.start_processes(_worker, args=(args.nproc, _free_port(), args.rounds, out), nprocs=args.nproc,
+    mp.start_processes(_worker, args=(args.nproc, free_port(), args.rounds, out), nprocs=args.nproc,
                        start_method="spawn")
     rows = json.loads(Path(out).read_text())
     err = lambda pred, truth: abs(pred - truth) / truth  # noqa: E731

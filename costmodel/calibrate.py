@@ -298,7 +298,7 @@ def worker(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output:
     return profile
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -345,5 +345,5 @@ def run(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: st
                          "(or run `torchrun --nproc-per-node N -m autoshard calibrate ...`)")
     if math.prod(mesh_shape) != nproc:
         raise ValueError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks but --nproc is {nproc}")
-    mp.start_processes(_spawned, args=(nproc, _free_port(), tuple(mesh_shape), tuple(axis_names), backend, cfg,
+    mp.start_processes(_spawned, args=(nproc, free_port(), tuple(mesh_shape), tuple(axis_names), backend, cfg,
                                        output, name), nprocs=nproc, start_method="spawn")
