@@ -3,6 +3,8 @@
   autoshard demo [--mesh dp=8,tp=8]                 plan a small GPT on a fake 64-rank mesh
   autoshard plan MODULE:FACTORY --mesh dp=8,tp=8 -o plan.json
   autoshard show plan.json                          print a plan's summary
+  autoshard explain plan.json                       per-layer table, the dearest redistributes
+  autoshard diff a.json b.json                      what differs between two plans
   autoshard calibrate --mesh dp=2,tp=4 -o prof.json  measure collectives (under torchrun, or --nproc N)
 """
 
@@ -116,6 +118,22 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    from autoshard.explain import explain
+    from autoshard.plan import Plan
+
+    print(explain(Plan.load(args.plan), top=args.top))
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from autoshard.explain import diff
+    from autoshard.plan import Plan
+
+    print(diff(Plan.load(args.a), Plan.load(args.b)))
+    return 0
+
+
 def cmd_show(args) -> int:
     from autoshard.plan import Plan
 
@@ -159,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-flattened", action="store_true", help="skip multi-axis (flattened) groups")
     c.add_argument("--name", default=None, help="profile name (default: calibrated-<device>)")
     c.set_defaults(func=cmd_calibrate)
+    e = sub.add_parser("explain", help="per-layer table of a plan, totals, the dearest redistributes")
+    e.add_argument("plan")
+    e.add_argument("--top", type=int, default=10)
+    e.set_defaults(func=cmd_explain)
+    df = sub.add_parser("diff", help="what differs between two plans")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.set_defaults(func=cmd_diff)
     s = sub.add_parser("show", help="print a plan file's summary")
     s.add_argument("plan")
     s.add_argument("--max-params", type=int, default=40)

@@ -32,3 +32,19 @@ def test_parse_bytes():
     assert parse_bytes("1.5 GB") == 1_500_000_000
     with pytest.raises(Exception, match="expected a number"):
         parse_bytes("lots")
+
+
+def test_explain_and_diff(world, tmp_path, capsys):
+    world(64)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    small = ["--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128", "--batch", "8", "--seq", "16"]
+    assert main(["demo", *small, "-o", str(a)]) == 0
+    assert main(["demo", *small, "--mesh", "dp=8,tp=8", "--profile", "cpu-gloo", "-o", str(b)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(a)]) == 0
+    out = capsys.readouterr().out
+    assert "[layers.0]" in out and "layers.0.attn.wq.weight" in out and "per device" in out
+    assert main(["diff", str(a), str(a)]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert main(["diff", str(a), str(b)]) == 0
+    assert "profile: h100-sxm -> cpu-gloo" in capsys.readouterr().out

@@ -1,0 +1,89 @@
+"""Reading plans: a per-layer table (``explain``) and a readable comparison (``diff``)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+
+from autoshard.plan import Plan
+
+
+def layer_of(fqn: str) -> str:
+    """``layers.3.attn.wq.weight`` -> ``layers.3``; ``embed.weight`` -> ``embed``."""
+    m = re.match(r"^(.*?\.\d+)\.", fqn)
+    if m:
+        return m.group(1)
+    return fqn.rsplit(".", 1)[0] if "." in fqn else fqn
+
+
+def _local_elems(plan: Plan, fqn: str) -> int:
+    p = plan.params[fqn]
+    return math.prod(plan.param_spec(fqn).local_shape(tuple(p.shape), tuple(plan.mesh_shape))) if p.shape else 0
+
+
+def explain(plan: Plan, top: int = 10) -> str:
+    """Placements and per-device parameter elements per layer, totals, the dearest redistributes."""
+    lines = [plan.describe(max_params=0).rsplit("\n  parameters:", 1)[0], ""]
+    layers: OrderedDict[str, list[str]] = OrderedDict()
+    for fqn in plan.params:
+        layers.setdefault(layer_of(fqn), []).append(fqn)
+    axes = plan.axis_names
+    width = max([len(fqn) for fqn in plan.params] + [10])
+    head = f"  {'parameter':<{width}}  " + "  ".join(f"{a:>6}" for a in axes) + f"  {'global':>14}  {'per device':>12}"
+    total_g = total_l = 0
+    for layer, fqns in layers.items():
+        lines.append(f"[{layer}]")
+        lines.append(head)
+        for fqn in fqns:
+            p = plan.params[fqn]
+            g = math.prod(p.shape) if p.shape else 0
+            loc = _local_elems(plan, fqn)
+            total_g, total_l = total_g + g, total_l + loc
+            pl = "  ".join(f"{p.placements[a]:>6}" for a in axes)
+            order = f"  order {p.shard_order}" if p.shard_order else ""
+            lines.append(f"  {fqn:<{width}}  {pl}  {g:>14,}  {loc:>12,}{order}")
+    lines.append("")
+    lines.append(f"parameters: {total_g:,} elements, {total_l:,} per device "
+                 f"({total_l / max(total_g, 1):.1%}); {len(plan.redistributes)} redistributes, "
+                 f"{sum(r['us'] for r in plan.redistributes):.1f} us predicted")
+    dear = sorted(plan.redistributes, key=lambda r: -r["us"])[:top]
+    if dear:
+        lines.append(f"the {len(dear)} most expensive redistributes:")
+        for r in dear:
+            lines.append(f"  {r['us']:>10.1f} us  {r['node']} arg {r['arg']}: {r['from']} -> {r['to']}  "
+                         f"[{', '.join(r['steps'])}]")
+    return "\n".join(lines)
+
+
+def diff(a: Plan, b: Plan) -> str:
+    """What differs between two plans: mesh, model, placements, inputs, predicted costs."""
+    out = []
+    if a.mesh_shape != b.mesh_shape or a.axis_names != b.axis_names:
+        out.append(f"mesh: {dict(zip(a.axis_names, a.mesh_shape))} -> {dict(zip(b.axis_names, b.mesh_shape))}")
+    if a.model.get("fingerprint") != b.model.get("fingerprint"):
+        out.append(f"model: {a.model.get('class')} {a.model.get('fingerprint')} -> "
+                   f"{b.model.get('class')} {b.model.get('fingerprint')}")
+    if a.profile.get("name") != b.profile.get("name"):
+        out.append(f"profile: {a.profile.get('name')} -> {b.profile.get('name')}")
+    for fqn in sorted(set(a.params) | set(b.params)):
+        if fqn not in b.params:
+            out.append(f"- {fqn}")
+        elif fqn not in a.params:
+            out.append(f"+ {fqn}")
+        else:
+            sa = str(a.param_spec(fqn)) if a.axis_names == b.axis_names else str(a.params[fqn].placements)
+            sb = str(b.param_spec(fqn)) if a.axis_names == b.axis_names else str(b.params[fqn].placements)
+            if sa != sb:
+                out.append(f"~ {fqn}: {sa} -> {sb}")
+    if a.inputs != b.inputs:
+        out.append(f"inputs: {a.inputs} -> {b.inputs}")
+    for key, unit, scale in (("step_us", "ms", 1e3), ("compute_us", "ms", 1e3), ("comm_us", "ms", 1e3),
+                             ("peak_mem_bytes", "MiB", 2**20)):
+        va, vb = a.summary.get(key), b.summary.get(key)
+        if va is not None and vb is not None and va != vb:
+            rel = f" ({(vb - va) / va:+.1%})" if va else ""
+            out.append(f"{key}: {va / scale:.3f} -> {vb / scale:.3f} {unit}{rel}")
+    if len(a.redistributes) != len(b.redistributes):
+        out.append(f"redistributes: {len(a.redistributes)} -> {len(b.redistributes)}")
+    return "\n".join(out) if out else "plans are identical in placements and predicted costs"
