@@ -28,7 +28,6 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.trace import TracedGraph
 from costmodel import MeshTopology, Profile, Spec, compute_time_us, plan_steps

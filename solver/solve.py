@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import pulp
 
-from solver import heuristic, highs_model, ilp
+from solver import cfn, heuristic, highs_model, ilp
 from solver.evaluate import evaluate, memory_profile
 from solver.problem import Problem
 
@@ -160,8 +160,15 @@ def solve(
                 best, best_choice = ev, choice
                 status = "optimal" if optimal else "feasible"
     except highs_model.ModelTooLarge as exc:
-        say(f"milp skipped: {exc}; local search for the remaining time")
+        say(f"milp skipped: {exc}; penalty search and local search for the remaining time")
         stats["milp_skipped"] = str(exc)
+        if problem.usage_limit is not None and cfn.available():
+            found = cfn.penalty_search(problem, best_choice if best.feasible else None,
+                                       deadline=t0 + 0.9 * time_limit, say=say)
+            if found is not None:
+                ev = evaluate(problem, found)
+                if ev.feasible and (not best.feasible or ev.cost <= best.cost):
+                    best, best_choice = ev, found
         more = best_choice
         for _ in range(100):
             before = evaluate(problem, more).cost

@@ -178,3 +178,39 @@ def test_large_models_fall_back_to_heuristics_within_the_limit():
     sol = solve(p, time_limit=5, max_nonzeros=10)  # any MILP is "too large"
     assert evaluate(p, sol.choice).feasible and sol.status == "heuristic"
     assert "milp_skipped" in sol.stats and sol.seconds < 5
+
+
+@pytest.mark.skipif(not __import__("solver.cfn").cfn.available(), reason="pytoulbar2 not installed")
+@pytest.mark.parametrize("seed", range(3))
+def test_penalty_search_finds_feasible_near_optimal(seed):
+    import time
+
+    from solver import cfn
+
+    rng = np.random.default_rng(100 + seed)
+    p = random_problem(rng, n=40, kmax=4, density=0.15)
+    lows = sum(u.min() for u in p.node_usages)
+    p.usage_limit = float(max(p.usage_limit, lows))
+    try:
+        exact = solve(p, time_limit=30)
+    except solver.InfeasibleError:
+        pytest.skip("infeasible draw")
+    found = cfn.penalty_search(p, None, deadline=time.perf_counter() + 8)
+    assert found is not None
+    ev = evaluate(p, found)
+    assert ev.feasible and ev.cost >= exact.cost - 1e-6
+
+
+def test_memory_repair_reaches_the_limit():
+    import time
+
+    from solver import cfn
+
+    rng = np.random.default_rng(5)
+    p = random_problem(rng, n=25, kmax=3, density=0.1, limit=False)
+    greedy = np.array([int(np.argmax(u)) for u in p.node_usages])  # the most memory everywhere
+    peak = evaluate(p, greedy).peak_usage
+    floor = evaluate(p, np.array([int(np.argmin(u)) for u in p.node_usages])).peak_usage
+    p.usage_limit = (peak + floor) / 2
+    fixed = cfn.repair_memory(p, greedy, time.perf_counter() + 5)
+    assert fixed is not None and evaluate(p, fixed).peak_usage <= p.usage_limit
