@@ -108,6 +108,7 @@ def penalty_search(problem: Problem, start: np.ndarray | None, deadline: float, 
     rates = [r for r in rates if r > 0]
     scale = float(np.median(rates)) if rates else 1.0
     mu = np.zeros(nseg)
+    mu_prev = mu
     span_typ = max(1.0, float(np.median(mem.b - mem.a)))
     best, best_cost = None, np.inf
     if start is not None:
@@ -126,10 +127,14 @@ def penalty_search(problem: Problem, start: np.ndarray | None, deadline: float, 
         prefix = np.concatenate([[0.0], np.cumsum(mu)])
         span = prefix[mem.b] - prefix[mem.a]
         unary = [problem.node_costs[v] + problem.node_usages[v] * span[v] for v in range(problem.num_nodes)]
-        choice = _solve_cfn(problem, unary, pairs, min(remaining * 0.5, 30.0))
+        choice = _solve_cfn(problem, unary, pairs, min(remaining * 0.6, 60.0))
         rounds += 1
         if choice is None:
-            break
+            # No solution in time: the last step made the network too hard; step back halfway.
+            say(f"cfn round {rounds}: no solution in time; halving the last multiplier step")
+            mu = (mu + mu_prev) / 2
+            last_round = time.perf_counter() - t_round
+            continue
         raw = evaluate(problem, choice)
         usage = np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
         total = np.zeros(nseg)
@@ -146,6 +151,7 @@ def penalty_search(problem: Problem, start: np.ndarray | None, deadline: float, 
         say(f"cfn round {rounds}: raw cost {raw.cost:.6g}, peak {raw.peak_usage / problem.usage_limit:.2f}x limit, "
             f"best feasible {best_cost:.6g} ({time.perf_counter() - t_begin:.1f}s)")
         # Raise multipliers where memory overflowed, relative to the overflow; let the rest decay.
+        mu_prev = mu
         mu = np.where(excess > 0, mu + scale * excess * 2.0 ** min(rounds, 20) / span_typ, mu * 0.8)
         last_round = time.perf_counter() - t_round
     return best
