@@ -36,6 +36,19 @@ def loss_fn(logits):
     return logits.float().pow(2).mean()
 
 
+def train(model, data, lr: float, report: bool) -> None:
+    """AdamW steps on ``data``; prints ``step N loss X`` when ``report``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step, tokens in enumerate(data):
+        loss = loss_fn(model(tokens))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
+        if report:
+            print(f"step {step} loss {value:.8f}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m autoshard.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,13 +71,7 @@ def main(argv=None) -> int:
     data = batches(args.steps, args.batch, args.seq, args.vocab, args.seed)
 
     if args.single:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        for step, tokens in enumerate(data):
-            loss = loss_fn(model(tokens))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            print(f"step {step} loss {loss.item():.8f}", flush=True)
+        train(model, data, args.lr, report=True)
         return 0
 
     import autoshard
@@ -90,15 +97,7 @@ def main(argv=None) -> int:
     dist.broadcast_object_list(box, src=0)
     plan = Plan.from_json(box[0])
     model = autoshard.parallelize(model, plan, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    for step, tokens in enumerate(data):
-        loss = loss_fn(model(tokens))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
-        if dist.get_rank() == 0:
-            print(f"step {step} loss {value:.8f}", flush=True)
+    train(model, data, args.lr, report=dist.get_rank() == 0)
     dist.destroy_process_group()
     return 0
 
