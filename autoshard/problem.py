@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.trace import TracedGraph
-from costmodel import MeshTopology, Profile, Spec, compute_time_us, plan_steps
+from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
 import solver
 
 
@@ -72,27 +72,22 @@ def local_bytes(spec: Spec, t: torch.Tensor, mesh_shape) -> int:
     return int(np.prod(spec.local_shape(tuple(t.shape), mesh_shape), dtype=np.int64)) * t.element_size()
 
 
-class _RedistCache:
-    """Redistribute costs memoized by (src, dst, shape, itemsize)."""
+class _RedistCost:
+    """Edge costs from one redistribute planner, which caches by (src, dst, shape, itemsize)."""
 
     def __init__(self, topo: MeshTopology, profile: Profile):
-        self.topo, self.profile, self.memo = topo, profile, {}
+        self.planner = RedistributePlanner(topo, profile)
 
     def cost(self, src: Spec, dst: Spec, t: torch.Tensor) -> float:
-        key = (src, dst, tuple(t.shape), t.element_size())
-        c = self.memo.get(key)
-        if c is None:
-            c = sum(s.us for s in plan_steps(src, dst, tuple(t.shape), t.element_size(), self.topo, self.profile))
-            self.memo[key] = c
-        return c
+        return self.planner.plan(src, dst, tuple(t.shape), t.element_size()).us
 
     def matrix(self, srcs: list[Spec], dsts: list[Spec], t: torch.Tensor) -> np.ndarray:
-        us, ui = np.unique([str(s) for s in srcs], return_inverse=True)
-        vs, vi = np.unique([str(s) for s in dsts], return_inverse=True)
-        by_str_s = {str(s): s for s in srcs}
-        by_str_d = {str(s): s for s in dsts}
-        small = np.array([[self.cost(by_str_s[a], by_str_d[b], t) for b in vs] for a in us]).reshape(len(us), len(vs))
-        return small[np.ix_(ui, vi)]
+        """Cost of every (producer strategy, consumer strategy) pair, planning each distinct spec pair once."""
+        us, vs = list(dict.fromkeys(srcs)), list(dict.fromkeys(dsts))
+        small = np.array([[self.cost(a, b, t) for b in vs] for a in us]).reshape(len(us), len(vs))
+        u_pos = {s: k for k, s in enumerate(us)}
+        v_pos = {s: k for k, s in enumerate(vs)}
+        return small[np.ix_([u_pos[s] for s in srcs], [v_pos[s] for s in dsts])]
 
 
 def _flops(node: fx.Node, memo: dict) -> float:
@@ -129,7 +124,7 @@ def build_problem(
     """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``."""
     mesh_shape = tuple(mesh.shape)
     topo = MeshTopology(mesh_shape, profile.devices_per_node)
-    redist = _RedistCache(topo, profile)
+    redist = _RedistCost(topo, profile)
     en = StrategyEnumerator(mesh)
     order = list(tg.gm.graph.nodes)
     pos = {n: k for k, n in enumerate(order)}

@@ -66,8 +66,6 @@ def torch_path(mesh, src_spec, dst_spec):
 
 
 def to_spec(state) -> Spec:
-    from costmodel._torch_compat import placements_of  # noqa: F401 (same conventions)
-
     placements = []
     for p in state.placements:
         name = type(p).__name__
@@ -85,7 +83,7 @@ def to_spec(state) -> Spec:
 def main() -> None:
     profile = load_profile("h100-sxm")
     rng = random.Random(0)
-    ratios, costlier, rows = [], 0, []
+    ratios, costlier = [], 0
     print(f"{'mesh':<16} {'src':<22} {'dst':<22} {'ours ms':>8} {'cached us':>9} {'torch ms':>9} "
           f"{'t cached us':>11} {'ours us':>9} {'torch us':>9}")
     for mesh_shape in MESHES:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.profile import LinkModel, Profile
+from costmodel.profile import LinkModel
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 _BUS_FACTOR = {
@@ -51,10 +51,6 @@ def bus_factor(kind: str, n: int) -> float:
     if kind not in _BUS_FACTOR:
         raise ValueError(f"collective kind must be one of {KINDS}, found {kind!r}")
     return float(_BUS_FACTOR[kind](np.float64(n)))
-
-
-def link_for(profile: Profile, topo: MeshTopology, axes: tuple[int, ...]) -> LinkModel:
-    return profile.intra_node if topo.group_is_intra_node(axes) else profile.inter_node
 
 
 def collective_time_us(kind: str, nbytes, group_size, link: LinkModel) -> np.ndarray:

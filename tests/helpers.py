@@ -1,6 +1,5 @@
 """Shared pieces of the tests: a profile where sharding pays, and numerics checks."""
 
-import torch
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
