@@ -10,12 +10,24 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy  # noqa: F401
+from torch.distributed.tensor._ops import utils as _op_utils
 from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 from torch.distributed.tensor.placement_types import _StridedShard
+import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
 
 from costmodel._torch_compat import placements_of as to_placements  # noqa: F401 (one converter)
 from costmodel.spec import Spec
+
+
+def preserve_node_meta():
+    """FX's metadata channel: while active, ``node_meta_custom()`` lands on every traced node."""
+    return fx_traceback.preserve_node_meta()
+
+
+def node_meta_custom() -> dict:
+    """The ``custom`` metadata dict copied onto the nodes created from now on."""
+    return fx_traceback.current_meta.setdefault("custom", {})
 
 
 def sharding_propagator():
@@ -48,11 +60,27 @@ def from_placements(placements) -> Spec | None:
     return Spec(tuple(out))
 
 
+def _zero_cost(src, dst) -> float:
+    return 0.0
+
+
 def op_strategy(op, schema: OpSchema, mesh, out_meta):
     """DTensor's full strategy list for ``op``; None when DTensor has no rule.
 
     Single-dim rules are expanded to every mesh axis by DTensor's own expander.
+    DTensor's strategy functions price every (candidate input, strategy) pair with
+    its own redistribute cost, which we never read (our planner prices edges):
+    stubbing it out for the call removes most of the enumeration time.
     """
+    saved = _op_utils.redistribute_cost
+    _op_utils.redistribute_cost = _zero_cost
+    try:
+        return _op_strategy(op, schema, mesh, out_meta)
+    finally:
+        _op_utils.redistribute_cost = saved
+
+
+def _op_strategy(op, schema: OpSchema, mesh, out_meta):
     prop = sharding_propagator()
     if op in prop.op_single_dim_strategy_funcs:
         info = prop.op_single_dim_strategy_funcs[op]

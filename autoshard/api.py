@@ -30,12 +30,15 @@ def plan(
     time_limit: float = 60.0,
     backend: str = "highs",
     log: Callable[[str], None] | None = None,
+    tie_layers: bool = True,
 ) -> Plan:
     """Choose a spec for every node of ``model``'s training step on ``mesh``.
 
     ``memory_budget``: bytes per device; ``"auto"`` takes the profile's device
     memory, ``None`` plans without a memory constraint. ``loss_fn`` maps the
     model's output to a scalar loss (default: the mean of the output).
+    ``tie_layers``: repeated layers (a ModuleList of identical blocks) take the
+    same specs, so the solver sees one layer however deep the model is.
     """
     say = log or (lambda _m: None)
     check_mesh(mesh)
@@ -44,21 +47,34 @@ def plan(
     if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
         raise AutoshardError(f"memory_budget: expected bytes > 0, 'auto' or None, found {memory_budget!r}")
     t0 = time.perf_counter()
-    tg = trace(model, example_inputs, loss_fn)
-    say(f"traced {len(tg.gm.graph.nodes)} graph nodes in {time.perf_counter() - t0:.2f}s")
-    gp = build_problem(tg, mesh, prof, budget)
+    phases = {}
+    tg = trace(model, example_inputs, loss_fn, tie_layers=tie_layers)
+    phases["trace_s"] = time.perf_counter() - t0
+    say(f"traced {len(tg.gm.graph.nodes)} graph nodes in {phases['trace_s']:.2f}s"
+        + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"
+           if tg.layer_groups else ""))
+    gp = build_problem(tg, mesh, prof, budget, tie_layers=tie_layers)
     st = gp.problem.stats()
-    say(f"built problem: {st['nodes']} nodes, {st['strategies']} strategies, {st['edges']} edges "
-        f"in {time.perf_counter() - t0:.2f}s")
+    phases["build_s"] = time.perf_counter() - t0 - phases["trace_s"]
+    say(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
+        f"{len(gp.problem.ties)} tie groups), {st['strategies']} strategies, {st['edges']} edges "
+        f"in {phases['build_s']:.2f}s")
     try:
+        t1 = time.perf_counter()
         sol = solver.solve(gp.problem, time_limit=time_limit, backend=backend, log=say)
+        phases["solve_s"] = time.perf_counter() - t1
     except solver.InfeasibleError as exc:
         raise AutoshardError(
             f"memory budget {budget / 2**30:.3f} GiB per device is infeasible for this model on mesh "
             f"{tuple(mesh.shape)}: the smallest feasible budget is at least "
             f"{exc.min_feasible_limit_bound / 2**30:.3f} GiB"
         ) from exc
-    return _assemble(model, tg, gp, sol, mesh, prof, budget, time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    result = _assemble(model, tg, gp, sol, mesh, prof, budget, 0.0)
+    phases["assemble_s"] = time.perf_counter() - t1
+    result.summary["plan_seconds"] = round(time.perf_counter() - t0, 3)
+    result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
+    return result
 
 
 def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget, seconds) -> Plan:

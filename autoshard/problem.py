@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from autoshard.layers import layer_ties
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.trace import TracedGraph
 from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
@@ -77,6 +78,21 @@ class _RedistCost:
 
     def __init__(self, topo: MeshTopology, profile: Profile):
         self.planner = RedistributePlanner(topo, profile)
+        self._mats: dict = {}
+
+    def edge_matrix(self, src_strats, out: int, dst_strats, arg: int, t: torch.Tensor) -> np.ndarray:
+        """The matrix of an edge, shared by every edge with the same strategy lists and tensor.
+
+        Strategy lists come from the enumerator's cache, so the copies of an edge in
+        repeated layers are the same two list objects: one matrix serves them all.
+        """
+        key = (id(src_strats), out, id(dst_strats), arg, tuple(t.shape), t.element_size())
+        m = self._mats.get(key)
+        if m is None:
+            srcs = [s.outs[out] for s in src_strats]
+            dsts = [s.ins[arg] for s in dst_strats] if arg >= 0 else [s.outs[0] for s in dst_strats]
+            m = self._mats[key] = self.matrix(srcs, dsts, t)
+        return m
 
     def cost(self, src: Spec, dst: Spec, t: torch.Tensor) -> float:
         return self.planner.plan(src, dst, tuple(t.shape), t.element_size()).us
@@ -84,7 +100,8 @@ class _RedistCost:
     def matrix(self, srcs: list[Spec], dsts: list[Spec], t: torch.Tensor) -> np.ndarray:
         """Cost of every (producer strategy, consumer strategy) pair, planning each distinct spec pair once."""
         us, vs = list(dict.fromkeys(srcs)), list(dict.fromkeys(dsts))
-        small = np.array([[self.cost(a, b, t) for b in vs] for a in us]).reshape(len(us), len(vs))
+        shape, item = tuple(t.shape), t.element_size()
+        small = np.array([self.planner.costs(a, vs, shape, item) for a in us]).reshape(len(us), len(vs))
         u_pos = {s: k for k, s in enumerate(us)}
         v_pos = {s: k for k, s in enumerate(vs)}
         return small[np.ix_([u_pos[s] for s in srcs], [v_pos[s] for s in dsts])]
@@ -114,12 +131,37 @@ def _is_view(node: fx.Node) -> bool:
         or node.target in (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
 
 
+def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo):
+    """Compute time and output bytes per device of each strategy of a call_function node."""
+    flops = _flops(n, flop_memo)
+    view = _is_view(n)
+    ins_vals = [a.meta["val"] for a in ns.tensor_args]
+    c = np.zeros(len(strats))
+    usage = np.zeros(len(strats))
+    if view:
+        return c, usage  # views alias their input: no time, no memory
+    for i, s in enumerate(strats):
+        out_b = sum(local_bytes(o, t, mesh_shape) for o, t in zip(s.outs, outs_vals)
+                    if o is not None and isinstance(t, torch.Tensor))
+        usage[i] = out_b
+        in_b = sum(local_bytes(sp, t, mesh_shape) for sp, t in zip(s.ins, ins_vals))
+        split = 1
+        for axis in range(len(mesh_shape)):
+            sharded_in = any(sp.placements[axis].startswith("S(") for sp in s.ins)
+            if sharded_in or (not s.ins and any(o is not None and o.placements[axis].startswith("S(")
+                                                for o in s.outs)):
+                split *= mesh_shape[axis]
+        c[i] = compute_time_us(flops / split, in_b + out_b, profile)
+    return c, usage
+
+
 def build_problem(
     tg: TracedGraph,
     mesh,
     profile: Profile,
     memory_budget: float | None,
     optimizer_states: int = 2,
+    tie_layers: bool = True,
 ) -> GraphProblem:
     """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``."""
     mesh_shape = tuple(mesh.shape)
@@ -131,14 +173,17 @@ def build_problem(
     end = len(order)
 
     nodes: list[fx.Node] = []
+    leaf_strats: dict = {}
     strategies: list[list[Strategy]] = []
     per_node: list[NodeStrategies | None] = []
     for n in order:
         if n.op == "placeholder":
             val = n.meta["val"]
-            specs = en.specs_for(val, partial=False)
+            key = (tuple(val.shape), val.dtype)
+            if key not in leaf_strats:
+                leaf_strats[key] = [Strategy(outs=(s,), ins=()) for s in en.specs_for(val, partial=False)]
             nodes.append(n)
-            strategies.append([Strategy(outs=(s,), ins=()) for s in specs])
+            strategies.append(leaf_strats[key])
             per_node.append(None)
         elif n.op == "call_function" and not is_getitem(n):
             ns = en.for_node(n)
@@ -162,6 +207,7 @@ def build_problem(
     loss_idx = resolve(tg.loss_node)[0] if tg.loss_node is not None else None
 
     flop_memo: dict = {}
+    node_memo: dict = {}
     costs, usages, intervals, compute = [], [], [], []
     for v, (n, strats) in enumerate(zip(nodes, strategies)):
         val = n.meta["val"]
@@ -177,27 +223,16 @@ def build_problem(
                 c = np.array([local_bytes(s.outs[0], val, mesh_shape) / (profile.mem_bandwidth_gbps * 1e3)
                               for s in strats])
         else:
-            flops = _flops(n, flop_memo)
-            view = _is_view(n)
-            ins_vals = [a.meta["val"] for a in per_node[v].tensor_args]
-            c = np.zeros(len(strats))
-            usage = np.zeros(len(strats))
-            for i, s in enumerate(strats):
-                out_b = sum(local_bytes(o, t, mesh_shape) for o, t in zip(s.outs, outs_vals)
-                            if o is not None and isinstance(t, torch.Tensor))
-                if not view:
-                    usage[i] = out_b
-                    in_b = sum(local_bytes(sp, t, mesh_shape) for sp, t in zip(s.ins, ins_vals))
-                    split = 1
-                    for axis in range(len(mesh_shape)):
-                        sharded_in = any(sp.placements[axis].startswith("S(") for sp in s.ins)
-                        if sharded_in or (not s.ins and any(o is not None and o.placements[axis].startswith("S(")
-                                                            for o in s.outs)):
-                            split *= mesh_shape[axis]
-                    c[i] = compute_time_us(flops / split, in_b + out_b, profile)
+            memo_key = (id(strats), n.target)
+            if memo_key in node_memo:
+                c, usage = node_memo[memo_key]
+            else:
+                c, usage = node_memo.setdefault(memo_key, _node_costs(n, strats, per_node[v], outs_vals,
+                                                                       mesh_shape, profile, flop_memo))
             lo = pos[n]
             hi = end if v in grad_producers or v == loss_idx else last.get(n, pos[n]) + 1
         compute.append(c.copy())
+
         if v == loss_idx:
             r = Spec(("R",) * len(mesh_shape))
             c = c + np.array([redist.cost(s.outs[0], r, val) for s in strats])
@@ -213,19 +248,21 @@ def build_problem(
             continue
         for k, a in enumerate(ns.tensor_args):
             u, o = resolve(a)
-            t = a.meta["val"]
-            srcs = [s.outs[o] for s in strategies[u]]
-            dsts = [s.ins[k] for s in strategies[v]]
             edges.append(ArgEdge(v, k, u, o))
-            mats.append(redist.matrix(srcs, dsts, t))
+            mats.append(redist.edge_matrix(strategies[u], o, strategies[v], k, a.meta["val"]))
+    placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
     for fqn, g in tg.grad_of.items():
         u, o = resolve(g)
-        p = next(x for x in tg.placeholders if tg.fqn_of[x.name] == fqn)
-        v = index[p.name]
-        srcs = [s.outs[o] for s in strategies[u]]
-        dsts = [s.outs[0] for s in strategies[v]]
+        v = index[placeholder_of[fqn].name]
         edges.append(ArgEdge(v, -1, u, o))
-        mats.append(redist.matrix(srcs, dsts, g.meta["val"] if not is_getitem(g) else g.meta["val"]))
+        mats.append(redist.edge_matrix(strategies[u], o, strategies[v], -1, g.meta["val"]))
+
+    ties = []
+    if tie_layers:
+        for group in layer_ties(tg.gm, tg.layer_groups, tg.fqn_of):
+            members = [index[n.name] for n in group if n.name in index]
+            if len(members) > 1 and len({len(strategies[m]) for m in members}) == 1:
+                ties.append(members)
 
     problem = solver.Problem(
         node_costs=costs,
@@ -236,5 +273,6 @@ def build_problem(
         usage_limit=memory_budget,
         name="autoshard",
         node_names=[n.name for n in nodes],
+        ties=ties,
     )
     return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index)

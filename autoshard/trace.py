@@ -17,6 +17,7 @@ from torch.func import functional_call
 
 from autoshard._torch_compat import FakeTensorMode, make_fx
 from autoshard.errors import TraceError
+from autoshard.layers import layer_groups, tag_layers
 
 
 def default_loss(out):
@@ -46,6 +47,8 @@ class TracedGraph:
     loss_node: fx.Node | None = None
     grad_of: dict[str, fx.Node] = field(default_factory=dict)
     """Parameter FQN -> the node producing its gradient (absent when unused)."""
+    layer_groups: list[list[str]] = field(default_factory=list)
+    """Repeated layers whose traced nodes are tagged (see :mod:`autoshard.layers`)."""
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -67,8 +70,13 @@ def trace(
     model: torch.nn.Module,
     example_inputs: Sequence[torch.Tensor],
     loss_fn: Callable | None = None,
+    tie_layers: bool = True,
 ) -> TracedGraph:
-    """Trace one training step of ``model`` on ``example_inputs`` (real, fake or meta tensors)."""
+    """Trace one training step of ``model`` on ``example_inputs`` (real, fake or meta tensors).
+
+    With ``tie_layers``, the nodes of repeated layers are tagged so that the
+    planner can tie them.
+    """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -100,9 +108,20 @@ def trace(
         grads = torch.autograd.grad(loss, [ps[i] for i in trainable], allow_unused=True)
         return (loss, *grads)
 
+    groups = layer_groups(model) if tie_layers else []
     try:
-        with fm:
-            gm = make_fx(step, pre_dispatch=False)(*fparams, *fbuffers, *finputs)
+        try:
+            with fm, tag_layers(model, groups):
+                gm = make_fx(step, pre_dispatch=False)(*fparams, *fbuffers, *finputs)
+        except TraceError:
+            raise
+        except Exception:
+            if not groups:
+                raise
+            # Backward hooks can trip on unusual layer signatures: trace again untagged.
+            groups = []
+            with fm:
+                gm = make_fx(step, pre_dispatch=False)(*fparams, *fbuffers, *finputs)
     except TraceError:
         raise
     except Exception as exc:  # the model's own error, reported with the shapes it got
@@ -112,7 +131,8 @@ def trace(
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from exc
 
-    tg = TracedGraph(gm=gm, param_fqns=names_p, buffer_fqns=names_b, num_inputs=len(example_inputs))
+    tg = TracedGraph(gm=gm, param_fqns=names_p, buffer_fqns=names_b, num_inputs=len(example_inputs),
+                     layer_groups=groups)
     ph = tg.placeholders
     for k, node in enumerate(ph):
         if k < len(names_p):

@@ -141,6 +141,7 @@ class RedistributePlanner:
         self._max_busbw = max([profile.intra_node.busbw_gbps, profile.inter_node.busbw_gbps]
                               + [f.busbw_gbps for f in fits if math.isfinite(f.busbw_gbps)])
         self.cache: dict = {}
+        self.cost_cache: dict = {}
         self.stats = {"searches": 0, "expanded": 0, "hits": 0}
 
     def _time(self, kind, nbytes, axes) -> float:
@@ -171,7 +172,9 @@ class RedistributePlanner:
         return True
 
     # -- transitions ------------------------------------------------------
-    def _neighbors(self, codes, orders, tshape, item, target_partials, dst_codes):
+    def _neighbors(self, codes, orders, tshape, item, partition_ok):
+        """Every single step from (codes, orders); ``partition_ok`` holds the (axis, partial code)
+        pairs a target holds: a partial anywhere else would only cost a reduction later."""
         local = self._local_elems(orders, tshape) * item
         out = []
         ndim = len(orders)
@@ -247,9 +250,9 @@ class RedistributePlanner:
                 c2 = list(codes)
                 c2[x] = d
                 out.append(("chunk", (x,), 0, tuple(c2), tuple(no)))
-            for p in target_partials:
-                if dst_codes[x] != p:
-                    continue  # a partial the target does not hold on x would only cost a reduction
+            for xx, p in partition_ok:
+                if xx != x:
+                    continue
                 kinds = {cc for cc in codes if cc < R} | {p}
                 if frozenset(kinds) not in _COMPATIBLE_PARTIALS:
                     continue
@@ -282,8 +285,7 @@ class RedistributePlanner:
         s0, goal = encode(src, ndim, self.n), encode(dst, ndim, self.n)
         if s0 == goal:
             return 0.0
-        partials = sorted({c for c in goal[0] if c < R})
-        for kind, axes, nbytes, c2, o2 in self._neighbors(*s0, tuple(tshape), itemsize, partials, goal[0]):
+        for kind, axes, nbytes, c2, o2 in self._neighbors(*s0, tuple(tshape), itemsize, _partition_ok(goal[0])):
             if (c2, o2) == goal and len(axes) == 1:
                 return 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
         raise RedistributeError(f"{src} -> {dst} is not a single step")
@@ -297,6 +299,7 @@ class RedistributePlanner:
             return hit
         result = self._search(src, dst, tuple(tshape), itemsize)
         self.cache[key] = result
+        self.cost_cache.setdefault(key, result.us)
         return result
 
     def _search(self, src, dst, tshape, item) -> RedistributePlan:
@@ -310,7 +313,7 @@ class RedistributePlanner:
         self.stats["searches"] += 1
         if s0 == goal:
             return RedistributePlan(src, dst, [])
-        target_partials = sorted({c for c in goal[0] if c < R})
+        partition_ok = _partition_ok(goal[0])
         axis_lb = self._axis_lower_bounds(tshape, item)
         h0 = self._h(s0, goal, axis_lb)
         frontier = [(h0, 0.0, 0, s0)]
@@ -328,7 +331,7 @@ class RedistributePlanner:
                 return RedistributePlan(src, dst, self._unwind(parent, state) + self._complete(state, goal))
             self.stats["expanded"] += 1
             codes, orders = state
-            for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, item, target_partials, goal[0]):
+            for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, item, partition_ok):
                 nxt = (c2, o2)
                 us = 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
                 # Local steps still cost a hair, so a plan never takes pointless detours.
@@ -339,6 +342,63 @@ class RedistributePlanner:
                     tie += 1
                     heapq.heappush(frontier, (ng + self._h(nxt, goal, axis_lb), ng, tie, nxt))
         raise RedistributeError(f"no sequence of collectives turns {src} into {dst}")
+
+    def costs(self, src: Spec, dsts: list[Spec], tshape: tuple[int, ...], itemsize: int) -> list[float]:
+        """``plan(src, d).us`` for every d in ``dsts``, from one search.
+
+        Dijkstra from ``src`` over the whole state space (no goal, no heuristic)
+        settles every target at once: a producer spec has as many targets as its
+        consumers have candidate specs, and one search over the few hundred
+        states of a 2-D or 3-D mesh is far cheaper than one A* per target.
+        Answers agree with :meth:`plan` (both are exact) and are cached.
+        """
+        tshape = tuple(tshape)
+        out = [self.cost_cache.get((src, d, tshape, itemsize)) for d in dsts]
+        todo = [d for d, c in zip(dsts, out) if c is None]
+        if not todo:
+            return out
+        if len(set(todo)) < 3:
+            return [c if c is not None else self.plan(src, d, tshape, itemsize).us for d, c in zip(dsts, out)]
+        ndim = len(tshape)
+        s0 = encode(src, ndim, self.n)
+        goals = {}
+        for d in dict.fromkeys(todo):
+            g = encode(d, ndim, self.n)
+            if frozenset(c for c in g[0] if c < R) not in _COMPATIBLE_PARTIALS:
+                raise RedistributeError(f"spec {d} mixes partial kinds")
+            goals.setdefault(g, []).append(d)
+        if frozenset(c for c in s0[0] if c < R) not in _COMPATIBLE_PARTIALS:
+            raise RedistributeError(f"spec {src} mixes partial kinds")
+        partition_ok = frozenset(pair for g in goals for pair in _partition_ok(g[0]))
+        self.stats["searches"] += 1
+        true = {s0: 0.0}
+        best = {s0: 0.0}
+        frontier = [(0.0, 0, s0)]
+        tie, left = 0, len(goals)
+        done = set()
+        while frontier and left:
+            g, _, state = heapq.heappop(frontier)
+            if state in done:
+                continue
+            done.add(state)
+            if state in goals:
+                left -= 1
+            codes, orders = state
+            for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, itemsize, partition_ok):
+                nxt = (c2, o2)
+                us = 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
+                ng = g + us + (1e-6 if us == 0 else 0)
+                if ng < best.get(nxt, math.inf) - 1e-12:
+                    best[nxt] = ng
+                    true[nxt] = true[state] + us
+                    tie += 1
+                    heapq.heappush(frontier, (ng, tie, nxt))
+        for g, ds in goals.items():
+            if g not in done:
+                raise RedistributeError(f"no sequence of collectives turns {src} into {ds[0]}")
+            for d in ds:
+                self.cost_cache[(src, d, tshape, itemsize)] = true[g]
+        return [self.cost_cache[(src, d, tshape, itemsize)] for d in dsts]
 
     @staticmethod
     def _complete(state, goal) -> list[Step]:
@@ -396,6 +456,10 @@ class RedistributePlanner:
             steps.append(Step(kind, tuple(axes), int(nbytes), us, decode(*prev), decode(*state)))
             state = prev
         return steps[::-1]
+
+
+def _partition_ok(goal_codes) -> frozenset:
+    return frozenset((x, c) for x, c in enumerate(goal_codes) if c < R)
 
 
 @lru_cache(maxsize=64)

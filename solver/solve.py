@@ -71,11 +71,36 @@ def memory_lower_bound(problem: Problem) -> tuple[float, list[int]]:
 
 
 def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, say):
-    model = highs_model.build(problem, max_nonzeros=max_nonzeros)
-    say(f"milp: {model.stats['variables']} variables ({model.stats['edge_variables']} edge), "
-        f"{model.stats['constraints']} rows, {model.stats['nonzeros']} nonzeros "
+    """Lazy memory: the MILP without memory rows first. Its optimum, when it fits the
+    limit, is optimal for the full problem too (a relaxation's optimum that is feasible),
+    and on planner graphs the limit often does not bind: the memory rows (thousands of
+    them, half the nonzeros) then cost nothing. Otherwise its bound still holds and the
+    full MILP gets the remaining time."""
+    relaxed_bound = None
+    if problem.usage_limit is not None:
+        deadline = t0 + 0.5 * time_limit
+        choice, lower, optimal, stats = _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say,
+                                                   memory=False)
+        if choice is not None and optimal and evaluate(problem, choice).feasible:
+            stats["memory_rows_needed"] = False
+            return choice, lower, True, stats
+        relaxed_bound = lower  # a bound of the relaxation bounds the full problem too
+        say("milp without memory rows breaks the limit: adding them")
+    choice, lower, optimal, stats = _run_highs(problem, start, t0, t0 + time_limit, mip_gap, max_nonzeros, say)
+    if relaxed_bound is not None and (lower is None or relaxed_bound > lower):
+        lower = relaxed_bound
+    return choice, lower, optimal, stats
+
+
+def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say, memory=True):
+    model = highs_model.build(problem, max_nonzeros=max_nonzeros, memory=memory)
+    say(f"milp{'' if memory else ' (memory rows left out)'}: {model.stats['variables']} variables "
+        f"({model.stats['edge_variables']} edge, {model.stats['dominated_strategies']} dominated strategies "
+        f"dropped), {model.stats['constraints']} rows, {model.stats['nonzeros']} nonzeros "
         f"after {time.perf_counter() - t0:.2f}s")
-    h = highs_model.to_highs(model, time_limit - (time.perf_counter() - t0), mip_gap)
+    if model.cost.size == 0:  # the reductions fixed every node
+        return highs_model.extract(model, np.zeros(0), problem.num_nodes), model.const, True, model.stats
+    h = highs_model.to_highs(model, deadline - time.perf_counter(), mip_gap)
     if start is not None:
         import highspy
 

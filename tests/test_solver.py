@@ -214,3 +214,26 @@ def test_memory_repair_reaches_the_limit():
     p.usage_limit = (peak + floor) / 2
     fixed = cfn.repair_memory(p, greedy, time.perf_counter() + 5)
     assert fixed is not None and evaluate(p, fixed).peak_usage <= p.usage_limit
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_tie_groups_of_three_match_brute_force(seed):
+    """Tied nodes share MILP columns (their edges merged, edges inside a group diagonal,
+    memory rows weighing a group once per live member) and dominated strategies are dropped:
+    the optimum must still be the brute-force one."""
+    rng = np.random.default_rng(1000 + seed)
+    p = random_problem(rng, n=7, kmax=3, density=0.6, limit=seed % 3 != 0)
+    for k in (3, 2):
+        same = [v for v in range(p.num_nodes) if p.num_strategies(v) == k]
+        if len(same) >= 3:
+            p.ties = [same[:3]]
+            break
+    exact = brute_force(p)
+    if exact is None:
+        with pytest.raises(solver.InfeasibleError):
+            solve(p, time_limit=10)
+        return
+    sol = solve(p, time_limit=10)
+    assert evaluate(p, sol.choice).feasible
+    assert sol.cost == pytest.approx(exact, abs=1e-6)
+    assert sol.status == "optimal"
