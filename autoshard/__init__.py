@@ -5,7 +5,7 @@
     model = autoshard.parallelize(model, plan, mesh)        # DTensor executes it
 """
 
-from autoshard.api import plan
+from autoshard.api import compare, plan
 from autoshard.errors import AutoshardError, MeshError, PlanError, TraceError
 from autoshard.mesh import fake_mesh, parse_mesh
 from autoshard.parallelize import parallelize
@@ -23,6 +23,7 @@ __all__ = [
     "PlanError",
     "TraceError",
     "fake_mesh",
+    "compare",
     "parallelize",
     "parse_mesh",
     "plan",

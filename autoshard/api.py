@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -11,7 +12,9 @@ import solver
 from autoshard.errors import AutoshardError
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.plan import ParamPlacement, Plan
-from autoshard.problem import build_problem
+from autoshard.pins import resolve_pins, to_spec
+from autoshard.baselines import BASELINES, baseline_pins
+from autoshard.problem import build_problem, pin_indices
 from autoshard.trace import trace
 from costmodel import MeshTopology, Profile, load_profile, plan_steps
 
@@ -31,6 +34,8 @@ def plan(
     backend: str = "highs",
     log: Callable[[str], None] | None = None,
     tie_layers: bool = True,
+    pins: dict | None = None,
+    input_specs: Sequence | None = None,
 ) -> Plan:
     """Choose a spec for every node of ``model``'s training step on ``mesh``.
 
@@ -39,42 +44,96 @@ def plan(
     model's output to a scalar loss (default: the mean of the output).
     ``tie_layers``: repeated layers (a ModuleList of identical blocks) take the
     same specs, so the solver sees one layer however deep the model is.
+    ``pins``: ``{FQN glob (parameter or module): spec}`` fixes those parameters'
+    specs (a spec is text such as ``"S(0)[1,0]S(0)"`` or ``{axis: placement}``);
+    ``input_specs``: one spec (or None) per example input.
     """
-    say = log or (lambda _m: None)
-    check_mesh(mesh)
-    prof = _resolve_profile(profile)
-    budget = prof.memory_bytes if memory_budget == "auto" else memory_budget
-    if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
-        raise AutoshardError(f"memory_budget: expected bytes > 0, 'auto' or None, found {memory_budget!r}")
-    t0 = time.perf_counter()
-    phases = {}
-    tg = trace(model, example_inputs, loss_fn, tie_layers=tie_layers)
-    phases["trace_s"] = time.perf_counter() - t0
-    say(f"traced {len(tg.gm.graph.nodes)} graph nodes in {phases['trace_s']:.2f}s"
-        + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"
-           if tg.layer_groups else ""))
-    gp = build_problem(tg, mesh, prof, budget, tie_layers=tie_layers)
-    st = gp.problem.stats()
-    phases["build_s"] = time.perf_counter() - t0 - phases["trace_s"]
-    say(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
-        f"{len(gp.problem.ties)} tie groups), {st['strategies']} strategies, {st['edges']} edges "
-        f"in {phases['build_s']:.2f}s")
-    try:
+    session = _Session(model, example_inputs, mesh, profile, memory_budget, loss_fn, tie_layers, log)
+    return session.solve(pins, input_specs, time_limit, backend)
+
+
+def compare(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    mesh,
+    baselines: Sequence[str] = BASELINES,
+    profile: str | Profile = "h100-sxm",
+    memory_budget: float | None | str = "auto",
+    loss_fn: Callable | None = None,
+    time_limit: float = 60.0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Plan | str]:
+    """Our plan and each hand-written baseline (``ddp``, ``fsdp``, ``tp``, ``fsdp_tp``), costed alike.
+
+    One trace and one problem serve them all; a baseline fixes the parameter and
+    input specs (see :mod:`autoshard.baselines`) and the solver does the rest. A
+    baseline that does not fit the memory budget maps to the error's message.
+    Keys: ``"autoshard"`` and the baseline names.
+    """
+    session = _Session(model, example_inputs, mesh, profile, memory_budget, loss_fn, True, log)
+    out: dict[str, Plan | str] = {"autoshard": session.solve(None, None, time_limit, "highs")}
+    for name in baselines:
+        pins, inputs = baseline_pins(name, model, len(tuple(mesh.shape)))
+        inputs = inputs * len(session.tg.input_nodes())
+        try:
+            out[name] = session.solve(pins, inputs, time_limit, "highs")
+        except AutoshardError as exc:
+            out[name] = str(exc)
+    return out
+
+
+class _Session:
+    """One traced model and its problem on one mesh: solved once per set of pins."""
+
+    def __init__(self, model, example_inputs, mesh, profile, memory_budget, loss_fn, tie_layers, log):
+        self.say = log or (lambda _m: None)
+        check_mesh(mesh)
+        self.model, self.mesh = model, mesh
+        self.prof = _resolve_profile(profile)
+        budget = self.prof.memory_bytes if memory_budget == "auto" else memory_budget
+        if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
+            raise AutoshardError(f"memory_budget: expected bytes > 0, 'auto' or None, found {memory_budget!r}")
+        self.budget = budget
+        t0 = time.perf_counter()
+        self.phases = {}
+        self.tg = tg = trace(model, example_inputs, loss_fn, tie_layers=tie_layers)
+        self.phases["trace_s"] = time.perf_counter() - t0
+        self.say(f"traced {len(tg.gm.graph.nodes)} graph nodes in {self.phases['trace_s']:.2f}s"
+                 + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"
+                    if tg.layer_groups else ""))
         t1 = time.perf_counter()
-        sol = solver.solve(gp.problem, time_limit=time_limit, backend=backend, log=say)
-        phases["solve_s"] = time.perf_counter() - t1
-    except solver.InfeasibleError as exc:
-        raise AutoshardError(
-            f"memory budget {budget / 2**30:.3f} GiB per device is infeasible for this model on mesh "
-            f"{tuple(mesh.shape)}: the smallest feasible budget is at least "
-            f"{exc.min_feasible_limit_bound / 2**30:.3f} GiB"
-        ) from exc
-    t1 = time.perf_counter()
-    result = _assemble(model, tg, gp, sol, mesh, prof, budget, 0.0)
-    phases["assemble_s"] = time.perf_counter() - t1
-    result.summary["plan_seconds"] = round(time.perf_counter() - t0, 3)
-    result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
-    return result
+        self.gp = gp = build_problem(tg, mesh, self.prof, budget, tie_layers=tie_layers)
+        self.phases["build_s"] = time.perf_counter() - t1
+        st = gp.problem.stats()
+        self.say(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
+                 f"{len(gp.problem.ties)} tie groups), {st['strategies']} strategies, {st['edges']} edges "
+                 f"in {self.phases['build_s']:.2f}s")
+        self.names = axis_names_of(mesh)
+
+    def solve(self, pins, input_specs, time_limit, backend) -> Plan:
+        tg, gp = self.tg, self.gp
+        pinned = resolve_pins(pins or {}, tg.param_fqns + tg.buffer_fqns, self.names)
+        in_specs = None if input_specs is None else [
+            None if s is None else to_spec(s, self.names, f"input_specs[{k}]") for k, s in enumerate(input_specs)]
+        problem = dataclasses.replace(gp.problem, pins=pin_indices(gp, tg, pinned, in_specs))
+        t1 = time.perf_counter()
+        try:
+            sol = solver.solve(problem, time_limit=time_limit, backend=backend, log=self.say)
+        except solver.InfeasibleError as exc:
+            raise AutoshardError(
+                f"memory budget {self.budget / 2**30:.3f} GiB per device is infeasible for this model"
+                f"{' with these pins' if problem.pins else ''} on mesh {tuple(self.mesh.shape)}: the smallest "
+                f"feasible budget is at least {exc.min_feasible_limit_bound / 2**30:.3f} GiB"
+            ) from exc
+        phases = dict(self.phases, solve_s=time.perf_counter() - t1)
+        t1 = time.perf_counter()
+        result = _assemble(self.model, tg, gp, sol, self.mesh, self.prof, self.budget, 0.0)
+        phases["assemble_s"] = time.perf_counter() - t1
+        result.summary["plan_seconds"] = round(sum(phases.values()), 3)
+        result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
+        if pinned or in_specs:
+            result.summary["pinned"] = len(problem.pins)
+        return result
 
 
 def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget, seconds) -> Plan:

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from autoshard.errors import AutoshardError
 from autoshard.layers import layer_ties
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.trace import TracedGraph
@@ -181,7 +182,9 @@ def build_problem(
             val = n.meta["val"]
             key = (tuple(val.shape), val.dtype)
             if key not in leaf_strats:
-                leaf_strats[key] = [Strategy(outs=(s,), ins=()) for s in en.specs_for(val, partial=False)]
+                # Every shard order is offered: the order decides which gathers a consumer needs.
+                leaf_strats[key] = [Strategy(outs=(s,), ins=())
+                                    for s in en.specs_for(val, partial=False, orders=True)]
             nodes.append(n)
             strategies.append(leaf_strats[key])
             per_node.append(None)
@@ -214,7 +217,7 @@ def build_problem(
         outs_vals = list(val) if isinstance(val, (tuple, list)) else [val]
         if n.op == "placeholder":
             kind = tg.kinds[n.name]
-            factor = 1 + (optimizer_states if kind == "param" and val.requires_grad else 0)
+            factor = 1 + (optimizer_states if kind == "param" and tg.fqn_of[n.name] in tg.grad_of else 0)
             usage = np.array([local_bytes(s.outs[0], val, mesh_shape) * factor for s in strats], dtype=np.float64)
             lo, hi = (0, end) if kind != "input" else (0, last.get(n, 0) + 1)
             c = np.zeros(len(strats))
@@ -276,3 +279,28 @@ def build_problem(
         ties=ties,
     )
     return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index)
+
+
+def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,
+                input_specs: list[Spec | None] | None) -> dict[int, int]:
+    """``solver.Problem.pins`` for parameter pins by FQN and input specs by position."""
+    placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
+    problem_pins: dict[int, int] = {}
+    inputs = tg.input_nodes()
+    wanted = [(placeholder_of[f], spec, f"pin {f!r}") for f, spec in (pins or {}).items()]
+    if input_specs is not None:
+        if len(input_specs) != len(inputs):
+            raise AutoshardError(f"input_specs: expected {len(inputs)} specs (one per example input), "
+                                 f"found {len(input_specs)}")
+        wanted += [(x, spec, f"input {k}") for k, (x, spec) in enumerate(zip(inputs, input_specs))
+                   if spec is not None]
+    for node, spec, what in wanted:
+        v = gp.index[node.name]
+        hit = [i for i, st in enumerate(gp.strategies[v]) if st.outs[0] == spec]
+        if not hit:
+            raise AutoshardError(
+                f"{what}: spec {spec} is not a valid spec for a tensor of shape {tuple(node.meta['val'].shape)} "
+                f"here (a tensor dim split into more pieces than it has elements?)"
+            )
+        problem_pins[v] = hit[0]
+    return problem_pins

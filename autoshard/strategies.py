@@ -53,11 +53,13 @@ def is_tensor(node) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def all_specs(ndim: int, mesh_ndim: int, partial: bool = True, shape=None, mesh_shape=None) -> list[Spec]:
-    """Every spec with one of R, S(d), P(sum) per mesh axis, default shard order.
+def all_specs(ndim: int, mesh_ndim: int, partial: bool = True, shape=None, mesh_shape=None,
+              orders: bool = False) -> list[Spec]:
+    """Every spec with one of R, S(d), P(sum) per mesh axis.
 
-    With ``shape`` and ``mesh_shape``, specs that shard a tensor dim into more
-    pieces than it has elements are left out.
+    With ``orders``, every shard order of each tensor dim sharded on several axes
+    (else only the default, ascending one). With ``shape`` and ``mesh_shape``,
+    specs that shard a tensor dim into more pieces than it has elements are left out.
     """
     opts = ["R"] + [f"S({d})" for d in range(ndim)] + (["P(sum)"] if partial else [])
     out = []
@@ -71,6 +73,13 @@ def all_specs(ndim: int, mesh_ndim: int, partial: bool = True, shape=None, mesh_
             if any(p > s for p, s in zip(pieces, shape)):
                 continue
         out.append(spec)
+        if orders:
+            multi = [(d, [a for a, p in enumerate(combo) if p == f"S({d})"]) for d in range(ndim)]
+            multi = [(d, axes) for d, axes in multi if len(axes) > 1]
+            perms = [[(d, p) for p in itertools.permutations(axes)] for d, axes in multi]
+            for choice in itertools.product(*perms):
+                if any(list(p) != sorted(p) for _, p in choice):
+                    out.append(Spec(tuple(combo), tuple(choice)))
     return out
 
 
@@ -107,8 +116,8 @@ class StrategyEnumerator:
         self.cache: dict = {}
         self.stats = StrategyStats()
 
-    def specs_for(self, t: torch.Tensor, partial: bool = True) -> list[Spec]:
-        return all_specs(t.ndim, len(self.mesh_shape), partial, tuple(t.shape), self.mesh_shape)
+    def specs_for(self, t: torch.Tensor, partial: bool = True, orders: bool = False) -> list[Spec]:
+        return all_specs(t.ndim, len(self.mesh_shape), partial, tuple(t.shape), self.mesh_shape, orders)
 
     def for_node(self, node: fx.Node) -> NodeStrategies:
         targs = _tensor_args(node)

@@ -21,7 +21,12 @@ from autoshard.layers import layer_groups, tag_layers
 
 
 def default_loss(out):
-    """Mean of the (first) output: a scalar whose gradient reaches every parameter used."""
+    """Mean of the (first) output: a scalar whose gradient reaches every parameter used.
+
+    Hugging Face outputs (dict-like ``ModelOutput``) contribute their ``logits``.
+    """
+    if isinstance(out, dict):
+        out = out["logits"] if "logits" in out else next(iter(out.values()), None)
     if isinstance(out, (tuple, list)):
         out = out[0]
     if not isinstance(out, torch.Tensor):

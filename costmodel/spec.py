@@ -34,6 +34,10 @@ class Spec:
                 raise ValueError(
                     f"shard order {list(axes)} for tensor dim {dim} must list exactly the axes that shard it {on}"
                 )
+        # Canonical form: ascending (default) orders are implied, so equal specs compare equal.
+        canon = tuple(sorted((int(d), tuple(a)) for d, a in self.shard_order if list(a) != sorted(a)))
+        if canon != self.shard_order:
+            object.__setattr__(self, "shard_order", canon)
 
     @staticmethod
     def parse(text: str) -> "Spec":

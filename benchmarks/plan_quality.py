@@ -1,0 +1,85 @@
+"""Predicted step time of our plan against hand-written plans, same profile and budget.
+
+    python benchmarks/plan_quality.py [--models gpt2-small,llama-1b,llama-8b] [--meshes 8,8x8,2x4x8]
+
+For GPT-2-small, a LLaMA-1B-like and a LLaMA-8B-like model (meta device, global
+batch 64, sequence 1024 for GPT-2 and 2048 for LLaMA) on fake meshes (8,), (8, 8)
+and (2, 4, 8), ``autoshard.compare`` costs our plan and the baselines DDP, FSDP
+(ZeRO-3), Megatron TP on the last axis (data parallel on the others) and FSDP+TP
+with the same cost model (h100-sxm profile, its 80 GB as the memory budget). A
+baseline pins parameters and inputs; the solver schedules the rest at its best.
+Per case: each plan's predicted step time (ms), ours split into compute and
+communication, peak memory per device. Last line: the worst ratio (ours / best
+feasible baseline) over all cases; it must be <= 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autoshard  # noqa: E402
+from autoshard.baselines import BASELINES  # noqa: E402
+from autoshard.models import gpt2, llama  # noqa: E402
+
+MODELS = {
+    "gpt2-small": (lambda: gpt2("small"), 1024),
+    "llama-1b": (lambda: llama("1b"), 2048),
+    "llama-8b": (lambda: llama("8b"), 2048),
+}
+MESH_NAMES = {1: ("tp",), 2: ("dp", "tp"), 3: ("rep", "dp", "tp")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--meshes", default="8,8x8,2x4x8")
+    ap.add_argument("--profile", default="h100-sxm")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    args = ap.parse_args()
+    worst = 0.0
+    for mesh_text in args.meshes.split(","):
+        shape = tuple(int(x) for x in mesh_text.split("x"))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        mesh = autoshard.fake_mesh(shape, MESH_NAMES[len(shape)])
+        for name in args.models.split(","):
+            factory, seq = MODELS[name]
+            with torch.device("meta"):
+                model = factory()
+            tokens = torch.empty(args.batch, seq, dtype=torch.long, device="meta")
+            t0 = time.perf_counter()
+            res = autoshard.compare(model, (tokens,), mesh, baselines=BASELINES, profile=args.profile,
+                                    time_limit=args.time_limit)
+            seconds = time.perf_counter() - t0
+            ours = res["autoshard"]
+            feasible = {k: v for k, v in res.items() if k != "autoshard" and not isinstance(v, str)}
+            cells = []
+            for k in BASELINES:
+                v = res[k]
+                cells.append(f"{k}={'infeasible' if isinstance(v, str) else f'{v.summary['step_us'] / 1e3:.1f}'}")
+            s = ours.summary
+            line = (f"{name:10s} mesh={shape!s:10s} ours={s['step_us'] / 1e3:.1f}ms "
+                    f"(compute {s['compute_us'] / 1e3:.1f} + comm {s['comm_us'] / 1e3:.1f}, "
+                    f"peak {s['peak_mem_bytes'] / 2**30:.1f}GiB, {ours.solver['status']}) " + " ".join(cells))
+            if feasible:
+                best_name, best = min(feasible.items(), key=lambda kv: kv[1].summary["step_us"])
+                ratio = s["step_us"] / best.summary["step_us"]
+                worst = max(worst, ratio)
+                line += f" best={best_name} ratio={ratio:.4f} margin={(1 - ratio) * 100:.1f}%"
+            else:
+                line += " best=none (every baseline breaks the budget)"
+            print(line + f" [{seconds:.0f}s]", flush=True)
+    print(f"worst ratio ours/best baseline: {worst:.4f}")
+
+
+if __name__ == "__main__":
+    main()
