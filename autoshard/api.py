@@ -19,6 +19,13 @@ from autoshard.trace import trace
 from costmodel import MeshTopology, Profile, load_profile, plan_steps
 
 
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{int(n)} B"
+
+
 def _resolve_profile(profile: str | Profile) -> Profile:
     return profile if isinstance(profile, Profile) else load_profile(profile)
 
@@ -121,9 +128,10 @@ class _Session:
             sol = solver.solve(problem, time_limit=time_limit, backend=backend, log=self.say)
         except solver.InfeasibleError as exc:
             raise AutoshardError(
-                f"memory budget {self.budget / 2**30:.3f} GiB per device is infeasible for this model"
+                f"memory budget {human_bytes(self.budget)} per device is infeasible for this model"
                 f"{' with these pins' if problem.pins else ''} on mesh {tuple(self.mesh.shape)}: the smallest "
-                f"feasible budget is at least {exc.min_feasible_limit_bound / 2**30:.3f} GiB"
+                f"feasible budget is at least {human_bytes(exc.min_feasible_limit_bound)} "
+                f"({int(exc.min_feasible_limit_bound)} bytes)"
             ) from exc
         phases = dict(self.phases, solve_s=time.perf_counter() - t1)
         t1 = time.perf_counter()

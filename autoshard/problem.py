@@ -163,12 +163,13 @@ def build_problem(
     memory_budget: float | None,
     optimizer_states: int = 2,
     tie_layers: bool = True,
+    partial_inputs: bool | None = None,
 ) -> GraphProblem:
     """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``."""
     mesh_shape = tuple(mesh.shape)
     topo = MeshTopology(mesh_shape, profile.devices_per_node)
     redist = _RedistCost(topo, profile)
-    en = StrategyEnumerator(mesh)
+    en = StrategyEnumerator(mesh, partial_inputs)
     order = list(tg.gm.graph.nodes)
     pos = {n: k for k, n in enumerate(order)}
     end = len(order)
@@ -178,7 +179,7 @@ def build_problem(
     strategies: list[list[Strategy]] = []
     per_node: list[NodeStrategies | None] = []
     for n in order:
-        if n.op == "placeholder":
+        if n.op == "placeholder" or (n.op == "get_attr" and is_tensor(n)):
             val = n.meta["val"]
             key = (tuple(val.shape), val.dtype)
             if key not in leaf_strats:
@@ -215,7 +216,11 @@ def build_problem(
     for v, (n, strats) in enumerate(zip(nodes, strategies)):
         val = n.meta["val"]
         outs_vals = list(val) if isinstance(val, (tuple, list)) else [val]
-        if n.op == "placeholder":
+        if n.op == "get_attr":  # a constant: every rank has it, any shard of it is free
+            usage = np.array([local_bytes(s.outs[0], val, mesh_shape) for s in strats], dtype=np.float64)
+            c = np.zeros(len(strats))
+            lo, hi = 0, end
+        elif n.op == "placeholder":
             kind = tg.kinds[n.name]
             factor = 1 + (optimizer_states if kind == "param" and tg.fqn_of[n.name] in tg.grad_of else 0)
             usage = np.array([local_bytes(s.outs[0], val, mesh_shape) * factor for s in strats], dtype=np.float64)

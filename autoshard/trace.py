@@ -136,6 +136,13 @@ def trace(
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from exc
 
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and "val" not in node.meta:
+            # Constants lifted by make_fx (small tensors built inside forward): give them
+            # fake values so that they plan like any other tensor.
+            const = getattr(gm, node.target)
+            if isinstance(const, torch.Tensor):
+                node.meta["val"] = fm.from_tensor(const)
     tg = TracedGraph(gm=gm, param_fqns=names_p, buffer_fqns=names_b, num_inputs=len(example_inputs),
                      layer_groups=groups)
     ph = tg.placeholders

@@ -65,7 +65,7 @@ def main() -> None:
             cells = []
             for k in BASELINES:
                 v = res[k]
-                cells.append(f"{k}={'infeasible' if isinstance(v, str) else f'{v.summary['step_us'] / 1e3:.1f}'}")
+                cells.append(f"{k}=" + ("infeasible" if isinstance(v, str) else f"{v.summary['step_us'] / 1e3:.1f}"))
             s = ours.summary
             line = (f"{name:10s} mesh={shape!s:10s} ours={s['step_us'] / 1e3:.1f}ms "
                     f"(compute {s['compute_us'] / 1e3:.1f} + comm {s['comm_us'] / 1e3:.1f}, "

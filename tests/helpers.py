@@ -42,3 +42,19 @@ def reference_step(model, inputs, loss_fn):
 
 
 __all__ = ["SHARDING_PROFILE", "LocalTensorMode", "full", "local_mesh", "reference_step"]
+
+
+def lift_replicated_locals(model, mode):
+    """Give every parameter a per-rank local tensor under LocalTensorMode.
+
+    ``distribute_tensor`` with only Replicate placements keeps the plain tensor as the
+    local shard; under LocalTensorMode an in-place optimizer update of that shared
+    tensor with per-rank values is then applied once per rank (a harness artefact:
+    on real processes every rank owns its copy). Cloning it per rank restores that.
+    """
+    from torch.distributed._local_tensor import LocalTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and not isinstance(p._local_tensor, LocalTensor):
+            plain = p._local_tensor.detach()
+            p._local_tensor = mode.rank_map(lambda _r, t=plain: t.clone())

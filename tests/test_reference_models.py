@@ -1,0 +1,198 @@
+"""Reference models (LLaMA, GPT-2) and Hugging Face models: planned, tied, applied, trained."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoshard
+from autoshard.models import gpt2, llama
+from costmodel import LinkModel
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh
+
+MESHES = [((4,), ("dp",)), ((2, 2), ("dp", "tp")), ((2, 2, 2), ("rep", "dp", "tp"))]
+
+
+def tiny(name):
+    torch.manual_seed(0)
+    if name == "llama":
+        return llama("tiny", n_layers=2, max_seq_len=16)
+    return gpt2("tiny")
+
+
+def tokens(vocab=256):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (8, 16), generator=g)
+
+
+def lm_loss(out):
+    # Next-token-free stand-in: a smooth scalar of every logit (exercises the whole head).
+    return out.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("shape, names", MESHES)
+def test_sharded_training_matches_single_device(world, name, shape, names):
+    """Loss and every gradient equal single-device ones, and three AdamW steps keep the
+    parameters equal (so optimizer state on sharded parameters is right too)."""
+    world(int(torch.tensor(shape).prod()))
+    model, x = tiny(name), tokens()
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh(shape, names), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None)
+    assert any("S(" in str(plan.param_spec(f)) for f in plan.params) or any("S(" in s for s in plan.inputs), \
+        plan.describe()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for _ in range(3):
+        ref_opt.zero_grad()
+        loss = lm_loss(ref(x))
+        loss.backward()
+        ref_losses.append(loss.detach())
+        ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+        ref_opt.step()
+    with LocalTensorMode(int(torch.tensor(shape).prod())) as mode:
+        mesh = local_mesh(shape, names)
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
+        lift_replicated_locals(sharded, mode)
+        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+        for step in range(3):
+            opt.zero_grad()
+            loss = lm_loss(sharded(x))
+            loss.backward()
+            torch.testing.assert_close(full(loss), ref_losses[step], rtol=1e-5, atol=1e-5)
+            if step == 2:
+                for fqn, p in sharded.named_parameters():
+                    torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+            opt.step()
+        ref_params = dict(ref.named_parameters())
+        for fqn, p in sharded.named_parameters():
+            got, want = full(p.detach()), ref_params[fqn].detach()
+            err = (got - want).abs().max().item()
+            assert err <= 1e-4, f"{fqn}: max |sharded - single| = {err:.3g} after 3 AdamW steps"
+
+
+def test_repeated_layers_are_tied(world):
+    """The solver sees one layer: every layer's parameters get layer 0's specs, and the
+    tie groups cover the layers' nodes."""
+    world(64)
+    mesh = autoshard.fake_mesh((8, 8), ("dp", "tp"))
+    with torch.device("meta"):
+        model = llama("tiny", n_layers=4, dim=256, n_heads=8, ffn_dim=512)
+    x = torch.empty(64, 64, dtype=torch.long, device="meta")
+    tg = autoshard.trace(model, (x,))
+    assert tg.layer_groups == [[f"layers.{i}" for i in range(4)]]
+    from autoshard.problem import build_problem
+    from costmodel import load_profile
+
+    gp = build_problem(tg, mesh, load_profile("h100-sxm"), None)
+    tied = sum(len(t) for t in gp.problem.ties)
+    assert len(gp.problem.ties) > 50 and all(len(t) == 4 for t in gp.problem.ties)
+    assert tied > 0.75 * gp.problem.num_nodes
+    plan = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
+    for fqn, place in plan.params.items():
+        if fqn.startswith("layers."):
+            head = "layers.0." + fqn.split(".", 2)[2]
+            assert place.placements == plan.params[head].placements, fqn
+            assert place.shard_order == plan.params[head].shard_order, fqn
+
+
+def test_untied_plan_is_never_cheaper_than_tied_by_much(world):
+    """Ties restrict the solver: the untied optimum is never dearer, and the tied one stays
+    close (the first and last layers see different neighbours, so they may prefer other specs)."""
+    world(16)
+    mesh = autoshard.fake_mesh((4, 4), ("dp", "tp"))
+    with torch.device("meta"):
+        model = llama("tiny", n_layers=3)
+    x = torch.empty(16, 32, dtype=torch.long, device="meta")
+    tied = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
+    free = autoshard.plan(model, (x,), mesh, profile="h100-sxm", tie_layers=False)
+    assert free.summary["step_us"] <= tied.summary["step_us"] + 1e-6
+    assert tied.summary["step_us"] <= 1.05 * free.summary["step_us"]
+
+
+class Scale(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_non_default_shard_order_is_chosen_when_cheaper(world):
+    """FSDP on dp over TP on tp: with the batch on dp and the features on tp, a 1-D weight
+    stored S(0)[tp,dp] needs one all_gather(dp) forward and one reduce_scatter(dp) backward;
+    the default order would need gathers over both axes. The budget forces full sharding."""
+    world(4)
+    slow_links = dataclasses.replace(SHARDING_PROFILE, intra_node=LinkModel(1.0, 0.01),
+                                     inter_node=LinkModel(1.0, 0.01))
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    model, x = Scale(4096), torch.randn(2, 2, 4096)
+    kw = dict(profile=slow_links, memory_budget=65000, input_specs=["S(0)S(2)"])
+    plan = autoshard.plan(model, (x,), mesh, **kw)
+    assert plan.params["w"].placements == {"dp": "S(0)", "tp": "S(0)"}
+    assert plan.params["w"].shard_order == {"0": ["tp", "dp"]}
+    steps = {(r["from"], r["to"]): r["steps"] for r in plan.redistributes}
+    assert steps[("S(0)[1,0]S(0)", "RS(0)")] == ["all_gather(dp)"]
+    assert steps[("P(sum)S(0)", "S(0)[1,0]S(0)")] == ["reduce_scatter(dp)"]
+    default = autoshard.plan(model, (x,), mesh, pins={"w": "S(0)S(0)"}, **kw)
+    assert default.summary["step_us"] > plan.summary["step_us"] + 100
+
+
+def test_ours_is_never_dearer_than_a_baseline(world):
+    world(4)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    model, x = tiny("llama"), tokens()
+    res = autoshard.compare(model, (x,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
+    ours = res["autoshard"].summary["step_us"]
+    assert set(res) == {"autoshard", "ddp", "fsdp", "tp", "fsdp_tp"}
+    for name in ("ddp", "fsdp", "tp", "fsdp_tp"):
+        assert not isinstance(res[name], str), res[name]
+        assert ours <= res[name].summary["step_us"] + 1e-6, name
+    assert all(p.placements == {"dp": "R", "tp": "R"} for p in res["ddp"].params.values()
+               if p.shape and p.shape[0] > 1 and not p.shape == [16, 8])  # buffers are free to move
+    wq = res["tp"].params["layers.0.attn.wq.weight"].placements
+    wo = res["tp"].params["layers.0.attn.wo.weight"].placements
+    assert (wq, wo) == ({"dp": "R", "tp": "S(0)"}, {"dp": "R", "tp": "S(1)"})
+
+
+def test_bad_pins_are_reported(world):
+    world(4)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    model, x = tiny("llama"), tokens()
+    with pytest.raises(autoshard.AutoshardError, match="matches no parameter"):
+        autoshard.plan(model, (x,), mesh, profile=SHARDING_PROFILE, pins={"nope.*": "RR"})
+    with pytest.raises(autoshard.AutoshardError, match="has 1 placements, the mesh has 2"):
+        autoshard.plan(model, (x,), mesh, profile=SHARDING_PROFILE, pins={"embed": "R"})
+    with pytest.raises(autoshard.AutoshardError, match="expected 1 specs"):
+        autoshard.plan(model, (x,), mesh, profile=SHARDING_PROFILE, input_specs=["S(0)R", "RR"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("shape, names", MESHES)
+def test_hugging_face_models_plan(world, arch, shape, names):
+    """Real code nobody here wrote, built from config classes with no download."""
+    transformers = pytest.importorskip("transformers")
+    world(int(torch.tensor(shape).prod()))
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                       max_position_embeddings=64)
+        cfg._attn_implementation = "eager"
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
+        cfg._attn_implementation = "eager"
+        model = transformers.GPT2LMHeadModel(cfg)
+    mesh = autoshard.fake_mesh(shape, names)
+    x = tokens()
+    plan = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
+    assert set(plan.params) >= {f for f, _ in model.named_parameters()}
+    assert all(len(p.placements) == len(shape) for p in plan.params.values())
+    assert plan.summary["step_us"] > 0 and plan.solver["status"] == "optimal"
+    again = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
+    assert again.params == plan.params and again.nodes == plan.nodes
