@@ -50,6 +50,62 @@ def _solve_cfn(problem: Problem, unary: list[np.ndarray], pairs, seconds: float)
     return np.asarray(res[0], dtype=np.int64)
 
 
+def solve_pairwise(problem: Problem, seconds: float, scale: float = 1000.0) -> tuple[np.ndarray | None, bool, float]:
+    """toulbar2 on the problem's costs alone (memory ignored): (choice, proved optimal, slack).
+
+    ``slack`` bounds how far rounding can have moved the optimum (the sum over cost
+    tables of their largest rounding error): the true optimum is at least the
+    returned choice's cost minus ``slack``.
+
+    Costs are scaled by ``scale`` and rounded to integers (toulbar2's costs are
+    integral): microseconds become nanoseconds, so rounding moves the optimum by
+    at most half a nanosecond per cost term. No MILP edge variables exist here:
+    toulbar2 works on the pairwise tables directly, which is what makes 3-D
+    meshes (hundreds of strategies per node) tractable.
+    """
+    from solver.highs_model import drop_dominated
+
+    n = problem.num_nodes
+    allowed = [np.nonzero(problem.allowed(v))[0] for v in range(n)]
+    linear = [c.copy() for c in problem.node_costs]
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    for e, (u, v) in enumerate(problem.edges.tolist()):
+        m = problem.edge_costs[e]
+        if u == v:
+            linear[u] = linear[u] + np.diag(m)
+            continue
+        key, mat = ((u, v), m) if u < v else ((v, u), m.T)
+        pairs[key] = pairs[key] + mat if key in pairs else mat.astype(np.float64, copy=True)
+    # Exact domain reduction first: the tables toulbar2 reads shrink with the domains.
+    drop_dominated(problem, np.arange(n), allowed, linear, pairs, use_usage=False)
+
+    slack = 0.0
+
+    def table(x):
+        nonlocal slack
+        ok = x < FORBIDDEN
+        if ok.any():
+            slack += float(np.abs(np.round(x[ok] * scale) - x[ok] * scale).max()) / scale
+        return np.where(ok, np.minimum(np.round(x * scale), TOP), TOP)
+
+    cfn = pytoulbar2.CFN(TOP, resolution=0, verbose=-1, seed=1)
+    for v in range(n):
+        cfn.AddVariable(f"x{v}", list(range(allowed[v].size)))
+    for v in range(n):
+        cfn.AddFunction([v], table(linear[v][allowed[v]]).tolist())
+    for (u, v), m in pairs.items():
+        cfn.AddFunction([u, v], table(m[np.ix_(allowed[u], allowed[v])]).ravel().tolist())
+    res = cfn.Solve(timeLimit=max(1, int(seconds)))
+    if res:
+        picked, optimal = res[0], True
+    else:
+        found = cfn.GetSolutions()
+        if not found:
+            return None, False, slack
+        picked, optimal = found[-1][1], False
+    return np.array([allowed[v][i] for v, i in enumerate(picked)], dtype=np.int64), optimal, slack
+
+
 def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.ndarray | None:
     """Lower usage at the worst segment by the cheapest move per byte, until within the limit."""
     if problem.usage_limit is None:

@@ -13,6 +13,7 @@ import pulp
 from solver import cfn, heuristic, highs_model, ilp
 from solver.evaluate import evaluate, memory_profile
 from solver.problem import Problem
+from solver.quotient import quotient
 
 BACKENDS = ("highs", "cbc")
 
@@ -70,14 +71,13 @@ def memory_lower_bound(problem: Problem) -> tuple[float, list[int]]:
     return peak, [int(t) for t in binding]
 
 
-def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, say):
+def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, say, relaxed_bound=None):
     """Lazy memory: the MILP without memory rows first. Its optimum, when it fits the
     limit, is optimal for the full problem too (a relaxation's optimum that is feasible),
     and on planner graphs the limit often does not bind: the memory rows (thousands of
     them, half the nonzeros) then cost nothing. Otherwise its bound still holds and the
     full MILP gets the remaining time."""
-    relaxed_bound = None
-    if problem.usage_limit is not None:
+    if problem.usage_limit is not None and relaxed_bound is None:
         deadline = t0 + 0.5 * time_limit
         choice, lower, optimal, stats = _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say,
                                                    memory=False)
@@ -120,6 +120,37 @@ def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say, memory=
     return choice, lower, optimal, model.stats
 
 
+#: The pairwise search runs first on quotient graphs up to this size: planner graphs
+#: (a few hundred groups once layers are tied) solve in seconds there. Larger graphs
+#: (the IOPDDL instances, 30k nodes with binding memory) go to the MILP / penalty path.
+PAIRWISE_MAX_NODES = 5000
+
+
+def _pairwise_first(problem, deadline, say):
+    """toulbar2 on the tie quotient without memory: (choice, evaluation, bound, proved) or None.
+
+    Its optimum, when proved, bounds the full problem from below (memory only adds
+    constraints) and is the answer when it fits the memory limit; otherwise it is
+    an incumbent and a bound for the MILP.
+    """
+    q, group = quotient(problem)
+    if q.num_nodes > PAIRWISE_MAX_NODES:
+        return None
+    seconds = deadline - time.perf_counter()
+    if seconds < 1:
+        return None
+    picked, proved, slack = cfn.solve_pairwise(q, seconds)
+    if picked is None:
+        return None
+    choice = picked[group]
+    ev = evaluate(problem, choice)
+    bound = ev.cost - slack  # toulbar2's costs are rounded integers
+    say(f"pairwise (toulbar2, {q.num_nodes} tie groups, memory ignored): cost {ev.cost:.6g}, "
+        f"{'proved optimal' if proved else 'time limit'}, memory {'fits' if ev.feasible else 'exceeds'} "
+        f"after {time.perf_counter() - (deadline - seconds):.2f}s")
+    return choice, ev, bound, proved
+
+
 def _solve_cbc(problem, start, t0, time_limit, mip_gap, say):
     model = ilp.build(problem)
     say(f"ilp (PuLP): {model.stats['variables']} variables, {model.stats['constraints']} constraints "
@@ -140,9 +171,13 @@ def solve(
     mip_gap: float = 1e-6,
     log: Callable[[str], None] | None = None,
     max_nonzeros: float = 30e6,
+    pairwise: bool = True,
 ) -> Solution:
     """Pick one strategy per node minimizing cost under the memory limit.
 
+    With ``pairwise`` (and pytoulbar2 installed), toulbar2 first solves the tie
+    quotient without memory (:func:`_pairwise_first`); the MILP runs only when that
+    answer breaks the memory limit or is not proved optimal in half the time.
     Raises :class:`InfeasibleError` when even the least-usage strategies exceed the
     limit. Always returns the best feasible choice it found within ``time_limit``.
     """
@@ -171,10 +206,27 @@ def solve(
     lower = None
     say(f"incumbent: cost {best.cost:.6g} (feasible={best.feasible}) after {time.perf_counter() - t0:.2f}s")
     stats = dict(problem.stats())
+    relaxed_bound = None
+    if pairwise and cfn.available():
+        found = _pairwise_first(problem, t0 + 0.5 * time_limit, say)
+        if found is not None:
+            choice, ev, bound, proved = found
+            stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - t0, 3)}
+            if ev.feasible and (not best.feasible or ev.cost <= best.cost):
+                best, best_choice = ev, choice
+            if proved:
+                relaxed_bound = bound
+                if ev.feasible:
+                    say(f"solved: optimal (toulbar2 on the tie quotient), cost {best.cost:.6g}, "
+                        f"{time.perf_counter() - t0:.2f}s")
+                    return Solution(choice=best_choice, cost=best.cost, status="optimal",
+                                    lower_bound=min(bound, best.cost), seconds=time.perf_counter() - t0,
+                                    peak_usage=best.peak_usage, backend=backend, stats=stats)
     try:
         if backend == "highs":
             choice, lower, optimal, mstats = _solve_highs(problem, best_choice if best.feasible else None,
-                                                          t0, time_limit, mip_gap, max_nonzeros, say)
+                                                          t0, time_limit, mip_gap, max_nonzeros, say,
+                                                          relaxed_bound)
         else:
             choice, lower, optimal, mstats = _solve_cbc(problem, best_choice if best.feasible else None,
                                                         t0, time_limit, mip_gap, say)

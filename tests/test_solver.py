@@ -53,16 +53,17 @@ def brute_force(p: Problem):
     return best
 
 
+@pytest.mark.parametrize("pairwise", [True, False], ids=["toulbar2-first", "milp"])
 @pytest.mark.parametrize("seed", range(40))
-def test_matches_brute_force(seed):
+def test_matches_brute_force(seed, pairwise):
     rng = np.random.default_rng(seed)
     p = random_problem(rng, limit=seed % 4 != 0, ties=seed % 3 == 0, pins=seed % 5 == 0, forbid=seed % 2 == 0)
     exact = brute_force(p)
     if exact is None:
         with pytest.raises(solver.InfeasibleError):
-            solve(p, time_limit=10)
+            solve(p, time_limit=10, pairwise=pairwise)
         return
-    sol = solve(p, time_limit=10)
+    sol = solve(p, time_limit=10, pairwise=pairwise)
     ev = evaluate(p, sol.choice)
     assert ev.feasible, ev.reason
     assert sol.cost == pytest.approx(exact, abs=1e-6)
@@ -175,7 +176,7 @@ def test_pair_repair_leaves_forbidden_pairs_single_moves_cannot():
 def test_large_models_fall_back_to_heuristics_within_the_limit():
     rng = np.random.default_rng(11)
     p = random_problem(rng, n=30, kmax=4, density=0.3)
-    sol = solve(p, time_limit=5, max_nonzeros=10)  # any MILP is "too large"
+    sol = solve(p, time_limit=5, max_nonzeros=10, pairwise=False)  # any MILP is "too large"
     assert evaluate(p, sol.choice).feasible and sol.status == "heuristic"
     assert "milp_skipped" in sol.stats and sol.seconds < 5
 
@@ -231,9 +232,9 @@ def test_tie_groups_of_three_match_brute_force(seed):
     exact = brute_force(p)
     if exact is None:
         with pytest.raises(solver.InfeasibleError):
-            solve(p, time_limit=10)
+            solve(p, time_limit=10, pairwise=False)
         return
-    sol = solve(p, time_limit=10)
+    sol = solve(p, time_limit=10, pairwise=False)
     assert evaluate(p, sol.choice).feasible
     assert sol.cost == pytest.approx(exact, abs=1e-6)
     assert sol.status == "optimal"
