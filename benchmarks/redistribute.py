@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor._redistribute import DTensorRedistributePlanner, _gen_transform_infos
+from torch.distributed.tensor._redistribute import _gen_transform_infos
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from costmodel import MeshTopology, Spec, load_profile  # noqa: E402
+from costmodel import MeshTopology, Spec, load_profile, price_path, torch_path  # noqa: E402
 from costmodel._torch_compat import dtensor_spec  # noqa: E402
 from costmodel.redistribute import RedistributePlanner  # noqa: E402
 from redistribute_cases import all_specs  # noqa: E402
@@ -48,36 +48,6 @@ def suite(mesh_ndim: int, rng: random.Random) -> list[tuple[Spec, Spec]]:
         if src != dst:
             pairs.append((src, dst))
     return pairs
-
-
-def torch_path(mesh, src_spec, dst_spec):
-    """Torch's planner, cold, through its public-to-DTensor entry; the state path it found."""
-    planner = DTensorRedistributePlanner(mesh, src_spec.tensor_meta)
-    found = {}
-    search = planner.find_min_cost_path
-
-    def capture(s, d):
-        found["path"] = search(s, d)
-        return found["path"]
-
-    planner.find_min_cost_path = capture
-    planner.generate_graph_based_transform_infos(src_spec, dst_spec, SHAPE)
-    return found["path"]
-
-
-def to_spec(state) -> Spec:
-    placements = []
-    for p in state.placements:
-        name = type(p).__name__
-        if name == "Replicate":
-            placements.append("R")
-        elif name == "Shard":
-            placements.append(f"S({p.dim})")
-        else:
-            placements.append(f"P({p.reduce_op})")
-    order = tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in state.tensor_dim_to_mesh_dim
-                  if len(e.mesh_dims) > 1 and list(e.mesh_dims) != sorted(e.mesh_dims))
-    return Spec(tuple(placements), order)
 
 
 def main() -> None:
@@ -105,14 +75,14 @@ def main() -> None:
             ours_cached = (time.perf_counter() - t0) / 100
             ss, ds = dtensor_spec(src, mesh, SHAPE), dtensor_spec(dst, mesh, SHAPE)
             t0 = time.perf_counter()
-            path = torch_path(mesh, ss, ds)
+            path = torch_path(mesh, src, dst, SHAPE)
             torch_s = time.perf_counter() - t0
             _gen_transform_infos(ss, ds, True)
             t0 = time.perf_counter()
             for _ in range(100):
                 _gen_transform_infos(ss, ds, True)
             torch_cached = (time.perf_counter() - t0) / 100
-            torch_cost = sum(ours.transition_cost(to_spec(a), to_spec(b), SHAPE, 4) for a, b in zip(path, path[1:]))
+            torch_cost = sum(price_path(ours, path, SHAPE, 4))
             if plan.us > torch_cost + 1e-6:
                 costlier += 1
             ratios.append(torch_s / ours_s)

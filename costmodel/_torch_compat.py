@@ -98,3 +98,37 @@ def flattened_group(mesh, axis_names: tuple[str, ...]):
     if len(axis_names) == 1:
         return mesh.get_group(axis_names[0])
     return mesh[axis_names]._flatten().get_group()
+
+
+def spec_of_state(state) -> Spec:
+    """Our spec for one state of torch's redistribute planner (placements + shard order)."""
+    placements = []
+    for p in state.placements:
+        if isinstance(p, Replicate):
+            placements.append("R")
+        elif isinstance(p, Shard):
+            placements.append(f"S({p.dim})")
+        else:
+            placements.append(f"P({p.reduce_op})")
+    order = tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in state.tensor_dim_to_mesh_dim
+                  if len(e.mesh_dims) > 1 and list(e.mesh_dims) != sorted(e.mesh_dims))
+    return Spec(tuple(placements), order)
+
+
+def torch_planner_path(mesh, src: Spec, dst: Spec, shape) -> list[Spec]:
+    """The states of torch's own planner (``DTensorRedistributePlanner``) from src to dst, cold."""
+    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner
+
+    shape = tuple(shape)
+    ss, ds = dtensor_spec(src, mesh, shape), dtensor_spec(dst, mesh, shape)
+    planner = DTensorRedistributePlanner(mesh, ss.tensor_meta)
+    found = {}
+    search = planner.find_min_cost_path
+
+    def capture(s, d):
+        found["path"] = search(s, d)
+        return found["path"]
+
+    planner.find_min_cost_path = capture
+    planner.generate_graph_based_transform_infos(ss, ds, shape)
+    return [spec_of_state(s) for s in found.get("path", [])]
