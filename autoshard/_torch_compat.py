@@ -30,6 +30,11 @@ def node_meta_custom() -> dict:
     return fx_traceback.current_meta.setdefault("custom", {})
 
 
+def is_persistent_buffer(module, name: str) -> bool:
+    """Whether ``module``'s buffer ``name`` is part of its state dict (nn.Module's private set)."""
+    return name not in module._non_persistent_buffers_set
+
+
 def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 

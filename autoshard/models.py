@@ -266,6 +266,25 @@ class Llama(nn.Module):
             x = layer(x, self.rope_cos, self.rope_sin, self.rope_rot, self.causal_mask)
         return self.head(self.norm(x))
 
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """(Re)initialize in place, sharded or not: weights normal(0, std), norms one,
+        RoPE tables and mask recomputed. The ``init_fn`` for a meta-device model."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+        cos, sin, rot = _rope_tables(self.cfg)
+        mask = torch.full((self.cfg.max_seq_len, self.cfg.max_seq_len), float("-inf")).triu(1)
+        for name, value in (("rope_cos", cos), ("rope_sin", sin), ("rope_rot", rot), ("causal_mask", mask)):
+            buf = getattr(self, name)
+            if hasattr(buf, "device_mesh"):  # a DTensor: hand it the same placements
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, buf.device_mesh, buf.placements)
+            buf.copy_(value)
+
 
 def llama(preset: str = "tiny", **overrides) -> Llama:
     """A LLaMA-style model from a preset (``tiny``, ``1b``, ``8b``, ``70b``) with field overrides."""

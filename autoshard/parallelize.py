@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autoshard._torch_compat import to_placements
+from autoshard._torch_compat import is_persistent_buffer, to_placements
 from autoshard.errors import MeshError, PlanError
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.plan import Plan
@@ -40,6 +40,37 @@ def check_plan_matches(model: nn.Module, plan: Plan, mesh) -> None:
         raise PlanError(f"plan places {extra[0]} which the model ({type(model).__name__}) does not have")
 
 
+def load_full_state_dict(model: nn.Module, full_state_dict: dict) -> None:
+    """Load unsharded tensors into a parallelized model, one tensor at a time.
+
+    Rank 0 holds the full tensors (other ranks may pass ``{}``); each is scattered
+    from rank 0 (``distribute_tensor(..., src_data_rank=0)``) and every rank keeps
+    its shards, so no rank ever holds more than one full tensor at once.
+    """
+    import torch.distributed as dist
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    state = list(model.named_parameters()) + list(model.named_buffers())
+    missing = [fqn for fqn, _ in state if fqn not in full_state_dict]
+    if rank0 and missing:
+        persistent = set(model.state_dict())
+        missing = [m for m in missing if m in persistent]
+        if missing:
+            raise PlanError(f"full_state_dict lacks {len(missing)} entries of the model, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for fqn, t in state:
+            src = full_state_dict.get(fqn)
+            if src is None and rank0:
+                continue  # a non-persistent buffer: the model computed it
+            if src is None:
+                src = torch.empty(t.shape, dtype=t.dtype)
+            src = src.to(dtype=t.dtype)
+            if isinstance(t, DTensor):
+                t.to_local().copy_(distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=0).to_local())
+            else:
+                t.copy_(src)
+
+
 def _to_placements_hook(mesh, placements):
     def hook(grad):
         if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
@@ -49,23 +80,28 @@ def _to_placements_hook(mesh, placements):
     return hook
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh) -> nn.Module:
+def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dict: dict | None = None
+                ) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
 
     Parameters and buffers become DTensors with the planned placements; each
     tensor argument of ``forward`` is distributed with its planned spec (from the
     full tensor given on every rank). Outputs are DTensors.
+
+    A model on the meta device is never materialized whole: its parameters become
+    meta DTensors, then ``to_empty`` allocates each rank's shards only, and either
+    ``init_fn(model)`` initializes them (e.g. a model's ``init_weights``) or
+    ``full_state_dict`` (the full tensors, needed on rank 0 only; other ranks pass
+    ``{}``) is scattered from rank 0 tensor by tensor (with both, ``init_fn`` runs
+    first and computes what no state dict holds, such as RoPE tables). With neither, the shards stay
+    uninitialized for a sharded checkpoint load (``torch.distributed.checkpoint``).
     """
     check_mesh(mesh)
     check_plan_matches(model, plan, mesh)
+    on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         for name, p in list(mod.named_parameters(recurse=False)):
-            if p.is_meta:
-                raise PlanError(
-                    f"{prefix}{name} is on the meta device: materialize the model (to_empty + init) "
-                    "before parallelize"
-                )
             placements = to_placements(plan.param_spec(prefix + name))
             dt = distribute_tensor(p.detach(), mesh, placements)
             param = nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -78,7 +114,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh) -> nn.Module:
             if b is None:
                 continue
             placements = to_placements(plan.param_spec(prefix + name))
-            mod.register_buffer(name, distribute_tensor(b, mesh, placements))
+            mod.register_buffer(name, distribute_tensor(b, mesh, placements),
+                                persistent=is_persistent_buffer(mod, name))
 
     input_specs = [to_placements(Spec.parse(s)) for s in plan.inputs]
 
@@ -98,6 +135,18 @@ def parallelize(model: nn.Module, plan: Plan, mesh) -> nn.Module:
             out.append(a)
         return tuple(out)
 
+    if on_meta:
+        model.to_empty(device=mesh.device_type)
+        if init_fn is None and full_state_dict is not None:
+            computed = [f for f, _ in model.named_buffers() if f not in model.state_dict()]
+            if computed:
+                raise PlanError(f"meta-device model: buffers {computed[:4]} are not in any state dict "
+                                "(non-persistent): pass init_fn to compute them")
+    if init_fn is not None and on_meta:
+        with torch.no_grad():
+            init_fn(model)
+    if full_state_dict is not None:
+        load_full_state_dict(model, full_state_dict)
     model.register_forward_pre_hook(distribute_inputs)
     model._autoshard_plan = plan
     return model

@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 4 -m autoshard.train --mesh dp=2,tp=2 --steps 5
     python -m autoshard.train --single --steps 5          # the single-process reference
+    torchrun ... -m autoshard.train --steps 3 --save ckpt/ --save-plan plan.json
+    torchrun ... -m autoshard.train --plan plan.json --resume ckpt/ --start-step 3 --steps 2
 
 Rank 0 plans (or loads ``--plan``) and broadcasts the plan; every rank builds the
 same model from the same seed, applies the plan with ``autoshard.parallelize`` and
@@ -36,10 +38,10 @@ def loss_fn(logits):
     return logits.float().pow(2).mean()
 
 
-def train(model, data, lr: float, report: bool) -> None:
-    """AdamW steps on ``data``; prints ``step N loss X`` when ``report``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for step, tokens in enumerate(data):
+def train(model, data, lr: float, report: bool, opt=None, start: int = 0):
+    """AdamW steps on ``data``; prints ``step N loss X`` (N from ``start``) when ``report``."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
+    for step, tokens in enumerate(data, start=start):
         loss = loss_fn(model(tokens))
         loss.backward()
         opt.step()
@@ -47,6 +49,26 @@ def train(model, data, lr: float, report: bool) -> None:
         value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
         if report:
             print(f"step {step} loss {value:.8f}", flush=True)
+    return opt
+
+
+def save_checkpoint(path: str, model, opt) -> None:
+    """Each rank writes its own shards (torch.distributed.checkpoint): no full gather."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def load_checkpoint(path: str, model, opt) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def main(argv=None) -> int:
@@ -65,13 +87,18 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", default=None, help="apply this plan file instead of planning")
     ap.add_argument("--save-plan", default=None, help="rank 0 writes the plan it used here")
     ap.add_argument("--single", action="store_true", help="train on one process without sharding")
+    ap.add_argument("--save", default=None, help="write a sharded checkpoint (model + optimizer) here at the end")
+    ap.add_argument("--resume", default=None,
+                    help="build the model on the meta device, allocate only this rank's shards and load them "
+                         "from this sharded checkpoint, then train steps --start-step onwards")
+    ap.add_argument("--start-step", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = build(args.seed, args.dim, args.layers, args.vocab)
-    data = batches(args.steps, args.batch, args.seq, args.vocab, args.seed)
+    data = batches(args.start_step + args.steps, args.batch, args.seq, args.vocab, args.seed)[args.start_step:]
 
     if args.single:
-        train(model, data, args.lr, report=True)
+        train(model, data, args.lr, report=True, start=args.start_step)
         return 0
 
     import autoshard
@@ -96,8 +123,18 @@ def main(argv=None) -> int:
             Plan.from_json(box[0]).save(args.save_plan)
     dist.broadcast_object_list(box, src=0)
     plan = Plan.from_json(box[0])
-    model = autoshard.parallelize(model, plan, mesh)
-    train(model, data, args.lr, report=dist.get_rank() == 0)
+    opt = None
+    if args.resume:
+        with torch.device("meta"):
+            model = build(args.seed, args.dim, args.layers, args.vocab)
+        model = autoshard.parallelize(model, plan, mesh)  # shards allocated, left for the checkpoint
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        load_checkpoint(args.resume, model, opt)
+    else:
+        model = autoshard.parallelize(model, plan, mesh)
+    opt = train(model, data, args.lr, report=dist.get_rank() == 0, opt=opt, start=args.start_step)
+    if args.save:
+        save_checkpoint(args.save, model, opt)
     dist.destroy_process_group()
     return 0
 

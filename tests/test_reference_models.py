@@ -197,3 +197,32 @@ def test_hugging_face_models_plan(world, arch, shape, names):
     if len(shape) < 3:  # determinism (the 3-D plans take longest; one check is enough)
         again = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
         assert again.params == plan.params and again.nodes == plan.nodes
+
+
+@pytest.mark.parametrize("how", ["init_fn", "full_state_dict"])
+def test_meta_device_model_is_sharded_at_load(world, how):
+    """A meta-device model gets only its shards allocated (to_empty), then initialized in
+    place or loaded from a full state dict; the latter computes the original model's loss."""
+    world(4)
+    shape, names = (2, 2), ("dp", "tp")
+    real, x = tiny("llama"), tokens()
+    plan = autoshard.plan(real, (x,), autoshard.fake_mesh(shape, names), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None)
+    with torch.device("meta"):
+        meta = tiny("llama")
+    with LocalTensorMode(4):
+        mesh = local_mesh(shape, names)
+        if how == "init_fn":
+            model = autoshard.parallelize(meta, plan, mesh, init_fn=lambda m: m.init_weights())
+            loss = full(lm_loss(model(x)))
+            assert torch.isfinite(loss) and loss > 0
+            assert all(not p.is_meta for p in model.parameters())
+            torch.testing.assert_close(full(model.rope_cos), real.rope_cos)
+        else:
+            with pytest.raises(autoshard.PlanError, match="non-persistent"):
+                autoshard.parallelize(copy.deepcopy(meta), plan, mesh, full_state_dict=real.state_dict())
+            model = autoshard.parallelize(meta, plan, mesh, init_fn=lambda m: m.init_weights(),
+                                          full_state_dict=real.state_dict())
+            torch.testing.assert_close(full(lm_loss(model(x))), lm_loss(real(x)), rtol=1e-5, atol=1e-6)
+        sharded = [p for p in model.parameters() if any(pl.is_shard() for pl in p.placements)]
+        assert sharded, "the plan under test shards nothing"

@@ -15,23 +15,32 @@ def losses(out: str) -> list[float]:
 
 @pytest.mark.timeout(600)
 def test_torchrun_training_matches_single_process(tmp_path):
+    """Two real 4-rank runs: steps 0-1 (plan, train, save a sharded checkpoint), then
+    steps 2-3 from a meta-device model whose shards are loaded from that checkpoint
+    (model and AdamW state). Together they must give the single-process loss curve."""
     prof = tmp_path / "slow-compute.json"
     SHARDING_PROFILE.save(prof)  # sharding pays under this profile, so the plan really shards
     plan_file = tmp_path / "plan.json"
-    common = ["--steps", "4", "--dim", "32", "--layers", "1", "--vocab", "64", "--batch", "8", "--seq", "8"]
-    single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", *common],
+    common = ["--dim", "32", "--layers", "1", "--vocab", "64", "--batch", "8", "--seq", "8"]
+    single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", "--steps", "4", *common],
                             capture_output=True, text=True, check=True)
     from costmodel.calibrate import free_port
 
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-         "-m", "autoshard.train", "--mesh", "dp=2,tp=2", "--profile", str(prof), "--save-plan", str(plan_file),
-         *common],
-        capture_output=True, text=True, timeout=300,
-    )
+    def torchrun(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+             str(free_port()), "-m", "autoshard.train", "--mesh", "dp=2,tp=2", *args, *common],
+            capture_output=True, text=True, timeout=300,
+        )
+
+    ckpt = tmp_path / "ckpt"
+    first = torchrun("--profile", str(prof), "--save-plan", str(plan_file), "--steps", "2", "--save", str(ckpt))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert any(ckpt.glob("*.distcp")), "no sharded checkpoint files written"
+    run = torchrun("--plan", str(plan_file), "--resume", str(ckpt), "--start-step", "2", "--steps", "2")
     assert run.returncode == 0, run.stderr[-3000:]
-    ref, got = losses(single.stdout), losses(run.stdout)
-    assert len(ref) == 4 and len(got) == 4, run.stdout[-2000:]
+    ref, got = losses(single.stdout), losses(first.stdout) + losses(run.stdout)
+    assert len(ref) == 4 and len(got) == 4, first.stdout[-1000:] + run.stdout[-1000:]
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
     import autoshard
 
