@@ -18,6 +18,8 @@ import time
 EXAMPLES = """examples:
   autoshard demo
   autoshard demo --mesh dp=4,tp=2 --layers 1 -o plan.json
+  autoshard demo --model llama-8b --batch 64 --seq 2048 --compare
+  autoshard plan mypkg.models:make --mesh dp=8,tp=8 --pin 'layers.*.attn.wq=RS(0)' -o plan.json
   autoshard plan mypkg.models:make --mesh dp=8,tp=8 --memory-budget 70GiB -o plan.json
   autoshard show plan.json
   torchrun --nproc-per-node 8 -m autoshard calibrate --mesh dp=2,tp=4 -o h100-node.json
@@ -52,18 +54,41 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
                    help="bytes per device, e.g. 70GiB (default: the profile's device memory)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    p.add_argument("--pin", action="append", default=[], metavar="FQN=SPEC",
+                   help="fix parameters (FQN glob, or a module) to a spec, e.g. 'layers.*.attn.wq=RS(0)'; repeatable")
+    p.add_argument("--compare", action="store_true",
+                   help="also cost the hand-written plans (DDP, FSDP, TP, FSDP+TP) and print a table")
 
 
 def _run_plan(model, inputs, args) -> int:
     import autoshard
 
+    from autoshard.errors import AutoshardError
+
     shape, names = autoshard.parse_mesh(args.mesh)
     mesh = autoshard.fake_mesh(shape, names)
+    pins = {}
+    for item in args.pin:
+        fqn, sep, spec = item.partition("=")
+        if not sep or not fqn or not spec:
+            raise AutoshardError(f"--pin {item!r}: expected FQN=SPEC, e.g. 'layers.*.attn.wq=RS(0)'")
+        pins[fqn] = spec
     t0 = time.perf_counter()
-    plan = autoshard.plan(model, inputs, mesh, profile=args.profile,
-                          memory_budget=args.memory_budget if args.memory_budget else "auto",
-                          time_limit=args.time_limit, log=_log)
+    budget = args.memory_budget if args.memory_budget else "auto"
+    plan = autoshard.plan(model, inputs, mesh, profile=args.profile, memory_budget=budget,
+                          time_limit=args.time_limit, log=_log, pins=pins or None)
     print(plan.describe())
+    if args.compare:
+        results = autoshard.compare(model, inputs, mesh, profile=args.profile, memory_budget=budget,
+                                    time_limit=args.time_limit)
+        print(f"{'plan':10s} {'step ms':>10s} {'compute ms':>11s} {'comm ms':>9s} {'peak GiB':>9s}")
+        for name, res in results.items():
+            if isinstance(res, str):
+                print(f"{name:10s} {'-':>10s}  {res}")
+                continue
+            sm = res.summary
+            print(f"{name:10s} {sm['step_us'] / 1e3:10.2f} {sm['compute_us'] / 1e3:11.2f} {sm['comm_us'] / 1e3:9.2f} "
+                  f"{sm['peak_mem_bytes'] / 2**30:9.2f}")
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     if args.output:
         plan.save(args.output)
@@ -74,14 +99,23 @@ def _run_plan(model, inputs, args) -> int:
 def cmd_demo(args) -> int:
     import torch
 
-    from autoshard.models import Transformer, TransformerConfig
+    from autoshard.models import LLAMA_PRESETS, Transformer, TransformerConfig, gpt2, llama
 
-    cfg = TransformerConfig(dim=args.dim, n_heads=args.heads, n_layers=args.layers, vocab_size=args.vocab)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="meta")
-    _log(f"demo: GPT dim={cfg.dim} heads={cfg.n_heads} layers={cfg.n_layers} vocab={cfg.vocab_size}, "
-         f"batch {args.batch} x seq {args.seq}, mesh {args.mesh} (fake process group, no GPU)")
+        if args.model == "gpt":
+            cfg = TransformerConfig(dim=args.dim, n_heads=args.heads, n_layers=args.layers, vocab_size=args.vocab)
+            model = Transformer(cfg)
+            what = f"GPT dim={cfg.dim} heads={cfg.n_heads} layers={cfg.n_layers} vocab={cfg.vocab_size}"
+        elif args.model.startswith("llama-"):
+            preset = args.model.split("-", 1)[1]
+            model = llama(preset, max_seq_len=max(args.seq, LLAMA_PRESETS[preset]["max_seq_len"]))
+            what = f"LLaMA {preset} shapes ({model.cfg.n_layers} layers)"
+        else:
+            model = gpt2(args.model.split("-", 1)[1])
+            what = f"GPT-2 {args.model.split('-', 1)[1]} shapes"
+    vocab = model.embed.num_embeddings
+    tokens = torch.randint(0, vocab, (args.batch, args.seq), device="meta")
+    _log(f"demo: {what}, batch {args.batch} x seq {args.seq}, mesh {args.mesh} (fake process group, no GPU)")
     return _run_plan(model, (tokens,), args)
 
 
@@ -148,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="plan a small GPT on a fake 64-rank mesh and print the plan")
     _common(d, "dp=8,tp=8")
+    d.add_argument("--model", default="gpt", choices=["gpt", "gpt2-small", "gpt2-medium", "llama-1b", "llama-8b",
+                                                       "llama-70b"],
+                   help="gpt: the small GPT sized by --dim/--layers/...; others: reference shapes")
     d.add_argument("--layers", type=int, default=2)
     d.add_argument("--dim", type=int, default=1024)
     d.add_argument("--heads", type=int, default=16)

@@ -48,3 +48,18 @@ def test_explain_and_diff(world, tmp_path, capsys):
     assert "identical" in capsys.readouterr().out
     assert main(["diff", str(a), str(b)]) == 0
     assert "profile: h100-sxm -> cpu-gloo" in capsys.readouterr().out
+
+
+def test_demo_pins_and_compare(world, capsys):
+    world(4)
+    small = ["demo", "--mesh", "dp=2,tp=2", "--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128",
+             "--batch", "8", "--seq", "16"]
+    assert main(small + ["--pin", "head.weight=RS(0)", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "head.weight                dp=R tp=S(0)" in out or "head.weight" in out and "tp=S(0)" in out
+    for name in ("autoshard", "ddp", "fsdp", "tp", "fsdp_tp"):
+        assert f"\n{name} " in out
+    assert main(small + ["--pin", "head.weight"]) == 2
+    assert "expected FQN=SPEC" in capsys.readouterr().err
+    assert main(small + ["--pin", "nothing.here=RR"]) == 2
+    assert "matches no parameter" in capsys.readouterr().err
