@@ -6,6 +6,7 @@
   autoshard explain plan.json                       per-layer table, the dearest redistributes
   autoshard diff a.json b.json                      what differs between two plans
   autoshard calibrate --mesh dp=2,tp=4 -o prof.json  measure collectives (under torchrun, or --nproc N)
+  autoshard serve [--db plans.sqlite] [--port 8000]    the plan service (HTTP JSON API)
 """
 
 from __future__ import annotations
@@ -122,6 +123,10 @@ def cmd_demo(args) -> int:
 def cmd_plan(args) -> int:
     from autoshard.errors import AutoshardError
 
+    if args.server:
+        return _plan_on_server(args)
+    if not args.factory:
+        raise AutoshardError("plan: expected MODULE:FACTORY (or --server URL with --model)")
     mod_name, _, fn_name = args.factory.partition(":")
     if not fn_name:
         raise AutoshardError(f"factory {args.factory!r}: expected MODULE:FUNCTION")
@@ -135,6 +140,48 @@ def cmd_plan(args) -> int:
                              f"found {type(made).__name__}")
     model, inputs = made
     return _run_plan(model, inputs, args)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from autoshard.serve import ServiceConfig, create_app
+
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"--token-file {args.token_file}: the file is empty")
+    cfg = ServiceConfig(db=args.db, workers=args.workers, max_queue=args.max_queue, job_seconds=args.job_seconds,
+                        max_time_limit=args.max_time_limit, token=token, max_body_bytes=args.max_body_bytes)
+    _log(f"serving on http://{args.host}:{args.port} (db {args.db}, {args.workers} workers"
+         f"{', token required' if token else ''}); OpenAPI at /openapi.json")
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _plan_on_server(args) -> int:
+    from autoshard.client import PlanClient
+    from autoshard.errors import AutoshardError
+
+    if not args.model:
+        raise AutoshardError("--server needs --model (a reference model as data: llama-8b, gpt2-small, ...); "
+                             "a MODULE:FACTORY cannot be sent to a service")
+    family, _, preset = args.model.partition("-")
+    if family not in ("llama", "gpt2") or not preset:
+        raise AutoshardError(f"--model {args.model!r}: expected llama-PRESET or gpt2-PRESET")
+    shape, names = __import__("autoshard").parse_mesh(args.mesh)
+    token = open(args.token_file).read().strip() if args.token_file else None
+    pins = dict(p.split("=", 1) for p in args.pin)
+    plan = PlanClient(args.server, token=token).plan(
+        {"reference": family, "preset": preset}, batch=args.batch, seq=args.seq, mesh=dict(zip(names, shape)),
+        profile=args.profile, memory_budget=args.memory_budget or "auto", pins=pins, time_limit=args.time_limit)
+    print(plan.describe())
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
 
 
 def cmd_calibrate(args) -> int:
@@ -193,8 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seq", type=int, default=512)
     d.set_defaults(func=cmd_demo)
     p = sub.add_parser("plan", help="plan a model made by MODULE:FACTORY() -> (model, example_inputs)")
-    p.add_argument("factory")
+    p.add_argument("factory", nargs="?", default=None)
     _common(p, None)
+    p.add_argument("--server", default=None, help="ask this plan service (autoshard serve) instead of planning here")
+    p.add_argument("--model", default=None, help="with --server: llama-PRESET or gpt2-PRESET")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--token-file", default=None, help="with --server: file holding the bearer token")
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser("calibrate", help="measure collectives on this cluster and write a profile",
                        description="Run under torchrun (torchrun --nproc-per-node 8 -m autoshard calibrate "
@@ -214,6 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-flattened", action="store_true", help="skip multi-axis (flattened) groups")
     c.add_argument("--name", default=None, help="profile name (default: calibrated-<device>)")
     c.set_defaults(func=cmd_calibrate)
+    sv = sub.add_parser("serve", help="run the plan service (HTTP JSON API, SQLite store, solve workers)")
+    sv.add_argument("--db", default="plans.sqlite")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--workers", type=int, default=2, help="solve worker processes")
+    sv.add_argument("--max-queue", type=int, default=64)
+    sv.add_argument("--job-seconds", type=float, default=600.0, help="a job is stopped past this")
+    sv.add_argument("--max-time-limit", type=float, default=300.0, help="largest solver time limit a request may ask")
+    sv.add_argument("--token-file", default=None, help="require 'Authorization: Bearer <token in this file>'")
+    sv.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("8MiB"))
+    sv.set_defaults(func=cmd_serve)
     e = sub.add_parser("explain", help="per-layer table of a plan, totals, the dearest redistributes")
     e.add_argument("plan")
     e.add_argument("--top", type=int, default=10)
