@@ -143,9 +143,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
+    try:
+        import uvicorn
 
-    from autoshard.serve import ServiceConfig, create_app
+        from autoshard.serve import ServiceConfig, create_app
+    except ImportError as exc:
+        raise ValueError(f"autoshard serve needs the service extra ({exc.name} is missing): "
+                         "pip install -c constraints.txt -e '.[serve]'") from None
 
     token = None
     if args.token_file:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from autoshard.serve.jobs import JobRunner, QueueFull
 from autoshard.serve.requests import PlanRequest, canonical_plan_request, fingerprint
@@ -105,9 +105,13 @@ def create_app(cfg: ServiceConfig) -> FastAPI:
     async def http_error(_request, exc: HTTPException):
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
+    shipped_digests: dict[str, str] = {}
+
     def _profile_digest(name: str) -> str:
         from costmodel import builtin_profiles, load_profile
 
+        if name in shipped_digests:
+            return shipped_digests[name]
         if name.startswith("upload:"):
             if store.profile(name[len("upload:"):]) is None:
                 raise HTTPException(422, f"profile {name!r}: no uploaded profile with that id (GET /v1/profiles)")
@@ -115,12 +119,14 @@ def create_app(cfg: ServiceConfig) -> FastAPI:
         if name not in builtin_profiles():
             raise HTTPException(422, f"profile {name!r}: expected a shipped profile {builtin_profiles()} "
                                      "or 'upload:<id>' of an uploaded one")
-        return load_profile(name).digest()
+        shipped_digests[name] = load_profile(name).digest()
+        return shipped_digests[name]
 
     def _submit(kind: str, key: str, request: dict):
-        body = store.plan(key)
-        if body is not None:
-            return JSONResponse({"status": "done", "cached": True, "key": key, "result": body})
+        text = store.plan_text(key)
+        if text is not None:
+            head = json.dumps({"status": "done", "cached": True, "key": key})[:-1]
+            return Response(content=f'{head}, "result": {text}}}', media_type="application/json")
         try:
             job_id, created = runner.submit(kind, key, request)
         except QueueFull as exc:
@@ -143,10 +149,10 @@ def create_app(cfg: ServiceConfig) -> FastAPI:
 
     @app.get("/v1/plans/{key}")
     def get_plan(key: str):
-        body = store.plan(key)
-        if body is None:
+        text = store.plan_text(key)
+        if text is None:
             raise HTTPException(404, f"no stored plan with key {key!r}")
-        return body
+        return Response(content=text, media_type="application/json")
 
     @app.get("/v1/jobs/{job_id}")
     def get_job(job_id: str):

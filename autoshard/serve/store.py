@@ -122,8 +122,13 @@ class Store:
 
     # -- plans ------------------------------------------------------------
     def plan(self, key: str) -> dict | None:
+        text = self.plan_text(key)
+        return json.loads(text) if text is not None else None
+
+    def plan_text(self, key: str) -> str | None:
+        """The stored JSON text, served as is (no parse and re-serialize on the hot path)."""
         row = self.db.execute("SELECT body FROM plans WHERE key = ?", (key,)).fetchone()
-        return json.loads(row[0]) if row else None
+        return row[0] if row else None
 
     def plans(self, limit: int = 100) -> list[dict]:
         rows = self.db.execute("SELECT key, kind, summary, created FROM plans ORDER BY created DESC LIMIT ?",

@@ -9,6 +9,7 @@ with the error. Nothing partial is ever stored.
 from __future__ import annotations
 
 import math
+import os
 import traceback
 
 from autoshard.serve.store import Store
@@ -30,6 +31,10 @@ def _die_with_parent() -> None:
 
 def run_job(db_path: str, job_id: str) -> None:
     _die_with_parent()
+    try:
+        os.nice(10)  # solves yield the CPU to the API process: cached answers stay fast under load
+    except OSError:
+        pass
     store = Store(db_path)
     job = store.job(job_id)
     if job is None:
