@@ -64,7 +64,7 @@ def _allowed(problem: Problem) -> list[np.ndarray]:
 
 
 def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray,
-                    max_entries: float = np.inf, strategies: np.ndarray | None = None):
+                    max_entries: float = np.inf, strategies: np.ndarray | None = None, count_only: bool = False):
     """The memory rows that are not implied by others: ``[(live varying nodes, base usage)]``.
 
     Time splits into segments between interval endpoints; on segment k the
@@ -116,6 +116,8 @@ def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarra
     if entries > max_entries:
         raise ModelTooLarge(f"{int(keep.sum())} memory rows with ~{entries:.3g} entries exceed the budget "
                             f"of {max_entries:.3g}")
+    if count_only:
+        return []
     # Sweep once more, materializing the kept sets.
     starts = {}
     ends = {}
@@ -329,6 +331,22 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True) -
     model.stats.update(dominated_strategies=dropped, tied_nodes=int((rep != np.arange(n)).sum()),variables=int(model.cost.size), edge_variables=int(ycol - ncol), constraints=model.n_rows,
                        kept_edges=len(pairs), nonzeros=int(sum(r[0].size for r in model.row_index)))
     return model
+
+
+def check_memory_rows(problem: Problem, max_entries: float) -> None:
+    """Raise :class:`ModelTooLarge` when the memory rows alone would pass ``max_entries``.
+
+    Counted from live-set sizes without building anything (no reductions applied, so
+    an over-estimate): lets ``solve`` skip MILP work that could never be finished.
+    """
+    if problem.usage_limit is None:
+        return
+    allowed = _allowed(problem)
+    base = np.array([problem.node_usages[v][a].min() for v, a in enumerate(allowed)])
+    varying = np.array([problem.node_usages[v][a].max() > problem.node_usages[v][a].min()
+                        for v, a in enumerate(allowed)])
+    ks = np.array([a.size for a in allowed], dtype=np.float64)
+    memory_segments(problem, varying, base, max_entries, ks, count_only=True)
 
 
 def _memory_rows(model: ArrayModel, problem: Problem, allowed, max_entries: float = np.inf) -> None:

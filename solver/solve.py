@@ -77,6 +77,9 @@ def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, say, rel
     and on planner graphs the limit often does not bind: the memory rows (thousands of
     them, half the nonzeros) then cost nothing. Otherwise its bound still holds and the
     full MILP gets the remaining time."""
+    if problem.usage_limit is not None:
+        # Never spend half the time on a relaxation whose full model cannot be built.
+        highs_model.check_memory_rows(problem, max_nonzeros)
     if problem.usage_limit is not None and relaxed_bound is None:
         deadline = t0 + 0.5 * time_limit
         choice, lower, optimal, stats = _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say,
