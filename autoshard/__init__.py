@@ -10,6 +10,7 @@ from autoshard.errors import AutoshardError, MeshError, PlanError, TraceError
 from autoshard.mesh import fake_mesh, parse_mesh
 from autoshard.parallelize import parallelize
 from autoshard.plan import PLAN_VERSION, ParamPlacement, Plan
+from autoshard.replay import PlannedStep
 from autoshard.trace import trace
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "ParamPlacement",
     "Plan",
     "PlanError",
+    "PlannedStep",
     "TraceError",
     "fake_mesh",
     "compare",

@@ -35,6 +35,18 @@ def is_persistent_buffer(module, name: str) -> bool:
     return name not in module._non_persistent_buffers_set
 
 
+def outside_local_tensor_mode():
+    """A context that suspends an active LocalTensorMode (tracing must not run per rank)."""
+    import contextlib
+
+    try:
+        from torch.distributed._local_tensor import get_local_tensor_mode_list
+    except ImportError:
+        return contextlib.nullcontext()
+    modes = [m for m in get_local_tensor_mode_list() if not getattr(m, "_disable", False)]
+    return modes[-1].disable() if modes else contextlib.nullcontext()
+
+
 def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 

@@ -1,7 +1,9 @@
 """Apply a plan: parameters become DTensors, inputs are distributed on entry.
 
-Every redistribute between ops is executed by DTensor's own dispatcher and
-redistribution engine, starting from the planned parameter and input specs.
+Used as a module (``model(x)``), redistributes between ops are chosen by DTensor's
+dispatcher, starting from the planned parameter and input specs. To run every op
+with its planned input specs and the planner's own collectives, wrap the result in
+:class:`autoshard.replay.PlannedStep`.
 """
 
 from __future__ import annotations

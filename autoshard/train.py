@@ -38,12 +38,18 @@ def loss_fn(logits):
     return logits.float().pow(2).mean()
 
 
-def train(model, data, lr: float, report: bool, opt=None, start: int = 0):
-    """AdamW steps on ``data``; prints ``step N loss X`` (N from ``start``) when ``report``."""
+def train(model, data, lr: float, report: bool, opt=None, start: int = 0, planned_step=None):
+    """AdamW steps on ``data``; prints ``step N loss X`` (N from ``start``) when ``report``.
+
+    With ``planned_step`` (an :class:`autoshard.replay.PlannedStep`), forward and backward
+    run the planned graph with the planner's own redistributes."""
     opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
     for step, tokens in enumerate(data, start=start):
-        loss = loss_fn(model(tokens))
-        loss.backward()
+        if planned_step is not None:
+            loss = planned_step(tokens)
+        else:
+            loss = loss_fn(model(tokens))
+            loss.backward()
         opt.step()
         opt.zero_grad()
         value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
@@ -92,6 +98,8 @@ def main(argv=None) -> int:
                     help="build the model on the meta device, allocate only this rank's shards and load them "
                          "from this sharded checkpoint, then train steps --start-step onwards")
     ap.add_argument("--start-step", type=int, default=0)
+    ap.add_argument("--replay", action="store_true",
+                    help="run the planned graph op by op with the planner's redistributes (autoshard.replay)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = build(args.seed, args.dim, args.layers, args.vocab)
@@ -132,7 +140,13 @@ def main(argv=None) -> int:
         load_checkpoint(args.resume, model, opt)
     else:
         model = autoshard.parallelize(model, plan, mesh)
-    opt = train(model, data, args.lr, report=dist.get_rank() == 0, opt=opt, start=args.start_step)
+    planned = None
+    if args.replay:
+        from autoshard.replay import PlannedStep
+
+        planned = PlannedStep(model, plan, mesh, (data[0],), loss_fn, profile=args.profile)
+    opt = train(model, data, args.lr, report=dist.get_rank() == 0, opt=opt, start=args.start_step,
+                planned_step=planned)
     if args.save:
         save_checkpoint(args.save, model, opt)
     dist.destroy_process_group()

@@ -39,6 +39,9 @@ def test_torchrun_training_matches_single_process(tmp_path):
     assert any(ckpt.glob("*.distcp")), "no sharded checkpoint files written"
     run = torchrun("--plan", str(plan_file), "--resume", str(ckpt), "--start-step", "2", "--steps", "2")
     assert run.returncode == 0, run.stderr[-3000:]
+    replay = torchrun("--plan", str(plan_file), "--replay", "--profile", str(prof), "--steps", "4")
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    assert losses(replay.stdout) == pytest.approx(losses(single.stdout), rel=1e-5, abs=1e-6)
     ref, got = losses(single.stdout), losses(first.stdout) + losses(run.stdout)
     assert len(ref) == 4 and len(got) == 4, first.stdout[-1000:] + run.stdout[-1000:]
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
