@@ -64,18 +64,12 @@ def solve_pairwise(problem: Problem, seconds: float, scale: float = 1000.0) -> t
     meshes (hundreds of strategies per node) tractable.
     """
     from solver.highs_model import drop_dominated
+    from solver.quotient import merge_edges
 
     n = problem.num_nodes
     allowed = [np.nonzero(problem.allowed(v))[0] for v in range(n)]
     linear = [c.copy() for c in problem.node_costs]
-    pairs: dict[tuple[int, int], np.ndarray] = {}
-    for e, (u, v) in enumerate(problem.edges.tolist()):
-        m = problem.edge_costs[e]
-        if u == v:
-            linear[u] = linear[u] + np.diag(m)
-            continue
-        key, mat = ((u, v), m) if u < v else ((v, u), m.T)
-        pairs[key] = pairs[key] + mat if key in pairs else mat.astype(np.float64, copy=True)
+    pairs = merge_edges(problem, np.arange(n), linear)
     # Exact domain reduction first: the tables toulbar2 reads shrink with the domains.
     drop_dominated(problem, np.arange(n), allowed, linear, pairs, use_usage=False)
 

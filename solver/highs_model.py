@@ -229,15 +229,9 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True) -
     const = 0.0
 
     # Edges between tie groups: sum parallel ones; an edge inside a group is a diagonal cost.
-    all_pairs: dict[tuple[int, int], np.ndarray] = {}
-    for e, (u, v) in enumerate(problem.edges.tolist()):
-        m = problem.edge_costs[e]
-        u, v = int(rep[u]), int(rep[v])
-        if u == v:
-            linear[u] = linear[u] + np.diag(m)
-            continue
-        key, mat = ((u, v), m) if u < v else ((v, u), m.T)
-        all_pairs[key] = all_pairs[key] + mat if key in all_pairs else mat.astype(np.float64, copy=True)
+    from solver.quotient import merge_edges
+
+    all_pairs = merge_edges(problem, rep, linear)
     dropped = drop_dominated(problem, rep, allowed, linear, all_pairs,
                              use_usage=memory and problem.usage_limit is not None)
     fixed = {v: int(a[0]) for v, a in enumerate(allowed) if a.size == 1}

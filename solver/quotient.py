@@ -15,6 +15,21 @@ import numpy as np
 from solver.problem import FORBIDDEN, Problem
 
 
+def merge_edges(problem: Problem, group: np.ndarray, linear: list[np.ndarray]) -> dict[tuple[int, int], np.ndarray]:
+    """Edges between groups, parallel ones summed, keyed (low, high); an edge inside a group
+    adds its diagonal to ``linear`` of that group (in place)."""
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    for e, (u, v) in enumerate(problem.edges.tolist()):
+        m = problem.edge_costs[e]
+        gu, gv = int(group[u]), int(group[v])
+        if gu == gv:
+            linear[gu] = linear[gu] + np.diag(m)
+            continue
+        key, mat = ((gu, gv), m) if gu < gv else ((gv, gu), m.T)
+        pairs[key] = pairs[key] + mat if key in pairs else mat.astype(np.float64, copy=True)
+    return pairs
+
+
 def quotient(problem: Problem) -> tuple[Problem, np.ndarray]:
     """(quotient problem, ``group[v]``: the quotient node of each original node)."""
     n = problem.num_nodes
@@ -29,15 +44,7 @@ def quotient(problem: Problem) -> tuple[Problem, np.ndarray]:
     for v in range(n):
         costs[group[v]] = costs[group[v]] + problem.node_costs[v]
         allowed[group[v]] &= problem.allowed(v)
-    pairs: dict[tuple[int, int], np.ndarray] = {}
-    for e, (u, v) in enumerate(problem.edges.tolist()):
-        m = problem.edge_costs[e]
-        gu, gv = int(group[u]), int(group[v])
-        if gu == gv:
-            costs[gu] = costs[gu] + np.diag(m)
-            continue
-        key, mat = ((gu, gv), m) if gu < gv else ((gv, gu), m.T)
-        pairs[key] = pairs[key] + mat if key in pairs else mat.astype(np.float64, copy=True)
+    pairs = merge_edges(problem, group, costs)
     costs = [np.where(a, c, 2 * FORBIDDEN) for c, a in zip(costs, allowed)]
     edges = np.array(list(pairs), dtype=np.int64).reshape(-1, 2)
     q = Problem(

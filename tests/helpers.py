@@ -1,5 +1,6 @@
 """Shared pieces of the tests: a profile where sharding pays, and numerics checks."""
 
+import torch
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -58,3 +59,17 @@ def lift_replicated_locals(model, mode):
         if isinstance(p, DTensor) and not isinstance(p._local_tensor, LocalTensor):
             plain = p._local_tensor.detach()
             p._local_tensor = mode.rank_map(lambda _r, t=plain: t.clone())
+
+
+def reference_adamw(model, inputs, loss_fn, steps: int = 3, lr: float = 1e-2):
+    """Single-device AdamW: (losses per step, grads of the last step by FQN)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, grads = [], {}
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(*inputs))
+        loss.backward()
+        losses.append(loss.item())
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+    return losses, grads

@@ -8,7 +8,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import autoshard
 from autoshard.replay import PlannedStep
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw
 from test_reference_models import lm_loss, tiny, tokens
 
 MESHES = [((2, 2), ("dp", "tp")), ((2, 2, 2), ("rep", "dp", "tp"))]
@@ -24,14 +24,7 @@ def test_planned_step_runs_exactly_the_planned_collectives(world, name, shape, n
     planned = sum(len(r["steps"]) for r in plan.redistributes)
     assert planned > 0, "the plan under test moves nothing"
     ref = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses = []
-    for _ in range(3):
-        ref_opt.zero_grad()
-        loss = lm_loss(ref(x))
-        loss.backward()
-        ref_losses.append(loss.item())
-        ref_opt.step()
+    ref_losses, _ = reference_adamw(ref, (x,), lm_loss)
     with LocalTensorMode(int(torch.tensor(shape).prod())) as mode:
         mesh = local_mesh(shape, names)
         sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
