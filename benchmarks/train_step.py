@@ -5,7 +5,9 @@
 A small LLaMA-style model (dim 256, 2 layers, 8 heads / 4 KV heads, vocab 2048,
 batch 16 x 128) trains with AdamW on the same batches three ways on a 4-rank
 ``dp`` mesh: our plan (planned on rank 0 with the measured ``cpu-gloo`` profile,
-applied with ``autoshard.parallelize``), ``DistributedDataParallel`` and FSDP2
+applied with ``autoshard.parallelize`` and run as planned by ``autoshard.PlannedStep``;
+``autoshard (module)`` is the same parallelized model called as a module, where
+DTensor's dispatcher picks the redistributes), ``DistributedDataParallel`` and FSDP2
 (``fully_shard`` per block and at the root). Per method: median step time over
 the timed steps and bytes handed to collectives per step (a dispatch mode that
 sums the tensors of every c10d / functional collective). Last line: our step time
@@ -67,7 +69,7 @@ def data():
     return [torch.randint(0, CFG["vocab_size"], (BATCH, SEQ), generator=g) for _ in range(WARMUP + STEPS)]
 
 
-def run(model, batches, local_batch):
+def run(model, batches, local_batch, planned=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, comm = [], CommBytes()
     for k, tokens in enumerate(batches):
@@ -78,8 +80,11 @@ def run(model, batches, local_batch):
         if mode is not None:
             mode.__enter__()
         try:
-            loss = loss_fn(model(x))
-            loss.backward()
+            if planned is not None:
+                loss = planned(x)  # forward + backward as planned; sets .grad
+            else:
+                loss = loss_fn(model(x))
+                loss.backward()
             opt.step()
             opt.zero_grad()
         finally:
@@ -115,8 +120,12 @@ def worker() -> None:
               f"{sum('S(' in str(plan.param_spec(f)) for f in plan.params)}/{len(plan.params)}", flush=True)
         box[0] = plan.to_json()
     dist.broadcast_object_list(box, src=0)
-    ours = autoshard.parallelize(build(), Plan.from_json(box[0]), mesh)
-    results["autoshard"] = run(ours, batches, lambda t: t)
+    plan = Plan.from_json(box[0])
+    ours = autoshard.parallelize(build(), plan, mesh)
+    step = autoshard.PlannedStep(ours, plan, mesh, (batches[0],), loss_fn, profile="cpu-gloo")
+    results["autoshard"] = run(ours, batches, lambda t: t, planned=step)
+    module_path = autoshard.parallelize(build(), plan, mesh)
+    results["autoshard (module)"] = run(module_path, batches, lambda t: t)
 
     ddp = DistributedDataParallel(build())
     results["ddp"] = run(ddp, batches, lambda t: t[rank * shard:(rank + 1) * shard])
@@ -129,7 +138,7 @@ def worker() -> None:
 
     if rank == 0:
         for name, (sec, nbytes, calls) in results.items():
-            print(f"{name:10s} step {sec * 1e3:8.1f} ms   collectives/step {calls:4d}   bytes/step {nbytes / 2**20:8.2f} MiB")
+            print(f"{name:18s} step {sec * 1e3:8.1f} ms   collectives/step {calls:4d}   bytes/step {nbytes / 2**20:8.2f} MiB")
         best = min(("ddp", "fsdp"), key=lambda k: results[k][0])
         for k in ("ddp", "fsdp"):
             print(f"ours/{k}: step time {results['autoshard'][0] / results[k][0]:.3f}, "
