@@ -63,6 +63,24 @@ class TracedGraph:
         return [n for n in self.placeholders if self.kinds[n.name] == "input"]
 
 
+def _drop_hook_residue(gm: fx.GraphModule) -> None:
+    """Undo what the layer-tagging hooks add to the graph: identity views (backward hooks
+    wrap each layer's inputs and outputs) and the dead ``zeros`` they leave behind. Left in,
+    each boundary view is one more node whose sharding rule can force a redistribute
+    (measured: +3.4% predicted step on a 5-layer LLaMA)."""
+    view = torch.ops.aten.view.default
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is view and isinstance(node.args[0], fx.Node):
+            src = node.args[0].meta.get("val")
+            out = node.meta.get("val")
+            if isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape \
+                    and src.stride() == out.stride():
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
 def _to_fake(fm: FakeTensorMode, t: torch.Tensor, device: torch.device, requires_grad=False):
     with fm:
         out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
@@ -136,6 +154,8 @@ def trace(
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from exc
 
+    if groups:
+        _drop_hook_residue(gm)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and "val" not in node.meta:
             # Constants lifted by make_fx (small tensors built inside forward): give them

@@ -92,8 +92,9 @@ def test_repeated_layers_are_tied(world):
 
 
 def test_untied_plan_is_never_cheaper_than_tied_by_much(world):
-    """Ties restrict the solver: the untied optimum is never dearer, and the tied one stays
-    close (the first and last layers see different neighbours, so they may prefer other specs)."""
+    """Ties restrict the solver: the untied optimum is never dearer; on identical layers the
+    tied one matches it (a 3.4% gap here came from the tagging hooks' identity views, now
+    removed from the traced graph)."""
     world(16)
     mesh = autoshard.fake_mesh((4, 4), ("dp", "tp"))
     with torch.device("meta"):
@@ -102,7 +103,7 @@ def test_untied_plan_is_never_cheaper_than_tied_by_much(world):
     tied = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
     free = autoshard.plan(model, (x,), mesh, profile="h100-sxm", tie_layers=False)
     assert free.summary["step_us"] <= tied.summary["step_us"] + 1e-6
-    assert tied.summary["step_us"] <= 1.05 * free.summary["step_us"]
+    assert tied.summary["step_us"] == pytest.approx(free.summary["step_us"], rel=1e-6)
 
 
 class Scale(nn.Module):
