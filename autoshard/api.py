@@ -135,7 +135,7 @@ class _Session:
             ) from exc
         phases = dict(self.phases, solve_s=time.perf_counter() - t1)
         t1 = time.perf_counter()
-        result = _assemble(self.model, tg, gp, sol, self.mesh, self.prof, self.budget, 0.0)
+        result = _assemble(self.model, tg, gp, sol, self.mesh, self.prof, self.budget)
         phases["assemble_s"] = time.perf_counter() - t1
         result.summary["plan_seconds"] = round(sum(phases.values()), 3)
         result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
@@ -144,7 +144,7 @@ class _Session:
         return result
 
 
-def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget, seconds) -> Plan:
+def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
     names = axis_names_of(mesh)
     mesh_shape = tuple(mesh.shape)
     topo = MeshTopology(mesh_shape, prof.devices_per_node)
@@ -207,7 +207,6 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget, seconds) -> Plan:
         "strategies": int(sum(len(s) for s in gp.strategies)),
         "edges": len(gp.edges),
         "fallback_ops": gp.fallback_ops,
-        "plan_seconds": round(seconds, 3),
     }
     return Plan(
         mesh_shape=list(mesh_shape),

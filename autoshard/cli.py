@@ -142,6 +142,16 @@ def cmd_plan(args) -> int:
     return _run_plan(model, inputs, args)
 
 
+def _read_token(path: str | None) -> str | None:
+    if not path:
+        return None
+    with open(path) as f:
+        token = f.read().strip()
+    if not token:
+        raise ValueError(f"--token-file {path}: the file is empty")
+    return token
+
+
 def cmd_serve(args) -> int:
     try:
         import uvicorn
@@ -151,12 +161,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"autoshard serve needs the service extra ({exc.name} is missing): "
                          "pip install -c constraints.txt -e '.[serve]'") from None
 
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"--token-file {args.token_file}: the file is empty")
+    token = _read_token(args.token_file)
     cfg = ServiceConfig(db=args.db, workers=args.workers, max_queue=args.max_queue, job_seconds=args.job_seconds,
                         max_time_limit=args.max_time_limit, token=token, max_body_bytes=args.max_body_bytes)
     _log(f"serving on http://{args.host}:{args.port} (db {args.db}, {args.workers} workers"
@@ -175,8 +180,10 @@ def _plan_on_server(args) -> int:
     family, _, preset = args.model.partition("-")
     if family not in ("llama", "gpt2") or not preset:
         raise AutoshardError(f"--model {args.model!r}: expected llama-PRESET or gpt2-PRESET")
-    shape, names = __import__("autoshard").parse_mesh(args.mesh)
-    token = open(args.token_file).read().strip() if args.token_file else None
+    from autoshard.mesh import parse_mesh
+
+    shape, names = parse_mesh(args.mesh)
+    token = _read_token(args.token_file)
     pins = dict(p.split("=", 1) for p in args.pin)
     plan = PlanClient(args.server, token=token).plan(
         {"reference": family, "preset": preset}, batch=args.batch, seq=args.seq, mesh=dict(zip(names, shape)),

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autoshard._torch_compat import outside_local_tensor_mode, to_placements
+from autoshard._torch_compat import from_placements, outside_local_tensor_mode, to_placements
 from autoshard.errors import PlanError
 from autoshard.plan import Plan
 from autoshard.trace import trace
@@ -31,15 +31,10 @@ from costmodel.profile import Profile
 
 
 def spec_of(t: DTensor) -> Spec:
-    out = []
-    for p in t.placements:
-        if p.is_replicate():
-            out.append("R")
-        elif p.is_shard():
-            out.append(f"S({p.dim})")
-        else:
-            out.append(f"P({p.reduce_op})")
-    return Spec(tuple(out))
+    spec = from_placements(t.placements)
+    if spec is None:
+        raise PlanError(f"a tensor with placements {t.placements} has no spec the planner knows")
+    return spec
 
 
 class PlannedStep:
@@ -149,7 +144,7 @@ class PlannedStep:
             if g is None:
                 continue
             p = self.params[fqn]
-            g = self._move(g, Spec(tuple(spec_of(p).placements)))
+            g = self._move(g, spec_of(p))
             p.grad = g if p.grad is None else p.grad + g
         return loss
 

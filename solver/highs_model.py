@@ -145,12 +145,12 @@ def _tie_map(problem: Problem, allowed: list[np.ndarray]) -> np.ndarray:
     MILP one layer; the group's allowed strategies are the intersection of its
     members' (a pin or a forbidden strategy on one member binds them all).
     """
-    rep = np.arange(problem.num_nodes)
+    from solver.quotient import tie_heads
+
+    rep = tie_heads(problem)
     for group in problem.ties:
-        head = min(group)
-        common = allowed[head]
+        common = allowed[group[0]]
         for w in group:
-            rep[w] = head
             common = np.intersect1d(common, allowed[w])
         if common.size == 0:
             raise ValueError(f"tie {sorted(group)[:5]}...: no strategy is allowed for every tied node")

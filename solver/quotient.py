@@ -15,6 +15,14 @@ import numpy as np
 from solver.problem import FORBIDDEN, Problem
 
 
+def tie_heads(problem: Problem) -> np.ndarray:
+    """``head[v]``: the smallest node of v's tie group (v itself when untied)."""
+    head = np.arange(problem.num_nodes)
+    for g in problem.ties:
+        head[list(g)] = min(g)
+    return head
+
+
 def merge_edges(problem: Problem, group: np.ndarray, linear: list[np.ndarray]) -> dict[tuple[int, int], np.ndarray]:
     """Edges between groups, parallel ones summed, keyed (low, high); an edge inside a group
     adds its diagonal to ``linear`` of that group (in place)."""
@@ -33,12 +41,7 @@ def merge_edges(problem: Problem, group: np.ndarray, linear: list[np.ndarray]) -
 def quotient(problem: Problem) -> tuple[Problem, np.ndarray]:
     """(quotient problem, ``group[v]``: the quotient node of each original node)."""
     n = problem.num_nodes
-    head = np.arange(n)
-    for g in problem.ties:
-        h = min(g)
-        for w in g:
-            head[w] = h
-    heads, group = np.unique(head, return_inverse=True)
+    heads, group = np.unique(tie_heads(problem), return_inverse=True)
     costs = [np.zeros(problem.num_strategies(int(h))) for h in heads]
     allowed = [np.ones(problem.num_strategies(int(h)), dtype=bool) for h in heads]
     for v in range(n):
