@@ -10,6 +10,14 @@ strategy of its rule, so DTensor adds no redistribute of its own. Gradients come
 out of the graph in their parameter's planned spec and are set as ``.grad``, so any
 optimizer steps the parameters as usual.
 
+Gradient reductions are bucketed and overlapped, as DDP does: a gradient that only
+the output reads and whose planned move is one all-reduce (a partial sum over some
+mesh axes) joins a bucket of gradients reduced over the same axes; a full bucket
+(``bucket_bytes``) is reduced as one flat buffer by one asynchronous collective
+while the backward pass goes on, and the results are waited for at the end. The
+bytes and the reduction are the plan's; only the number of calls differs (the
+planner costs each gradient's all-reduce alone: latency is overestimated).
+
 Specs with a non-default shard order run in the default order (DTensor placements
 carry no order); each op then still receives its planned placements.
 """
@@ -26,7 +34,7 @@ from autoshard._torch_compat import from_placements, outside_local_tensor_mode, 
 from autoshard.errors import PlanError
 from autoshard.plan import Plan
 from autoshard.trace import trace
-from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile
+from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, start_step
 from costmodel.profile import Profile
 
 
@@ -42,10 +50,15 @@ class PlannedStep:
 
     ``model`` must be the output of :func:`autoshard.parallelize` with the same plan;
     ``example_inputs`` (shapes only) and ``loss_fn`` as given to :func:`autoshard.plan`.
+    ``bucket_bytes``: gradient all-reduces are grouped into buckets of about this many
+    bytes (0: one collective per gradient, exactly the plan's steps).
     """
 
     def __init__(self, model: torch.nn.Module, plan: Plan, mesh, example_inputs, loss_fn=None,
-                 profile: Profile | str | None = None):
+                 profile: Profile | str | None = None, bucket_bytes: int = 25 * 2**20):
+        if bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0, found {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
         self.model, self.plan, self.mesh = model, plan, mesh
         with outside_local_tensor_mode():
             with torch.device("meta"):
@@ -66,6 +79,15 @@ class PlannedStep:
         self.buffers = dict(model.named_buffers())
         self.moves = 0
         """Redistributes executed by the last call (each as the planner's steps)."""
+        self.buckets = 0
+        """Bucketed gradient all-reduces issued by the last call."""
+        out = list(self.tg.gm.graph.nodes)[-1]
+        flat = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+        trainable = [f for f, p in self.params.items() if p.requires_grad]
+        # Gradient nodes that nothing but the output reads: their reduction may wait in a bucket.
+        self._grad_of = {n: fqn for n, fqn in zip(flat[1:], trainable)
+                         if isinstance(n, fx.Node) and set(n.users) == {out}}
+        self._sunk = self._sinkable_views() if bucket_bytes else set()
 
     def _move(self, t, want: Spec):
         if not isinstance(t, torch.Tensor):
@@ -85,9 +107,43 @@ class PlannedStep:
         return DTensor.from_local(local, self.mesh, to_placements(want), run_check=False, shape=t.shape,
                                   stride=t.stride())
 
+    def _sinkable_views(self) -> set[fx.Node]:
+        """View ops between a partial weight gradient and the output whose planned input is that
+        gradient all-reduced: they run on the partial tensor instead (views commute with a sum),
+        so the reduction reaches the output and can join a bucket. Same bytes, same result."""
+        sunk = set()
+        for g in self._grad_of:
+            chain, cur = [], g
+            while isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target in _VIEW_OPS \
+                    and len(cur.users) == 1:
+                chain.append(cur)
+                cur = cur.args[0]
+            if not chain or not isinstance(cur, fx.Node) or cur.name not in self.plan.nodes:
+                continue
+            have = Spec.parse(self.plan.nodes[cur.name]["out"])
+            want = Spec.parse(self.plan.nodes[chain[-1].name]["in"][0])
+            partial = {a for a, p in enumerate(have.placements) if p.startswith("P")}
+            summed = tuple("R" if a in partial else p for a, p in enumerate(have.placements))
+            if partial and want.placements == summed:
+                sunk.update(chain)
+        return sunk
+
+    def _bucketable(self, g, fqn):
+        """The planned move of a gradient when it is a single all-reduce, else None."""
+        if not isinstance(g, DTensor) or self.bucket_bytes == 0:
+            return None
+        have, want = spec_of(g), Spec(spec_of(self.params[fqn]).placements)
+        if have == want:
+            return None
+        steps = self.planner.plan(have, want, tuple(g.shape), g.element_size())
+        if len(steps.steps) != 1 or steps.steps[0].kind != "all_reduce":
+            return None
+        return steps.steps[0]
+
     def __call__(self, *inputs):
         tg, plan = self.tg, self.plan
         env: dict[fx.Node, object] = {}
+        buckets = _Buckets(self)
         in_specs = [Spec.parse(s) for s in plan.inputs]
         k = 0
         self.moves = 0
@@ -129,24 +185,82 @@ class PlannedStep:
                 def arg(a):
                     v = env[a]
                     if isinstance(v, torch.Tensor):
-                        return self._move(v, next(it))
+                        want = next(it)
+                        return v if n in self._sunk else self._move(v, want)
                     return v
 
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), arg)
                 env[n] = n.target(*args, **kwargs)
+                if n in self._grad_of:
+                    step = self._bucketable(env[n], self._grad_of[n])
+                    if step is not None:
+                        buckets.add(self._grad_of[n], env[n], step)
+                        env[n] = None
                 for a in n.all_input_nodes:  # free activations no later node reads
                     if last.get(a) == i and a.op != "placeholder" and a in env and a not in outputs:
                         del env[a]
         outs = fx.node.map_arg(out_node.args[0], lambda a: env[a])
         flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         loss, grads = flat[0], flat[1:]
+        reduced = buckets.finish()
+        self.buckets = buckets.issued
         for fqn, g in zip([f for f, p in self.params.items() if p.requires_grad], grads):
+            g = reduced.get(fqn, g)
             if g is None:
                 continue
             p = self.params[fqn]
             g = self._move(g, spec_of(p))
             p.grad = g if p.grad is None else p.grad + g
         return loss
+
+
+_VIEW_OPS = {
+    torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+}
+
+
+class _Buckets:
+    """Gradients waiting for one all-reduce per (mesh axes, reduce op, dtype), flushed at
+    ``bucket_bytes``; each flush starts its collective at once and is waited for in ``finish``."""
+
+    def __init__(self, owner: PlannedStep):
+        self.owner = owner
+        self.open: dict[tuple, list] = {}
+        self.flying: list = []
+        self.issued = 0
+
+    def add(self, fqn: str, g: DTensor, step) -> None:
+        key = (step.axes, step.src.placements[step.axes[0]], g.dtype)
+        entries = self.open.setdefault(key, [])
+        entries.append((fqn, g, step))
+        if sum(e[1].to_local().numel() for e in entries) * g.element_size() >= self.owner.bucket_bytes:
+            self._flush(key)
+
+    def _flush(self, key) -> None:
+        entries = self.open.pop(key)
+        flat = torch.cat([g.to_local().reshape(-1) for _, g, _ in entries])
+        step = entries[0][2]
+        # An all-reduce is elementwise: the flat buffer reduces exactly like each piece would.
+        self.flying.append((start_step(flat, step, self.owner.mesh, tuple(flat.shape)), entries))
+        self.issued += 1
+
+    def finish(self) -> dict[str, DTensor]:
+        for key in list(self.open):
+            self._flush(key)
+        out = {}
+        mesh = self.owner.mesh
+        for result, entries in self.flying:
+            if hasattr(result, "wait"):
+                result = result.wait()
+            offset = 0
+            for fqn, g, step in entries:
+                local = g.to_local()
+                piece = result[offset:offset + local.numel()].view(local.shape)
+                offset += local.numel()
+                out[fqn] = DTensor.from_local(piece, mesh, to_placements(step.dst), run_check=False,
+                                              shape=g.shape, stride=g.stride())
+        return out
 
 
 def _unsharded_meta_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -17,6 +17,12 @@ def execute_plan(local: torch.Tensor, plan: RedistributePlan, mesh, shape) -> to
     return tc.execute(local, plan, mesh, tuple(shape))
 
 
+def start_step(local: torch.Tensor, step, mesh, shape) -> torch.Tensor:
+    """Start one step of a plan without waiting: a collective returns a tensor that
+    waits on first use (or on ``.wait()``), so the caller can overlap it with work."""
+    return tc.run_step(local, step, mesh, tuple(shape))
+
+
 def torch_path(mesh, src: Spec, dst: Spec, shape) -> list[Spec]:
     """The specs torch's ``DTensorRedistributePlanner`` visits from ``src`` to ``dst``."""
     return tc.torch_planner_path(mesh, src, dst, tuple(shape))

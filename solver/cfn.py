@@ -1,27 +1,16 @@
-"""Memory by penalties: a Cost Function Network solver (toulbar2) inside a multiplier loop.
+"""toulbar2 (a Cost Function Network solver) on pairwise cost tables.
 
-The exact MILP cannot even be built on industrial instances (its memory rows run
-to 1e8 nonzeros), while the problem WITHOUT memory is a pairwise Cost Function
-Network that toulbar2 solves in seconds. So, as the IOPDDL contest winners do,
-memory is moved into the objective:
-
-    min  sum_v c_v(s_v) + sum_(u,v) C_uv(s_u, s_v) + sum_v m_v(s_v) * sum_(t in [lo_v, hi_v)) mu_t
-
-with one multiplier mu_t >= 0 per time segment, raised where the last solution
-overflowed (a damped subgradient step, relative to the overflow) and decayed
-elsewhere. Every round's solution is made feasible by a greedy repair (cheapest
-cost per byte saved at the worst segment) and polished by local search; the best
-feasible one is kept. Optional: without ``pytoulbar2`` this stage is skipped.
+Without memory the problem is a pairwise CFN: toulbar2 proves optima on planner
+graphs (a few hundred tie groups) and on eliminated IOPDDL cores (2-4k nodes) in
+seconds, where the MILP needs an edge variable per table entry. Memory is handled
+around it: checked after (``solve``) or priced by multipliers (:mod:`solver.lagrange`).
+Optional: without ``pytoulbar2`` these stages are skipped.
 """
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from solver import heuristic
-from solver.evaluate import evaluate
 from solver.problem import FORBIDDEN, Problem
 
 try:
@@ -29,25 +18,47 @@ try:
 except ImportError:  # pragma: no cover - exercised only where the wheel is missing
     pytoulbar2 = None
 
-TOP = 1e13
+#: toulbar2's forbidden cost: far above any real total once scaled (costs are int64 there).
+TOP = 1e15
 
 
 def available() -> bool:
     return pytoulbar2 is not None
 
 
-def _solve_cfn(problem: Problem, unary: list[np.ndarray], pairs, seconds: float) -> np.ndarray | None:
-    cfn = pytoulbar2.CFN(TOP, resolution=0, verbose=-1, seed=1)
-    for v in range(problem.num_nodes):
-        cfn.AddVariable(f"x{v}", list(range(problem.num_strategies(v))))
-    for v, c in enumerate(unary):
-        cfn.AddFunction([v], np.minimum(np.round(c), TOP).tolist())
-    for u, v, m in pairs:
-        cfn.AddFunction([u, v], m)
-    res = cfn.Solve(timeLimit=max(1, int(seconds)))
+def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], seconds: float,
+                 scale: float) -> tuple[list[int] | None, bool, float]:
+    """Minimize sum_i costs[i][x_i] + sum_(a,b) edges[a,b][x_a, x_b]: (choice, proved, gap).
+
+    Costs are multiplied by ``scale`` and rounded (toulbar2's costs are integers);
+    entries at or above ``FORBIDDEN`` (or inf) are hard. ``gap`` (in cost units,
+    rounding included) bounds how far the choice can be above the optimum. Choice
+    None when nothing was found in time.
+    """
+    net = pytoulbar2.CFN(TOP, resolution=0, verbose=-1, seed=1)
+    for i, c in enumerate(costs):
+        net.AddVariable(f"x{i}", list(range(c.size)))
+    for i, c in enumerate(costs):
+        net.AddFunction([i], _table(c, scale).tolist())
+    for (a, b), m in edges.items():
+        net.AddFunction([a, b], _table(m, scale).ravel().tolist())
+    res = net.Solve(timeLimit=max(1, int(seconds)))
     if not res:
-        return None
-    return np.asarray(res[0], dtype=np.int64)
+        found = net.GetSolutions()
+        return (list(found[-1][1]), False, np.inf) if found else (None, False, np.inf)
+    # Solve returns its incumbent on a time limit too: optimal only when the dual bound meets it.
+    primal, dual = float(res[1]), float(net.GetDDualBound())
+    rounding = 0.5 * (len(costs) + len(edges)) / scale  # one rounded entry per table in any choice
+    return list(res[0]), dual >= primal, max(0.0, primal - dual) / scale + rounding
+
+
+def _rounding_error(x: np.ndarray, scale: float) -> float:
+    ok = x < FORBIDDEN
+    return float(np.abs(np.round(x[ok] * scale) - x[ok] * scale).max()) / scale if ok.any() else 0.0
+
+
+def _table(x: np.ndarray, scale: float) -> np.ndarray:
+    return np.where(x < FORBIDDEN, np.minimum(np.round(x * scale), TOP), TOP)
 
 
 def solve_pairwise(problem: Problem, seconds: float, scale: float = 1000.0) -> tuple[np.ndarray | None, bool, float]:
@@ -73,135 +84,11 @@ def solve_pairwise(problem: Problem, seconds: float, scale: float = 1000.0) -> t
     # Exact domain reduction first: the tables toulbar2 reads shrink with the domains.
     drop_dominated(problem, np.arange(n), allowed, linear, pairs, use_usage=False)
 
-    slack = 0.0
-
-    def table(x):
-        nonlocal slack
-        ok = x < FORBIDDEN
-        if ok.any():
-            slack += float(np.abs(np.round(x[ok] * scale) - x[ok] * scale).max()) / scale
-        return np.where(ok, np.minimum(np.round(x * scale), TOP), TOP)
-
-    cfn = pytoulbar2.CFN(TOP, resolution=0, verbose=-1, seed=1)
-    for v in range(n):
-        cfn.AddVariable(f"x{v}", list(range(allowed[v].size)))
-    for v in range(n):
-        cfn.AddFunction([v], table(linear[v][allowed[v]]).tolist())
-    for (u, v), m in pairs.items():
-        cfn.AddFunction([u, v], table(m[np.ix_(allowed[u], allowed[v])]).ravel().tolist())
-    res = cfn.Solve(timeLimit=max(1, int(seconds)))
-    if res:
-        picked, optimal = res[0], True
-    else:
-        found = cfn.GetSolutions()
-        if not found:
-            return None, False, slack
-        picked, optimal = found[-1][1], False
+    costs = [linear[v][allowed[v]] for v in range(n)]
+    tables = {key: m[np.ix_(allowed[key[0]], allowed[key[1]])] for key, m in pairs.items()}
+    slack = sum(_rounding_error(x, scale) for x in [*costs, *tables.values()])
+    picked, optimal, gap = solve_tables(costs, tables, seconds, scale)
+    if picked is None:
+        return None, False, slack
+    slack = max(slack, gap) if not optimal else slack
     return np.array([allowed[v][i] for v, i in enumerate(picked)], dtype=np.int64), optimal, slack
-
-
-def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.ndarray | None:
-    """Lower usage at the worst segment by the cheapest move per byte, until within the limit."""
-    if problem.usage_limit is None:
-        return choice
-    choice = choice.copy()
-    mem = heuristic._Memory(problem, choice)
-    adj = heuristic._Adjacency(problem)
-    limit = problem.usage_limit
-    while time.perf_counter() < deadline:
-        k = int(np.argmax(mem.total))
-        if mem.total[k] <= limit:
-            return choice
-        live = np.nonzero((mem.a <= k) & (k < mem.b))[0]
-        best, best_rate = None, np.inf
-        for v in live.tolist():
-            u = problem.node_usages[v]
-            cur = choice[v]
-            lower = np.nonzero((u < u[cur]) & problem.allowed(v))[0]
-            if lower.size == 0:
-                continue
-            lc = heuristic._local_cost(problem, adj, choice, v)
-            for i in lower.tolist():
-                if lc[i] >= FORBIDDEN:
-                    continue
-                rate = (lc[i] - lc[cur]) / (u[cur] - u[i])
-                if rate < best_rate:
-                    best, best_rate = (v, i), rate
-        if best is None:
-            return None
-        v, i = best
-        mem.move([v], int(choice[v]), i)
-        choice[v] = i
-    return None
-
-
-def penalty_search(problem: Problem, start: np.ndarray | None, deadline: float, say=lambda m: None,
-                   max_rounds: int = 40):
-    """Best feasible choice found by the multiplier loop before ``deadline`` (None if none)."""
-    if not available():
-        return None
-    t_begin = time.perf_counter()
-    mem = heuristic._Memory(problem, np.zeros(problem.num_nodes, dtype=np.int64))
-    nseg = mem.total.size
-    pairs = []
-    for e, (u, v) in enumerate(problem.edges.tolist()):
-        m = problem.edge_costs[e]
-        if np.any(m != 0):
-            pairs.append((u, v, np.minimum(m, TOP).ravel().tolist()))
-    # A cost-per-byte scale: how much cost the nodes trade for memory.
-    rates = []
-    for v in range(problem.num_nodes):
-        u, c = problem.node_usages[v], problem.node_costs[v]
-        ok = c < FORBIDDEN
-        if ok.sum() > 1 and np.ptp(u[ok]) > 0:
-            rates.append(np.ptp(c[ok]) / np.ptp(u[ok]))
-    rates = [r for r in rates if r > 0]
-    scale = float(np.median(rates)) if rates else 1.0
-    mu = np.zeros(nseg)
-    mu_prev = mu
-    span_typ = max(1.0, float(np.median(mem.b - mem.a)))
-    best, best_cost = None, np.inf
-    if start is not None:
-        ev = evaluate(problem, start)
-        if ev.feasible:
-            best, best_cost = start.copy(), ev.cost
-    rounds = 0
-    last_round = 0.0
-    say(f"cfn: {len(pairs)} cost functions, {nseg} time segments, penalty scale {scale:.3g} per byte")
-    while True:
-        now = time.perf_counter()
-        remaining = deadline - now
-        if remaining < max(1.0, 1.2 * last_round) or rounds >= max_rounds:
-            break
-        t_round = now
-        prefix = np.concatenate([[0.0], np.cumsum(mu)])
-        span = prefix[mem.b] - prefix[mem.a]
-        unary = [problem.node_costs[v] + problem.node_usages[v] * span[v] for v in range(problem.num_nodes)]
-        choice = _solve_cfn(problem, unary, pairs, min(remaining * 0.6, 60.0))
-        rounds += 1
-        if choice is None:
-            # No solution in time: the last step made the network too hard; step back halfway.
-            say(f"cfn round {rounds}: no solution in time; halving the last multiplier step")
-            mu = (mu + mu_prev) / 2
-            last_round = time.perf_counter() - t_round
-            continue
-        raw = evaluate(problem, choice)
-        usage = np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
-        total = np.zeros(nseg)
-        np.add.at(total, mem.a, usage)
-        np.add.at(total, mem.b[mem.b < nseg], -usage[mem.b < nseg])
-        total = np.cumsum(total)
-        excess = np.maximum(0.0, total - problem.usage_limit) / problem.usage_limit
-        fixed = repair_memory(problem, choice, deadline)
-        if fixed is not None:
-            fixed = heuristic.local_search(problem, fixed, deadline=deadline)
-            ev = evaluate(problem, fixed)
-            if ev.feasible and ev.cost < best_cost:
-                best, best_cost = fixed, ev.cost
-        say(f"cfn round {rounds}: raw cost {raw.cost:.6g}, peak {raw.peak_usage / problem.usage_limit:.2f}x limit, "
-            f"best feasible {best_cost:.6g} ({time.perf_counter() - t_begin:.1f}s)")
-        # Raise multipliers where memory overflowed, relative to the overflow; let the rest decay.
-        mu_prev = mu
-        mu = np.where(excess > 0, mu + scale * excess * 2.0 ** min(rounds, 20) / span_typ, mu * 0.8)
-        last_round = time.perf_counter() - t_round
-    return best

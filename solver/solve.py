@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import pulp
 
-from solver import cfn, heuristic, highs_model, ilp
+from solver import cfn, heuristic, highs_model, ilp, lagrange
 from solver.evaluate import evaluate, memory_profile
 from solver.problem import Problem
 from solver.quotient import quotient
@@ -242,9 +242,11 @@ def solve(
     except highs_model.ModelTooLarge as exc:
         say(f"milp skipped: {exc}; penalty search and local search for the remaining time")
         stats["milp_skipped"] = str(exc)
-        if problem.usage_limit is not None and cfn.available():
-            found = cfn.penalty_search(problem, best_choice if best.feasible else None,
-                                       deadline=t0 + 0.9 * time_limit, say=say)
+        if problem.usage_limit is not None and cfn.available() and not problem.ties:
+            found, bound = lagrange.lagrangian_search(problem, best_choice if best.feasible else None,
+                                                      deadline=t0 + 0.9 * time_limit, say=say)
+            if bound is not None and (lower is None or bound > lower):
+                lower = bound
             if found is not None:
                 ev = evaluate(problem, found)
                 if ev.feasible and (not best.feasible or ev.cost <= best.cost):

@@ -183,10 +183,10 @@ def test_large_models_fall_back_to_heuristics_within_the_limit():
 
 @pytest.mark.skipif(not __import__("solver.cfn").cfn.available(), reason="pytoulbar2 not installed")
 @pytest.mark.parametrize("seed", range(3))
-def test_penalty_search_finds_feasible_near_optimal(seed):
+def test_lagrangian_search_finds_feasible_answers_above_its_bound(seed):
     import time
 
-    from solver import cfn
+    from solver import lagrange
 
     rng = np.random.default_rng(100 + seed)
     p = random_problem(rng, n=40, kmax=4, density=0.15)
@@ -196,16 +196,18 @@ def test_penalty_search_finds_feasible_near_optimal(seed):
         exact = solve(p, time_limit=30)
     except solver.InfeasibleError:
         pytest.skip("infeasible draw")
-    found = cfn.penalty_search(p, None, deadline=time.perf_counter() + 8)
+    found, bound = lagrange.lagrangian_search(p, None, deadline=time.perf_counter() + 8)
     assert found is not None
     ev = evaluate(p, found)
     assert ev.feasible and ev.cost >= exact.cost - 1e-6
+    # L(mu) bounds the optimum from below (up to toulbar2's rounding at 1e12 / cost scale)
+    assert bound is not None and bound <= exact.cost + 1e-6 * max(1.0, exact.cost)
 
 
 def test_memory_repair_reaches_the_limit():
     import time
 
-    from solver import cfn
+    from solver import lagrange
 
     rng = np.random.default_rng(5)
     p = random_problem(rng, n=25, kmax=3, density=0.1, limit=False)
@@ -213,7 +215,7 @@ def test_memory_repair_reaches_the_limit():
     peak = evaluate(p, greedy).peak_usage
     floor = evaluate(p, np.array([int(np.argmin(u)) for u in p.node_usages])).peak_usage
     p.usage_limit = (peak + floor) / 2
-    fixed = cfn.repair_memory(p, greedy, time.perf_counter() + 5)
+    fixed = lagrange.repair_memory(p, greedy, time.perf_counter() + 5)
     assert fixed is not None and evaluate(p, fixed).peak_usage <= p.usage_limit
 
 
@@ -238,3 +240,61 @@ def test_tie_groups_of_three_match_brute_force(seed):
     assert evaluate(p, sol.choice).feasible
     assert sol.cost == pytest.approx(exact, abs=1e-6)
     assert sol.status == "optimal"
+
+
+def _pairwise_brute_force(p: Problem, unary):
+    best, arg = np.inf, None
+    for choice in itertools.product(*[range(p.num_strategies(v)) for v in range(p.num_nodes)]):
+        c = sum(unary[v][i] for v, i in enumerate(choice))
+        c += sum(p.edge_costs[e][choice[u], choice[v]] for e, (u, v) in enumerate(p.edges.tolist()))
+        if c < best - 1e-9:
+            best, arg = c, choice
+    return best, arg
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_elimination_keeps_the_pairwise_optimum(seed):
+    """Chains, trees, parallel edges, self-loops, pinned and forbidden entries: removing every
+    node of degree <= 2 by dynamic programming and brute-forcing the core gives the optimum."""
+    from solver.eliminate import Eliminator
+
+    rng = np.random.default_rng(500 + seed)
+    p = random_problem(rng, n=7, kmax=3, density=[0.2, 0.35, 0.6][seed % 3], limit=False, pins=seed % 4 == 0,
+                       forbid=seed % 2 == 0)
+    if seed % 5 == 0 and p.num_edges:  # a parallel edge and a self-loop
+        u, v = p.edges[0].tolist()
+        p = Problem(p.node_costs, p.node_usages, p.intervals, np.vstack([p.edges, [[v, u], [u, u]]]),
+                    [*p.edge_costs, p.edge_costs[0].T * 0.5, rng.integers(0, 9, (p.num_strategies(u),) * 2) * 1.0],
+                    pins=p.pins)
+    unary = [c + rng.integers(0, 5, c.size) for c in p.node_costs]  # a penalty-like shift
+    want, _ = _pairwise_brute_force(p, [np.where(p.allowed(v), unary[v], np.inf) for v in range(p.num_nodes)])
+    el = Eliminator(p)
+
+    def core_brute(costs, edges):
+        best, arg = np.inf, None
+        for ch in itertools.product(*[range(c.size) for c in costs]):
+            c = sum(costs[i][x] for i, x in enumerate(ch)) + sum(m[ch[a], ch[b]] for (a, b), m in edges.items())
+            if c < best:
+                best, arg = c, ch
+        return list(arg)
+
+    got = el.solve(unary, core_brute)
+    cost = sum(unary[v][i] for v, i in enumerate(got))
+    cost += sum(p.edge_costs[e][got[u], got[v]] for e, (u, v) in enumerate(p.edges.tolist()))
+    assert all(p.allowed(v)[got[v]] for v in range(p.num_nodes)) or want >= FORBIDDEN
+    assert cost == pytest.approx(want, rel=1e-9)
+
+
+def test_elimination_reduces_a_chain_and_a_tree_to_nothing():
+    from solver.eliminate import Eliminator
+
+    rng = np.random.default_rng(0)
+    n = 12
+    edges = [(i, i + 1) for i in range(6)] + [(6, 7), (6, 8), (8, 9), (8, 10), (10, 11)]
+    p = Problem([rng.random(3) for _ in range(n)], [np.zeros(3)] * n, np.zeros((n, 2)), np.array(edges),
+                [rng.random((3, 3)) for _ in edges])
+    el = Eliminator(p)
+    assert el.core.size == 0 and len(el.ops) == n
+    got = el.solve(p.node_costs, lambda costs, edges: [])
+    brute = min(itertools.product(range(3), repeat=n), key=lambda ch: evaluate(p, ch).cost)
+    assert evaluate(p, got).cost == pytest.approx(evaluate(p, brute).cost)
