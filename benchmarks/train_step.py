@@ -5,7 +5,8 @@
 A small LLaMA-style model (dim 256, 2 layers, 8 heads / 4 KV heads, vocab 2048,
 batch 16 x 128) trains with AdamW on the same batches three ways on a 4-rank
 ``dp`` mesh: our plan (planned on rank 0 with the measured ``cpu-gloo`` profile,
-applied with ``autoshard.parallelize`` and run as planned by ``autoshard.PlannedStep``;
+applied with ``autoshard.parallelize`` and run as planned by ``autoshard.PlannedStep``,
+gradient all-reduces bucketed and overlapped; ``no buckets``: one collective per gradient;
 ``autoshard (module)`` is the same parallelized model called as a module, where
 DTensor's dispatcher picks the redistributes), ``DistributedDataParallel`` and FSDP2
 (``fully_shard`` per block and at the root). Per method: median step time over
@@ -44,7 +45,8 @@ class CommBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         ns = getattr(func, "namespace", "")
-        if ns in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+        # wait_tensor and _wrap_tensor_autograd follow each functional collective: not collectives.
+        if ns in ("c10d", "_c10d_functional") and not any(w in func.__name__ for w in ("wait", "wrap")):
             seen = []
             torch.utils._pytree.tree_map(lambda t: seen.append(t) if isinstance(t, torch.Tensor) else None,
                                          (args, kwargs or {}))
@@ -124,6 +126,9 @@ def worker() -> None:
     ours = autoshard.parallelize(build(), plan, mesh)
     step = autoshard.PlannedStep(ours, plan, mesh, (batches[0],), loss_fn, profile="cpu-gloo")
     results["autoshard"] = run(ours, batches, lambda t: t, planned=step)
+    unbucketed = autoshard.parallelize(build(), plan, mesh)
+    step0 = autoshard.PlannedStep(unbucketed, plan, mesh, (batches[0],), loss_fn, profile="cpu-gloo", bucket_bytes=0)
+    results["autoshard (no buckets)"] = run(unbucketed, batches, lambda t: t, planned=step0)
     module_path = autoshard.parallelize(build(), plan, mesh)
     results["autoshard (module)"] = run(module_path, batches, lambda t: t)
 
