@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy  # noqa: F401
 from torch.distributed.tensor._ops import utils as _op_utils
 from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
@@ -59,13 +59,32 @@ def make_spec(mesh, spec: Spec, t: torch.Tensor) -> DTensorSpec:
     return DTensorSpec(mesh, to_placements(spec), tensor_meta=tensor_meta(t))
 
 
-def from_placements(placements) -> Spec | None:
-    """Our spec for plain DTensor placements; None for kinds we do not plan with
-    (strided shards, norm partials)."""
+def placements_for(spec: Spec, mesh) -> tuple:
+    """DTensor placements of ``spec`` on ``mesh``, its shard order included: a dim split in a
+    non-default order carries ``_StridedShard`` placements (DTensor's encoding of the order, the
+    one FSDP2-over-TP uses), whose local shards are exactly the planner executor's."""
+    placements = to_placements(spec)
+    if not spec.shard_order:
+        return placements
+    order = tuple(ShardOrderEntry(tensor_dim=d, mesh_dims=tuple(axes)) for d, axes in spec.shard_order)
+    return tuple(DTensorSpec._convert_shard_order_to_StridedShard(order, placements, mesh))
+
+
+def from_placements(placements, mesh=None) -> Spec | None:
+    """Our spec for DTensor placements; None for kinds we do not plan with (norm partials,
+    strided shards that encode no shard order, or any strided shard when ``mesh`` is None)."""
+    placements = tuple(placements)
+    order = ()
+    if any(isinstance(p, _StridedShard) for p in placements):
+        if mesh is None:
+            return None
+        decoded = DTensorSpec._maybe_convert_StridedShard_to_shard_order(placements, mesh)
+        if decoded is None:
+            return None
+        order = tuple((e.tensor_dim, tuple(e.mesh_dims)) for e in decoded)
+        placements = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
     out = []
     for p in placements:
-        if isinstance(p, _StridedShard):
-            return None
         if type(p) is Shard:
             out.append(f"S({p.dim})")
         elif type(p) is Replicate:
@@ -74,7 +93,7 @@ def from_placements(placements) -> Spec | None:
             out.append(f"P({p.reduce_op})")
         else:
             return None
-    return Spec(tuple(out))
+    return Spec(tuple(out), order)
 
 
 def _zero_cost(src, dst) -> float:

@@ -12,11 +12,43 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autoshard._torch_compat import is_persistent_buffer, to_placements
+from autoshard._torch_compat import from_placements, is_persistent_buffer, placements_for
 from autoshard.errors import MeshError, PlanError
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.plan import Plan
+from costmodel import execute_plan
+from costmodel.redistribute import RedistributePlan, Step
 from costmodel.spec import Spec
+
+
+def distribute(tensor: torch.Tensor, mesh, spec: Spec, src_data_rank: int | None = 0) -> DTensor:
+    """``tensor`` (the full tensor) as a DTensor of ``spec``, its shard order included.
+
+    A default-order spec is DTensor's ``distribute_tensor``. A spec with a shard order is
+    replicated and then chunked locally, axis by axis in the planned order (the planner's
+    own local steps), and carries ``_StridedShard`` placements: every rank keeps exactly the
+    slice the plan's redistributes expect. (``distribute_tensor`` with those placements also
+    slices correctly on real processes, but not under LocalTensorMode.)
+    """
+    if not spec.shard_order:
+        return distribute_tensor(tensor, mesh, placements_for(spec, mesh), src_data_rank=src_data_rank)
+    replicated = Spec(("R",) * len(spec.placements))
+    local = distribute_tensor(tensor, mesh, placements_for(replicated, mesh), src_data_rank=src_data_rank).to_local()
+    order = dict(spec.shard_order)
+    steps, cur = [], list(replicated.placements)
+    dims = sorted({int(p[2:-1]) for p in spec.placements if p.startswith("S(")})
+    for d in dims:
+        axes = order.get(d) or tuple(a for a, p in enumerate(spec.placements) if p == f"S({d})")
+        for a in axes:
+            nxt = list(cur)
+            nxt[a] = f"S({d})"
+            steps.append(Step("chunk", (a,), 0, 0.0, Spec(tuple(cur)), Spec(tuple(nxt))))
+            cur = nxt
+    if any(p.startswith("P") for p in spec.placements):
+        raise PlanError(f"cannot distribute a full tensor as {spec}: a partial spec has no full-tensor layout")
+    local = execute_plan(local, RedistributePlan(replicated, spec, steps), mesh, tuple(tensor.shape))
+    return DTensor.from_local(local, mesh, placements_for(spec, mesh), run_check=False, shape=tensor.shape,
+                              stride=tensor.stride())
 
 
 def check_plan_matches(model: nn.Module, plan: Plan, mesh) -> None:
@@ -68,7 +100,8 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict) -> None:
                 src = torch.empty(t.shape, dtype=t.dtype)
             src = src.to(dtype=t.dtype)
             if isinstance(t, DTensor):
-                t.to_local().copy_(distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=0).to_local())
+                spec = from_placements(t.placements, t.device_mesh)
+                t.to_local().copy_(distribute(src, t.device_mesh, spec, src_data_rank=0).to_local())
             else:
                 t.copy_(src)
 
@@ -104,8 +137,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         for name, p in list(mod.named_parameters(recurse=False)):
-            placements = to_placements(plan.param_spec(prefix + name))
-            dt = distribute_tensor(p.detach(), mesh, placements)
+            spec = plan.param_spec(prefix + name)
+            placements = placements_for(spec, mesh)
+            dt = distribute(p.detach(), mesh, spec)
             param = nn.Parameter(dt, requires_grad=p.requires_grad)
             if param.requires_grad:
                 # The plan costs the gradient's move to the parameter's spec (DDP's all-reduce,
@@ -115,11 +149,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
         for name, b in list(mod.named_buffers(recurse=False)):
             if b is None:
                 continue
-            placements = to_placements(plan.param_spec(prefix + name))
-            mod.register_buffer(name, distribute_tensor(b, mesh, placements),
+            mod.register_buffer(name, distribute(b, mesh, plan.param_spec(prefix + name)),
                                 persistent=is_persistent_buffer(mod, name))
 
-    input_specs = [to_placements(Spec.parse(s)) for s in plan.inputs]
+    input_specs = [Spec.parse(s) for s in plan.inputs]
 
     def distribute_inputs(_mod, args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -131,9 +164,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
         out = []
         for a in args:
             if isinstance(a, torch.Tensor):
-                placements = next(it)
+                spec = next(it)
                 if not isinstance(a, DTensor):
-                    a = distribute_tensor(a, mesh, placements)
+                    a = distribute(a, mesh, spec)
             out.append(a)
         return tuple(out)
 

@@ -18,8 +18,9 @@ while the backward pass goes on, and the results are waited for at the end. The
 bytes and the reduction are the plan's; only the number of calls differs (the
 planner costs each gradient's all-reduce alone: latency is overestimated).
 
-Specs with a non-default shard order run in the default order (DTensor placements
-carry no order); each op then still receives its planned placements.
+Shard orders are kept: a parameter planned as, say, ``S(0)[1,0]S(0)`` (FSDP over TP)
+is a DTensor with ``_StridedShard`` placements, and every move into or out of it runs
+the planner's order-aware steps.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from autoshard._torch_compat import from_placements, outside_local_tensor_mode, to_placements
+from autoshard._torch_compat import from_placements, outside_local_tensor_mode, placements_for
 from autoshard.errors import PlanError
+from autoshard.parallelize import distribute
 from autoshard.plan import Plan
 from autoshard.trace import trace
 from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, start_step
@@ -39,7 +41,7 @@ from costmodel.profile import Profile
 
 
 def spec_of(t: DTensor) -> Spec:
-    spec = from_placements(t.placements)
+    spec = from_placements(t.placements, t.device_mesh)
     if spec is None:
         raise PlanError(f"a tensor with placements {t.placements} has no spec the planner knows")
     return spec
@@ -95,16 +97,15 @@ class PlannedStep:
         if not isinstance(t, DTensor):
             # A constant or a factory op's result: every rank holds the same full tensor,
             # so taking the planned shard is local.
-            return distribute_tensor(t, self.mesh, to_placements(Spec(want.placements)), src_data_rank=None)
+            return distribute(t, self.mesh, want, src_data_rank=None)
         have = spec_of(t)
-        want = Spec(want.placements)  # placements only: see the module note on shard orders
         if have == want:
             return t
         shape = tuple(t.shape)
         steps = self.planner.plan(have, want, shape, t.element_size())
         local = execute_plan(t.to_local(), steps, self.mesh, shape)
         self.moves += 1
-        return DTensor.from_local(local, self.mesh, to_placements(want), run_check=False, shape=t.shape,
+        return DTensor.from_local(local, self.mesh, placements_for(want, self.mesh), run_check=False, shape=t.shape,
                                   stride=t.stride())
 
     def _sinkable_views(self) -> set[fx.Node]:
@@ -132,7 +133,7 @@ class PlannedStep:
         """The planned move of a gradient when it is a single all-reduce, else None."""
         if not isinstance(g, DTensor) or self.bucket_bytes == 0:
             return None
-        have, want = spec_of(g), Spec(spec_of(self.params[fqn]).placements)
+        have, want = spec_of(g), spec_of(self.params[fqn])
         if have == want:
             return None
         steps = self.planner.plan(have, want, tuple(g.shape), g.element_size())
@@ -156,8 +157,7 @@ class PlannedStep:
             else:
                 x = inputs[k]
                 # Every rank holds the whole batch (as the plan's input cost assumes): no broadcast.
-                env[n] = x if isinstance(x, DTensor) else distribute_tensor(
-                    x, self.mesh, to_placements(in_specs[k]), src_data_rank=None)
+                env[n] = x if isinstance(x, DTensor) else distribute(x, self.mesh, in_specs[k], src_data_rank=None)
                 k += 1
         out_node = None
         order = list(tg.gm.graph.nodes)
@@ -258,7 +258,7 @@ class _Buckets:
                 local = g.to_local()
                 piece = result[offset:offset + local.numel()].view(local.shape)
                 offset += local.numel()
-                out[fqn] = DTensor.from_local(piece, mesh, to_placements(step.dst), run_check=False,
+                out[fqn] = DTensor.from_local(piece, mesh, placements_for(step.dst, mesh), run_check=False,
                                               shape=g.shape, stride=g.stride())
         return out
 

@@ -27,15 +27,17 @@ def available() -> bool:
 
 
 def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], seconds: float,
-                 scale: float) -> tuple[list[int] | None, bool, float]:
+                 scale: float, upper: float | None = None) -> tuple[list[int] | None, bool, float]:
     """Minimize sum_i costs[i][x_i] + sum_(a,b) edges[a,b][x_a, x_b]: (choice, proved, gap).
 
     Costs are multiplied by ``scale`` and rounded (toulbar2's costs are integers);
     entries at or above ``FORBIDDEN`` (or inf) are hard. ``gap`` (in cost units,
-    rounding included) bounds how far the choice can be above the optimum. Choice
-    None when nothing was found in time.
+    rounding included) bounds how far the choice can be above the optimum. With
+    ``upper`` (the cost of a known choice) only strictly cheaper choices are searched.
+    Choice None when nothing (better) was found in time.
     """
-    net = pytoulbar2.CFN(TOP, resolution=0, verbose=-1, seed=1)
+    ub = TOP if upper is None else min(TOP, float(np.floor(upper * scale)))
+    net = pytoulbar2.CFN(ub, resolution=0, verbose=-1, seed=1)
     for i, c in enumerate(costs):
         net.AddVariable(f"x{i}", list(range(c.size)))
     for i, c in enumerate(costs):
