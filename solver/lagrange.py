@@ -75,7 +75,7 @@ def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.n
     return None
 
 
-def _penalty_repair(problem, elim, mem, mu, g, step, core_start, choice, deadline, tries: int = 8):
+def _penalty_repair(problem, elim, mem, mu, g, step, core_start, choice, deadline, tries: int = 10):
     """Make a round's solution fit by raising the multipliers only where it overflows
     (doubling the raise each try) and re-solving with descent on the core from the
     round's core answer. A core node then moves together with the trees and chains
@@ -83,18 +83,23 @@ def _penalty_repair(problem, elim, mem, mu, g, step, core_start, choice, deadlin
     lost 12% of the cost). What is left of the overflow goes to the greedy repair."""
     limit = float(problem.usage_limit)
     mu_r, start, current = mu.copy(), core_start, choice
+    floor = 0.25 * float(mu[mu > 0].mean()) if (mu > 0).any() else step * float(np.abs(g).max())
+    factor, last_peak = 2.0, np.inf
     for _ in range(tries):
-        if evaluate(problem, current).peak_usage <= limit or time.perf_counter() > deadline:
+        peak = evaluate(problem, current).peak_usage
+        if peak <= limit or time.perf_counter() > deadline:
             break
-        mu_r = mu_r + step * np.maximum(g, 0.0)
-        step *= 2
+        factor = 2.0 if peak < last_peak - 1e-3 * limit else 8.0  # stalled: a far larger raise
+        last_peak = peak
+        # Double the price where memory still overflows (from a floor where it was free).
+        mu_r = np.where(g > 0, factor * mu_r + floor, mu_r)
         prefix = np.concatenate([[0.0], np.cumsum(mu_r)])
         span = prefix[mem.b] - prefix[mem.a]
         unary = [problem.node_costs[v] + problem.node_usages[v] * span[v] for v in range(problem.num_nodes)]
         picked = {}
 
         def descend(costs, edges):
-            picked["core"] = _descend(costs, edges, start)
+            picked["core"] = _descend(costs, edges, start, pairs=True)
             return picked["core"]
 
         current = elim.solve(unary, descend)
@@ -135,22 +140,43 @@ def _table_cost(costs, edges, choice) -> float:
                  + sum(m[choice[a], choice[b]] for (a, b), m in edges.items()))
 
 
-def _descend(costs, edges, start, sweeps: int = 50) -> list[int]:
+def _descend(costs, edges, start, sweeps: int = 50, pairs: bool = False) -> list[int]:
+    """Coordinate descent on a pairwise network from ``start``: single-node moves to a local
+    minimum, then (with ``pairs``) joint moves of the two ends of each edge, which leave
+    minima where any single move would cross a forbidden or costly pair; repeated while
+    either improves."""
     n = len(costs)
     choice = list(start) if start is not None and len(start) == n else [int(np.argmin(c)) for c in costs]
     nbrs: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     for (a, b), m in edges.items():
         nbrs[a].append((b, m))
         nbrs[b].append((a, m.T))
+
+    def local(v):
+        x = costs[v].copy()
+        for w, m in nbrs[v]:
+            x += m[:, choice[w]]
+        return x
+
     for _ in range(sweeps):
         changed = False
         for v in range(n):
-            x = costs[v].copy()
-            for w, m in nbrs[v]:
-                x += m[:, choice[w]]
+            x = local(v)
             i = int(np.argmin(x))
             if x[i] < x[choice[v]]:
                 choice[v], changed = i, True
+        if changed or not pairs:
+            if not changed:
+                break
+            continue
+        for (a, b), m in edges.items():
+            la = local(a) - m[:, choice[b]]
+            lb = local(b) - m[choice[a], :]
+            joint = la[:, None] + lb[None, :] + m
+            flat = int(np.argmin(joint))
+            i, j = divmod(flat, joint.shape[1])
+            if joint[i, j] < joint[choice[a], choice[b]] - 1e-9 * max(1.0, abs(joint[i, j])):
+                choice[a], choice[b], changed = i, j, True
         if not changed:
             break
     return choice

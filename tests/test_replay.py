@@ -146,3 +146,21 @@ def test_planned_step_keeps_non_default_shard_orders(world):
         for fqn, p in sharded.named_parameters():
             err = (full(p.detach()) - ref_params[fqn].detach()).abs().max().item()
             assert err <= 1e-4, f"{fqn}: {err:.3g} after 3 AdamW steps"
+
+
+@pytest.mark.parametrize("text", ["S(0)[1,0]S(0)R", "S(0)[2,0,1]S(0)S(0)", "S(1)S(0)S(1)[2,0]", "S(0)S(0)S(0)",
+                                  "RS(1)S(1)[2,1]"])
+def test_shard_orders_round_trip_through_dtensor_placements(world, text):
+    from autoshard._torch_compat import from_placements, placements_for
+    from autoshard.parallelize import distribute
+    from costmodel import Spec
+
+    world(8)
+    spec = Spec.parse(text)
+    with LocalTensorMode(8):
+        mesh = local_mesh((2, 2, 2), ("a", "b", "c"))
+        assert from_placements(placements_for(spec, mesh), mesh) == spec
+        x = torch.arange(16 * 8 * 3, dtype=torch.float32).reshape(16, 8, 3)
+        d = distribute(x, mesh, spec)
+        assert from_placements(d.placements, mesh) == spec
+        assert torch.equal(full(d), x)
