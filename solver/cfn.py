@@ -38,13 +38,16 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     """
     ub = TOP if upper is None else min(TOP, float(np.floor(upper * scale)))
     net = pytoulbar2.CFN(ub, resolution=0, verbose=-1, seed=1)
-    for i, c in enumerate(costs):
-        net.AddVariable(f"x{i}", list(range(c.size)))
-    for i, c in enumerate(costs):
-        net.AddFunction([i], _table(c, scale).tolist())
-    for (a, b), m in edges.items():
-        net.AddFunction([a, b], _table(m, scale).ravel().tolist())
-    res = net.Solve(timeLimit=max(1, int(seconds)))
+    try:
+        for i, c in enumerate(costs):
+            net.AddVariable(f"x{i}", list(range(c.size)))
+        for i, c in enumerate(costs):
+            net.AddFunction([i], _table(c, scale).tolist())
+        for (a, b), m in edges.items():
+            net.AddFunction([a, b], _table(m, scale).ravel().tolist())
+        res = net.Solve(timeLimit=max(1, int(seconds)))
+    except net.Contradiction:  # the bounds alone prove nothing beats ``upper``
+        return None, False, np.inf
     if not res:
         found = net.GetSolutions()
         return (list(found[-1][1]), False, np.inf) if found else (None, False, np.inf)

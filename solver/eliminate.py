@@ -36,7 +36,7 @@ MAX_WORK = 8_000_000
 class Eliminator:
     """The elimination order of a problem's graph; ``keep`` nodes are never removed."""
 
-    def __init__(self, problem: Problem, keep: set[int] | frozenset = frozenset()):
+    def __init__(self, problem: Problem, keep: set[int] | frozenset = frozenset(), max_degree: int = 2):
         self.problem = problem
         n = problem.num_nodes
         # A node with nothing allowed keeps all its strategies: every choice is forbidden anyway.
@@ -51,10 +51,10 @@ class Eliminator:
                 adj[v].add(u)
         alive = k > 1
         self.ops: list[tuple[int, tuple[int, ...]]] = []
-        queue = deque(v for v in range(n) if alive[v] and v not in keep and len(adj[v]) <= 2)
+        queue = deque(v for v in range(n) if alive[v] and v not in keep and len(adj[v]) <= max_degree)
         while queue:
             v = queue.popleft()
-            if not alive[v] or len(adj[v]) > 2:
+            if not alive[v] or len(adj[v]) > max_degree:
                 continue
             nb = tuple(sorted(adj[v]))
             if len(nb) == 2 and k[nb[0]] * k[v] * k[nb[1]] > MAX_WORK:
@@ -67,7 +67,7 @@ class Eliminator:
                 adj[nb[0]].add(nb[1])
                 adj[nb[1]].add(nb[0])
             for w in nb:
-                if alive[w] and w not in keep and len(adj[w]) <= 2:
+                if alive[w] and w not in keep and len(adj[w]) <= max_degree:
                     queue.append(w)
             adj[v] = set()
         self.core = np.nonzero(alive)[0]
@@ -80,13 +80,28 @@ class Eliminator:
 
         ``core_solver(costs, edges)`` gets, in the allowed-strategy index space of
         each core node, ``costs`` (a list indexed like ``self.core``) and ``edges``
-        ({(position of u, position of v): matrix}, u < v), and returns the chosen
-        position per core position.
+        ({(position of u, position of v): matrix u x v}, one entry per pair of nodes),
+        and returns the chosen position per core position.
         """
         p = self.problem
         n = p.num_nodes
         lin = [np.where(np.isfinite(unary[v][a]), unary[v][a], np.inf) for v, a in enumerate(self.allowed)]
-        edges: dict[tuple[int, int], np.ndarray] = {}
+        # (low, high) -> (u, v, matrix u x v): each edge keeps the orientation it first came in,
+        # which toulbar2 is sensitive to (on IOPDDL A, edges turned to (low, high) took it 3x longer).
+        edges: dict[tuple[int, int], tuple[int, int, np.ndarray]] = {}
+
+        def add(u, v, m):
+            key = (u, v) if u < v else (v, u)
+            if key in edges:
+                x, y, mat = edges[key]
+                edges[key] = (x, y, mat + (m if (x, y) == (u, v) else m.T))
+            else:
+                edges[key] = (u, v, m)
+
+        def take(a, b):
+            x, y, m = edges.pop((a, b) if a < b else (b, a))
+            return m if (x, y) == (a, b) else m.T
+
         for e, (u, v) in enumerate(p.edges.tolist()):
             m = p.edge_costs[e][np.ix_(self.allowed[u], self.allowed[v])]
             if u == v:
@@ -96,12 +111,7 @@ class Eliminator:
             elif self.allowed[v].size == 1:
                 lin[u] = lin[u] + m[:, 0]
             else:
-                key, mat = ((u, v), m) if u < v else ((v, u), m.T)
-                edges[key] = edges[key] + mat if key in edges else mat.copy()
-
-        def take(a, b):
-            m = edges.pop((a, b) if a < b else (b, a))
-            return m if a < b else m.T
+                add(u, v, m)
 
         back = []
         for v, nb in self.ops:
@@ -119,10 +129,10 @@ class Eliminator:
                 t = av[:, :, None] + lin[v][None, :, None] + vb[None, :, :]
                 arg = t.argmin(1)
                 ab = np.take_along_axis(t, arg[:, None, :], 1)[:, 0, :]
-                edges[(a, b)] = edges[(a, b)] + ab if (a, b) in edges else ab
+                add(a, b, ab)
                 back.append(arg)
         index = {int(v): i for i, v in enumerate(self.core)}
-        core_edges = {(index[u], index[w]): m for (u, w), m in edges.items()}
+        core_edges = {(index[u], index[w]): m for u, w, m in edges.values()}
         picked = core_solver([lin[v] for v in self.core], core_edges)
         local = np.zeros(n, dtype=np.int64)  # positions in the allowed lists
         for i, v in enumerate(self.core.tolist()):

@@ -75,6 +75,15 @@ def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.n
     return None
 
 
+def _excess(problem: Problem, mem, choice) -> np.ndarray:
+    """Per time segment, total usage of ``choice`` minus the limit (the subgradient)."""
+    usage = np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
+    total = np.zeros(mem.total.size + 1)
+    np.add.at(total, mem.a, usage)
+    np.add.at(total, mem.b, -usage)
+    return np.cumsum(total)[:mem.total.size] - float(problem.usage_limit)
+
+
 def _penalty_repair(problem, elim, mem, mu, g, step, core_start, choice, deadline, tries: int = 10):
     """Make a round's solution fit by raising the multipliers only where it overflows
     (doubling the raise each try) and re-solving with descent on the core from the
@@ -104,11 +113,7 @@ def _penalty_repair(problem, elim, mem, mu, g, step, core_start, choice, deadlin
 
         current = elim.solve(unary, descend)
         start = picked["core"]
-        usage = np.array([problem.node_usages[v][current[v]] for v in range(problem.num_nodes)])
-        total = np.zeros(mem.total.size + 1)
-        np.add.at(total, mem.a, usage)
-        np.add.at(total, mem.b, -usage)
-        g = np.cumsum(total)[:mem.total.size] - limit
+        g = _excess(problem, mem, current)
     return repair_memory(problem, current, deadline)
 
 
@@ -230,11 +235,7 @@ def lagrangian_search(problem: Problem, start: np.ndarray | None, deadline: floa
         choice = elim.solve(unary, core)
         rounds += 1
         raw = evaluate(problem, choice)
-        usage = np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
-        total = np.zeros(nseg + 1)
-        np.add.at(total, mem.a, usage)
-        np.add.at(total, mem.b, -usage)
-        g = np.cumsum(total)[:nseg] - limit
+        g = _excess(problem, mem, choice)
         value = raw.cost + float(mu @ g)
         if np.isfinite(core.gap) and raw.cost < FORBIDDEN and (lower is None or value - core.gap > lower):
             lower = value - core.gap
@@ -246,7 +247,9 @@ def lagrangian_search(problem: Problem, start: np.ndarray | None, deadline: floa
         step = scale * max(target - value, 1e-3 * abs(target)) / max(norm, 1e-300)
         fixed_cost = None
         if raw.feasible or raw.peak_usage <= REPAIR_MAX_OVERFLOW * limit:
-            fixed = _penalty_repair(problem, elim, mem, mu, g, step, core.previous, choice, deadline)
+            # A repair may take a quarter of the time left: a failing one must not eat the rounds.
+            until = min(deadline, time.perf_counter() + max(3.0, 0.25 * (deadline - time.perf_counter())))
+            fixed = _penalty_repair(problem, elim, mem, mu, g, step, core.previous, choice, until)
             if fixed is not None:
                 fixed = heuristic.local_search(problem, fixed, deadline=deadline)
                 ev = evaluate(problem, fixed)

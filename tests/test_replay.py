@@ -29,22 +29,28 @@ def test_planned_step_runs_exactly_the_planned_collectives(world, name, shape, n
         mesh = local_mesh(shape, names)
         sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
         lift_replicated_locals(sharded, mode)
-        step = PlannedStep(sharded, plan, mesh, (x,), lm_loss, profile=SHARDING_PROFILE, bucket_bytes=0)
-        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
-        for k in range(3):
-            opt.zero_grad()
-            with CommDebugMode() as comm:
-                loss = step(x)
-            # Every collective that ran is a step of a planned redistribute, and every planned step ran.
-            assert comm.get_total_counts() == planned, (comm.get_comm_counts(), planned)
-            assert full(loss).item() == pytest.approx(ref_losses[k], rel=1e-5, abs=1e-6)
-            for fqn, p in sharded.named_parameters():
-                assert list(p.grad.placements) == list(p.placements), fqn
-            opt.step()
-        ref_params = dict(ref.named_parameters())
+        _train_as_planned(sharded, plan, mesh, x, planned, ref, ref_losses)
+
+
+def _train_as_planned(sharded, plan, mesh, x, planned, ref, ref_losses):
+    """3 AdamW steps through PlannedStep (no buckets): every collective that ran is a step of a
+    planned redistribute and every planned step ran; losses, gradient placements and final
+    parameters match the single-device reference."""
+    step = PlannedStep(sharded, plan, mesh, (x,), lm_loss, profile=SHARDING_PROFILE, bucket_bytes=0)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    for k in range(3):
+        opt.zero_grad()
+        with CommDebugMode() as comm:
+            loss = step(x)
+        assert comm.get_total_counts() == planned, (comm.get_comm_counts(), planned)
+        assert full(loss).item() == pytest.approx(ref_losses[k], rel=1e-5, abs=1e-6)
         for fqn, p in sharded.named_parameters():
-            err = (full(p.detach()) - ref_params[fqn].detach()).abs().max().item()
-            assert err <= 1e-4, f"{fqn}: {err:.3g} after 3 AdamW steps"
+            assert tuple(p.grad.placements) == tuple(p.placements), fqn
+        opt.step()
+    ref_params = dict(ref.named_parameters())
+    for fqn, p in sharded.named_parameters():
+        err = (full(p.detach()) - ref_params[fqn].detach()).abs().max().item()
+        assert err <= 1e-4, f"{fqn}: {err:.3g} after 3 AdamW steps"
 
 
 def test_planned_step_rejects_a_plan_for_another_graph(world):
@@ -132,20 +138,7 @@ def test_planned_step_keeps_non_default_shard_orders(world):
             dp, tp = divmod(rank, 2)
             start = (tp * 2 + dp) * rows
             assert torch.equal(locals_[rank], want[start:start + rows]), rank
-        step = PlannedStep(sharded, plan, mesh, (x,), lm_loss, profile=SHARDING_PROFILE, bucket_bytes=0)
-        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
-        for k in range(3):
-            opt.zero_grad()
-            with CommDebugMode() as comm:
-                loss = step(x)
-            assert comm.get_total_counts() == planned, (comm.get_comm_counts(), planned)
-            assert full(loss).item() == pytest.approx(ref_losses[k], rel=1e-5, abs=1e-6)
-            assert tuple(w1.grad.placements) == tuple(w1.placements)
-            opt.step()
-        ref_params = dict(ref.named_parameters())
-        for fqn, p in sharded.named_parameters():
-            err = (full(p.detach()) - ref_params[fqn].detach()).abs().max().item()
-            assert err <= 1e-4, f"{fqn}: {err:.3g} after 3 AdamW steps"
+        _train_as_planned(sharded, plan, mesh, x, planned, ref, ref_losses)
 
 
 @pytest.mark.parametrize("text", ["S(0)[1,0]S(0)R", "S(0)[2,0,1]S(0)S(0)", "S(1)S(0)S(1)[2,0]", "S(0)S(0)S(0)",
