@@ -244,7 +244,7 @@ def solve(
         stats["milp_skipped"] = str(exc)
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
             found, bound = lagrange.lagrangian_search(problem, best_choice if best.feasible else None,
-                                                      deadline=t0 + 0.9 * time_limit, say=say)
+                                                      deadline=t0 + 0.95 * time_limit, say=say)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
             if found is not None:
@@ -254,9 +254,9 @@ def solve(
         more = best_choice
         for _ in range(100):
             before = evaluate(problem, more).cost
-            more = heuristic.repair_pairs(problem, more, deadline=t0 + 0.95 * time_limit)
-            more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=t0 + 0.95 * time_limit)
-            if evaluate(problem, more).cost >= before or time.perf_counter() > t0 + 0.95 * time_limit:
+            more = heuristic.repair_pairs(problem, more, deadline=t0 + 0.97 * time_limit)
+            more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=t0 + 0.97 * time_limit)
+            if evaluate(problem, more).cost >= before or time.perf_counter() > t0 + 0.97 * time_limit:
                 break
         ev = evaluate(problem, more)
         if ev.feasible and (not best.feasible or ev.cost <= best.cost):
