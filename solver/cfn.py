@@ -37,6 +37,10 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     Choice None when nothing (better) was found in time.
     """
     ub = TOP if upper is None else min(TOP, float(np.floor(upper * scale)))
+    # A solve that finds no solution leaves toulbar2's global state (options and more) such
+    # that every later solve in the process ran ~15x slower; CFN()'s own reinit does not undo
+    # it, a full init does (found through the test suite: the planner slowed after it).
+    pytoulbar2.pytb2.init()
     net = pytoulbar2.CFN(ub, resolution=0, verbose=-1, seed=1)
     try:
         for i, c in enumerate(costs):
