@@ -16,8 +16,7 @@ from autoshard._torch_compat import from_placements, is_persistent_buffer, place
 from autoshard.errors import MeshError, PlanError
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.plan import Plan
-from costmodel import execute_plan
-from costmodel.redistribute import RedistributePlan, Step
+from costmodel import execute_plan, local_plan
 from costmodel.spec import Spec
 
 
@@ -32,21 +31,11 @@ def distribute(tensor: torch.Tensor, mesh, spec: Spec, src_data_rank: int | None
     """
     if not spec.shard_order:
         return distribute_tensor(tensor, mesh, placements_for(spec, mesh), src_data_rank=src_data_rank)
-    replicated = Spec(("R",) * len(spec.placements))
-    local = distribute_tensor(tensor, mesh, placements_for(replicated, mesh), src_data_rank=src_data_rank).to_local()
-    order = dict(spec.shard_order)
-    steps, cur = [], list(replicated.placements)
-    dims = sorted({int(p[2:-1]) for p in spec.placements if p.startswith("S(")})
-    for d in dims:
-        axes = order.get(d) or tuple(a for a, p in enumerate(spec.placements) if p == f"S({d})")
-        for a in axes:
-            nxt = list(cur)
-            nxt[a] = f"S({d})"
-            steps.append(Step("chunk", (a,), 0, 0.0, Spec(tuple(cur)), Spec(tuple(nxt))))
-            cur = nxt
     if any(p.startswith("P") for p in spec.placements):
         raise PlanError(f"cannot distribute a full tensor as {spec}: a partial spec has no full-tensor layout")
-    local = execute_plan(local, RedistributePlan(replicated, spec, steps), mesh, tuple(tensor.shape))
+    replicated = Spec(("R",) * len(spec.placements))
+    local = distribute_tensor(tensor, mesh, placements_for(replicated, mesh), src_data_rank=src_data_rank).to_local()
+    local = execute_plan(local, local_plan(replicated, spec, tensor.ndim), mesh, tuple(tensor.shape))
     return DTensor.from_local(local, mesh, placements_for(spec, mesh), run_check=False, shape=tensor.shape,
                               stride=tensor.stride())
 

@@ -227,6 +227,7 @@ class _Buckets:
     def __init__(self, owner: PlannedStep):
         self.owner = owner
         self.open: dict[tuple, list] = {}
+        self.bytes: dict[tuple, int] = {}
         self.flying: list = []
         self.issued = 0
 
@@ -234,11 +235,13 @@ class _Buckets:
         key = (step.axes, step.src.placements[step.axes[0]], g.dtype)
         entries = self.open.setdefault(key, [])
         entries.append((fqn, g, step))
-        if sum(e[1].to_local().numel() for e in entries) * g.element_size() >= self.owner.bucket_bytes:
+        self.bytes[key] = self.bytes.get(key, 0) + g.to_local().numel() * g.element_size()
+        if self.bytes[key] >= self.owner.bucket_bytes:
             self._flush(key)
 
     def _flush(self, key) -> None:
         entries = self.open.pop(key)
+        self.bytes.pop(key, None)
         flat = torch.cat([g.to_local().reshape(-1) for _, g, _ in entries])
         step = entries[0][2]
         # An all-reduce is elementwise: the flat buffer reduces exactly like each piece would.

@@ -4,7 +4,7 @@ from costmodel.collectives import KINDS, MeshTopology, collective_time_us
 from costmodel.compute import compute_time_us
 from costmodel.profile import LinkModel, Profile, builtin_profiles, load_profile
 from costmodel.redistribute import (RedistributeError, RedistributePlan, RedistributePlanner, Step,
-                                    plan_redistribute, plan_steps, redistribute_cost_us)
+                                    local_plan, plan_redistribute, plan_steps, redistribute_cost_us)
 from costmodel.reference import execute_plan, price_path, start_step, torch_path
 from costmodel.spec import Spec
 
@@ -21,6 +21,7 @@ __all__ = [
     "builtin_profiles",
     "collective_time_us",
     "execute_plan",
+    "local_plan",
     "start_step",
     "compute_time_us",
     "load_profile",

@@ -270,7 +270,8 @@ class RedistributePlanner:
             size //= self.shape[a]
         return True
 
-    def _free_reachable(self, codes, orders, dst_codes, dst_orders) -> bool:
+    @staticmethod
+    def _free_reachable(codes, orders, dst_codes, dst_orders) -> bool:
         for a, (c, t) in enumerate(zip(codes, dst_codes)):
             if c != t and c != R:
                 return False
@@ -460,6 +461,16 @@ class RedistributePlanner:
 
 def _partition_ok(goal_codes) -> frozenset:
     return frozenset((x, c) for x, c in enumerate(goal_codes) if c < R)
+
+
+def local_plan(src: Spec, dst: Spec, ndim: int) -> RedistributePlan:
+    """``src -> dst`` by local steps only (chunks in ``dst``'s shard order, partitions), as the
+    planner ends its own plans; raises when a collective is needed."""
+    n = len(src.placements)
+    s0, goal = encode(src, ndim, n), encode(dst, ndim, n)
+    if not RedistributePlanner._free_reachable(*s0, *goal):
+        raise RedistributeError(f"{src} -> {dst} needs a collective: it is not local")
+    return RedistributePlan(src, dst, RedistributePlanner._complete(s0, goal))
 
 
 @lru_cache(maxsize=64)

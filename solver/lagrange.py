@@ -82,6 +82,13 @@ def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.n
     return None
 
 
+def _penalized(problem: Problem, mem, mu: np.ndarray) -> list[np.ndarray]:
+    """Node costs plus memory priced by the multipliers: c_v + m_v * sum of mu over v's live segments."""
+    prefix = np.concatenate([[0.0], np.cumsum(mu)])
+    span = prefix[mem.b] - prefix[mem.a]
+    return [problem.node_costs[v] + problem.node_usages[v] * span[v] for v in range(problem.num_nodes)]
+
+
 def _excess(problem: Problem, mem, choice) -> np.ndarray:
     """Per time segment, total usage of ``choice`` minus the limit (the subgradient)."""
     usage = np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
@@ -109,9 +116,7 @@ def _penalty_repair(problem, elim, mem, mu, g, step, core_start, choice, deadlin
         last_peak = peak
         # Double the price where memory still overflows (from a floor where it was free).
         mu_r = np.where(g > 0, factor * mu_r + floor, mu_r)
-        prefix = np.concatenate([[0.0], np.cumsum(mu_r)])
-        span = prefix[mem.b] - prefix[mem.a]
-        unary = [problem.node_costs[v] + problem.node_usages[v] * span[v] for v in range(problem.num_nodes)]
+        unary = _penalized(problem, mem, mu_r)
         picked = {}
 
         def descend(costs, edges):
@@ -235,9 +240,7 @@ def lagrangian_search(problem: Problem, start: np.ndarray | None, deadline: floa
         now = time.perf_counter()
         if deadline - now < max(0.5, 1.2 * last):
             break
-        prefix = np.concatenate([[0.0], np.cumsum(mu)])
-        span = prefix[mem.b] - prefix[mem.a]
-        unary = [problem.node_costs[v] + problem.node_usages[v] * span[v] for v in range(problem.num_nodes)]
+        unary = _penalized(problem, mem, mu)
         core.seconds = max(1.0, min(core_seconds, deadline - now - 1.0))
         choice = elim.solve(unary, core)
         rounds += 1

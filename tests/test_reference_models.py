@@ -32,15 +32,21 @@ def lm_loss(out):
     return out.float().pow(2).mean()
 
 
+def plan_tiny(name, shape, names, **kw):
+    """(tiny model, tokens, its plan on a fake mesh) with the sharding-friendly test profile."""
+    model, x = tiny(name), tokens()
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh(shape, names), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None, **kw)
+    return model, x, plan
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 @pytest.mark.parametrize("shape, names", MESHES)
 def test_sharded_training_matches_single_device(world, name, shape, names):
     """Loss and every gradient equal single-device ones, and three AdamW steps keep the
     parameters equal (so optimizer state on sharded parameters is right too)."""
     world(int(torch.tensor(shape).prod()))
-    model, x = tiny(name), tokens()
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh(shape, names), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None)
+    model, x, plan = plan_tiny(name, shape, names)
     assert any("S(" in str(plan.param_spec(f)) for f in plan.params) or any("S(" in s for s in plan.inputs), \
         plan.describe()
     ref = copy.deepcopy(model)

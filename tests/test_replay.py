@@ -9,7 +9,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import autoshard
 from autoshard.replay import PlannedStep
 from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw
-from test_reference_models import lm_loss, tiny, tokens
+from test_reference_models import lm_loss, plan_tiny, tiny
 
 MESHES = [((2, 2), ("dp", "tp")), ((2, 2, 2), ("rep", "dp", "tp"))]
 
@@ -18,9 +18,7 @@ MESHES = [((2, 2), ("dp", "tp")), ((2, 2, 2), ("rep", "dp", "tp"))]
 @pytest.mark.parametrize("shape, names", MESHES)
 def test_planned_step_runs_exactly_the_planned_collectives(world, name, shape, names):
     world(int(torch.tensor(shape).prod()))
-    model, x = tiny(name), tokens()
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh(shape, names), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None)
+    model, x, plan = plan_tiny(name, shape, names)
     planned = sum(len(r["steps"]) for r in plan.redistributes)
     assert planned > 0, "the plan under test moves nothing"
     ref = copy.deepcopy(model)
@@ -55,9 +53,7 @@ def _train_as_planned(sharded, plan, mesh, x, planned, ref, ref_losses):
 
 def test_planned_step_rejects_a_plan_for_another_graph(world):
     world(4)
-    model, x = tiny("llama"), tokens()
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None)
+    model, x, plan = plan_tiny("llama", (2, 2), ("dp", "tp"))
     with LocalTensorMode(4):
         mesh = local_mesh((2, 2), ("dp", "tp"))
         sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
@@ -70,13 +66,11 @@ def test_bucketed_gradient_reductions_give_the_same_training(world):
     run as a few flat all-reduces (one when the bucket holds everything) and training is
     unchanged: loss and parameters after 3 AdamW steps equal the unbucketed run's."""
     world(4)
-    model, x = tiny("llama"), tokens()
-    mesh_shape, names = (4,), ("dp",)
     from autoshard.baselines import baseline_pins
 
-    pins, inputs = baseline_pins("ddp", model, 1)
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh(mesh_shape, names), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None, pins=pins, input_specs=inputs)
+    mesh_shape, names = (4,), ("dp",)
+    pins, inputs = baseline_pins("ddp", tiny("llama"), 1)
+    model, x, plan = plan_tiny("llama", mesh_shape, names, pins=pins, input_specs=inputs)
     runs = {}
     for bucket in (0, 2**30, 4096):
         with LocalTensorMode(4) as mode:
@@ -114,11 +108,9 @@ def test_planned_step_keeps_non_default_shard_orders(world):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     world(4)
-    model, x = tiny("llama"), tokens()
     shape, names = (2, 2), ("dp", "tp")
     pins = {"layers.*.ffn.w1.weight": "S(0)[1,0]S(0)", "layers.*.attn.wq.weight": "S(0)[1,0]S(0)"}
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh(shape, names), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None, pins=pins)
+    model, x, plan = plan_tiny("llama", shape, names, pins=pins)
     assert str(plan.param_spec("layers.0.ffn.w1.weight")) == "S(0)[1,0]S(0)"
     planned = sum(len(r["steps"]) for r in plan.redistributes)
     ref = copy.deepcopy(model)
