@@ -4,7 +4,10 @@
 
 For a fixed suite of (src, dst) specs with non-default shard orders and partials
 on meshes (8, 8), (4, 4, 4), (2, 2, 4, 4), (2, 2, 2, 2, 2): time per path, cold
-(empty caches) and cached, for both planners; and the cost of each planner's path
+and cached, for both planners. Cold is a new planner object per pair for both:
+for ours, an empty path cache; the cost model's memo per mesh (collective times
+by bytes and group, the heuristic's bound tables by buffer size) is emptied at
+each new mesh and then shared, as it is by every planner of one process; and the cost of each planner's path
 under OUR cost model (torch's path priced step by step). Last line: geometric-mean
 cold speed ratio (torch / ours) and the number of pairs where our path costs more.
 """
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from costmodel import MeshTopology, Spec, load_profile, price_path, torch_path  # noqa: E402
 from costmodel._torch_compat import dtensor_spec  # noqa: E402
-from costmodel.redistribute import RedistributePlanner  # noqa: E402
+from costmodel.redistribute import RedistributePlanner, _mesh_costs  # noqa: E402
 from redistribute_cases import all_specs  # noqa: E402
 
 MESHES = [(8, 8), (4, 4, 4), (2, 2, 4, 4), (2, 2, 2, 2, 2)]
@@ -54,6 +57,7 @@ def main() -> None:
     profile = load_profile("h100-sxm")
     rng = random.Random(0)
     ratios, costlier = [], 0
+    per_mesh = {}
     print(f"{'mesh':<16} {'src':<22} {'dst':<22} {'ours ms':>8} {'cached us':>9} {'torch ms':>9} "
           f"{'t cached us':>11} {'ours us':>9} {'torch us':>9}")
     for mesh_shape in MESHES:
@@ -64,6 +68,7 @@ def main() -> None:
         names = tuple("abcde"[: len(mesh_shape)])
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         topo = MeshTopology(mesh_shape, profile.devices_per_node)
+        _mesh_costs.cache_clear()
         for src, dst in suite(len(mesh_shape), rng):
             ours = RedistributePlanner(topo, profile)  # cold: empty cache
             t0 = time.perf_counter()
@@ -86,9 +91,15 @@ def main() -> None:
             if plan.us > torch_cost + 1e-6:
                 costlier += 1
             ratios.append(torch_s / ours_s)
+            per_mesh.setdefault(mesh_shape, []).append((ours_s, torch_s))
             print(f"{str(mesh_shape):<16} {str(src):<22} {str(dst):<22} {ours_s * 1e3:>8.2f} "
                   f"{ours_cached * 1e6:>9.2f} {torch_s * 1e3:>9.2f} {torch_cached * 1e6:>11.2f} "
                   f"{plan.us:>9.1f} {torch_cost:>9.1f}", flush=True)
+    for mesh_shape, rows in per_mesh.items():
+        g = math.exp(sum(math.log(t / o) for o, t in rows) / len(rows))
+        print(f"mesh {str(mesh_shape):<16} ours cold max {max(o for o, _ in rows) * 1e3:.2f} ms, "
+              f"mean {sum(o for o, _ in rows) / len(rows) * 1e3:.2f} ms; torch mean "
+              f"{sum(t for _, t in rows) / len(rows) * 1e3:.2f} ms; geomean torch/ours {g:.1f}x")
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"pairs {len(ratios)}; ours costlier than torch's path in {costlier}")
     print(f"geomean cold speed ratio torch/ours: {geo:.1f}x; pairs where ours costs more: {costlier}")

@@ -8,6 +8,7 @@ full (gathered / reduced) buffer, as nccl-tests reports it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ _BUS_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: np.ones_like(n, dtype=np.float64),
+    "broadcast": lambda n: np.ones_like(n, dtype=np.float64) if isinstance(n, np.ndarray) else 1.0,
 }
 
 
@@ -38,7 +39,7 @@ class MeshTopology:
             raise ValueError(f"mesh shape must be non-empty with sizes >= 1, found {self.shape}")
 
     def axis_stride(self, axis: int) -> int:
-        return int(np.prod(self.shape[axis + 1:], dtype=np.int64))
+        return math.prod(self.shape[axis + 1:])
 
     def group_is_intra_node(self, axes: tuple[int, ...]) -> bool:
         """A group over ``axes`` (row-major ranks) stays in one node when its rank span does."""
@@ -50,7 +51,7 @@ def bus_factor(kind: str, n: int) -> float:
     """nccl-tests' busbw / algbw for ``kind`` on ``n`` ranks."""
     if kind not in _BUS_FACTOR:
         raise ValueError(f"collective kind must be one of {KINDS}, found {kind!r}")
-    return float(_BUS_FACTOR[kind](np.float64(n)))
+    return float(_BUS_FACTOR[kind](float(n)))
 
 
 def collective_time_us(kind: str, nbytes, group_size, link: LinkModel) -> np.ndarray:

@@ -31,8 +31,10 @@ by (src, dst, shape, itemsize).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import combinations
@@ -47,6 +49,9 @@ _PARTIAL = {"P(sum)": -2, "P(avg)": -3, "P(max)": -4, "P(min)": -5}
 _PARTIAL_NAME = {v: k for k, v in _PARTIAL.items()}
 _COMPATIBLE_PARTIALS = {frozenset(), frozenset({-2}), frozenset({-3}), frozenset({-4}), frozenset({-5}),
                         frozenset({-2, -3})}
+
+
+_COLLECTIVE_KINDS = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
 
 
 class RedistributeError(ValueError):
@@ -94,8 +99,11 @@ class RedistributePlan:
 # ---- canonical states ------------------------------------------------------
 # A state is (codes, orders): codes[axis] is R, a partial code, or the tensor
 # dim it shards; orders[d] is the tuple of axes splitting dim d, in order.
+# Both directions are memoized: specs are immutable, and plans, keys and every
+# step's src/dst meet the same few thousand states again and again.
 
 
+@lru_cache(maxsize=1 << 16)
 def encode(spec: Spec, ndim: int, mesh_ndim: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     if len(spec.placements) != mesh_ndim:
         raise RedistributeError(
@@ -120,6 +128,7 @@ def encode(spec: Spec, ndim: int, mesh_ndim: int) -> tuple[tuple[int, ...], tupl
     return tuple(codes), tuple(orders)
 
 
+@lru_cache(maxsize=1 << 16)
 def decode(codes, orders) -> Spec:
     placements = tuple("R" if c == R else _PARTIAL_NAME[c] if c < R else f"S({c})" for c in codes)
     order = tuple((d, o) for d, o in enumerate(orders) if len(o) > 1 and list(o) != sorted(o))
@@ -134,32 +143,24 @@ class RedistributePlanner:
         self.merge, self.use_heuristic = merge, use_heuristic
         self.shape = topo.shape
         self.n = len(topo.shape)
-        self._pred: dict = {}
-        fits = profile.collectives
-        self._min_latency = min([profile.intra_node.latency_us, profile.inter_node.latency_us]
-                                + [f.alpha_us for f in fits])
-        self._max_busbw = max([profile.intra_node.busbw_gbps, profile.inter_node.busbw_gbps]
-                              + [f.busbw_gbps for f in fits if math.isfinite(f.busbw_gbps)])
+        self._costs = _mesh_costs(topo, profile)
+        self._time = self._costs.time
+        self._elems: dict = self._costs.elems
         self.cache: dict = {}
         self.cost_cache: dict = {}
         self.stats = {"searches": 0, "expanded": 0, "hits": 0}
 
-    def _time(self, kind, nbytes, axes) -> float:
-        # Hot path: one memoized bytes -> us predictor per (kind, group).
-        fn = self._pred.get((kind, axes))
-        if fn is None:
-            group = math.prod(self.shape[a] for a in axes)
-            fn = self._pred[(kind, axes)] = self.profile.collective_predictor(
-                kind, group, self.topo.group_is_intra_node(axes))
-        return fn(nbytes)
-
     # -- sizes ------------------------------------------------------------
     def _local_elems(self, orders, tshape) -> int:
-        n = 1
-        for d, size in enumerate(tshape):
-            for a in orders[d]:
-                size = -(-size // self.shape[a])
-            n *= size
+        key = (orders, tshape)
+        n = self._elems.get(key)
+        if n is None:
+            n = 1
+            for d, size in enumerate(tshape):
+                for a in orders[d]:
+                    size = -(-size // self.shape[a])
+                n *= size
+            self._elems[key] = n
         return n
 
     def _even(self, d, axes_in_order, tshape, orders) -> bool:
@@ -172,9 +173,12 @@ class RedistributePlanner:
         return True
 
     # -- transitions ------------------------------------------------------
-    def _neighbors(self, codes, orders, tshape, item, partition_ok):
-        """Every single step from (codes, orders); ``partition_ok`` holds the (axis, partial code)
-        pairs a target holds: a partial anywhere else would only cost a reduction later."""
+    def _neighbors(self, codes, orders, tshape, item, partials):
+        """Every single step from (codes, orders); ``partials`` holds the partial codes a
+        partition may create: those of the source and target. A partial of another kind
+        could only be undone by a reduction of its own; one of those kinds on another axis
+        can pay (R -> P(sum) on x, then one all_reduce over x and an axis already partial
+        can be cheaper than reducing that axis alone and moving x by all_to_all)."""
         local = self._local_elems(orders, tshape) * item
         out = []
         ndim = len(orders)
@@ -250,9 +254,7 @@ class RedistributePlanner:
                 c2 = list(codes)
                 c2[x] = d
                 out.append(("chunk", (x,), 0, tuple(c2), tuple(no)))
-            for xx, p in partition_ok:
-                if xx != x:
-                    continue
+            for p in partials:
                 kinds = {cc for cc in codes if cc < R} | {p}
                 if frozenset(kinds) not in _COMPATIBLE_PARTIALS:
                     continue
@@ -286,7 +288,7 @@ class RedistributePlanner:
         s0, goal = encode(src, ndim, self.n), encode(dst, ndim, self.n)
         if s0 == goal:
             return 0.0
-        for kind, axes, nbytes, c2, o2 in self._neighbors(*s0, tuple(tshape), itemsize, _partition_ok(goal[0])):
+        for kind, axes, nbytes, c2, o2 in self._neighbors(*s0, tuple(tshape), itemsize, _partials(s0[0], goal[0])):
             if (c2, o2) == goal and len(axes) == 1:
                 return 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
         raise RedistributeError(f"{src} -> {dst} is not a single step")
@@ -298,7 +300,8 @@ class RedistributePlanner:
         if hit is not None:
             self.stats["hits"] += 1
             return hit
-        result = self._search(src, dst, tuple(tshape), itemsize)
+        with _no_gc():
+            result = self._search(src, dst, tuple(tshape), itemsize)
         self.cache[key] = result
         self.cost_cache.setdefault(key, result.us)
         return result
@@ -314,35 +317,100 @@ class RedistributePlanner:
         self.stats["searches"] += 1
         if s0 == goal:
             return RedistributePlan(src, dst, [])
-        partition_ok = _partition_ok(goal[0])
-        axis_lb = self._axis_lower_bounds(tshape, item)
-        h0 = self._h(s0, goal, axis_lb)
-        frontier = [(h0, 0.0, 0, s0)]
+        partials = _partials(s0[0], goal[0])
+        h = self._heuristic(goal, self._cover_bounds(tshape, item))
+        h0 = h(*s0)
+        # The direct plan bounds the search from above: states whose f reaches it are never
+        # queued (most generated states are such), and it is the answer when nothing beats it.
+        upper, direct = self._direct(s0, goal, tshape, item)
+        frontier = [(h0, -0.0, 0, s0)]
         best = {s0: 0.0}
         parent = {s0: None}
         tie = 0
+        # Hot loop: names bound once.
+        pop, push, best_get, time, neighbors = heapq.heappop, heapq.heappush, best.get, self._time, self._neighbors
+        inf, cap = math.inf, upper - 1e-9
+        expanded = 0
         while frontier:
-            f, g, _, state = heapq.heappop(frontier)
-            if g > best.get(state, math.inf):
+            f, g, _, state = pop(frontier)
+            g = -g
+            if f >= cap:
+                break
+            if g > best_get(state, inf):
                 continue
             if state == goal:
+                self.stats["expanded"] += expanded
                 return RedistributePlan(src, dst, self._unwind(parent, state))
-            if self._free_reachable(state[0], state[1], goal[0], goal[1]):
-                # Popped with the least f and only local steps left: nothing can beat finishing here.
-                return RedistributePlan(src, dst, self._unwind(parent, state) + self._complete(state, goal))
-            self.stats["expanded"] += 1
             codes, orders = state
-            for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, item, partition_ok):
+            if self._free_reachable(codes, orders, goal[0], goal[1]):
+                # Popped with the least f and only local steps left: nothing can beat finishing here.
+                self.stats["expanded"] += expanded
+                return RedistributePlan(src, dst, self._unwind(parent, state) + self._complete(state, goal))
+            expanded += 1
+            for kind, axes, nbytes, c2, o2 in neighbors(codes, orders, tshape, item, partials):
                 nxt = (c2, o2)
-                us = 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
-                # Local steps still cost a hair, so a plan never takes pointless detours.
-                ng = g + us + (1e-6 if us == 0 else 0)
-                if ng < best.get(nxt, math.inf) - 1e-12:
+                # Local steps (no bytes) still cost a hair, so a plan never takes pointless detours.
+                us = time(kind, nbytes, axes) if nbytes else 0.0
+                ng = g + (us or 1e-6)
+                if ng < best_get(nxt, inf) - 1e-12:
+                    nf = ng + h(c2, o2)
+                    if nf >= cap:
+                        continue
                     best[nxt] = ng
                     parent[nxt] = (state, kind, axes, nbytes, us)
                     tie += 1
-                    heapq.heappush(frontier, (ng + self._h(nxt, goal, axis_lb), ng, tie, nxt))
-        raise RedistributeError(f"no sequence of collectives turns {src} into {dst}")
+                    push(frontier, (nf, -ng, -tie, nxt))
+        self.stats["expanded"] += expanded
+        if direct is None:
+            raise RedistributeError(f"no sequence of collectives turns {src} into {dst}")
+        return RedistributePlan(src, dst, self._direct_steps(s0, goal, direct))
+
+    def _direct(self, s0, goal, tshape, item) -> tuple[float, list | None]:
+        """The plan that undoes everything the target does not hold, one axis at a time, then
+        builds the target by local steps: (its cost as the search counts it, its collectives
+        as ``(kind, axis, bytes, us)``), or (inf, None) when it does not apply (partials of
+        incompatible kinds on the way)."""
+        orders = list(s0[1])
+        gcodes, gorders = goal
+        moves = []
+        g = 0.0
+        local = 0
+        for d, (o, go) in enumerate(zip(s0[1], gorders)):
+            k = 0
+            while k < len(o) and k < len(go) and o[k] == go[k]:
+                k += 1
+            for x in reversed(o[k:]):
+                orders[d] = orders[d][:-1]
+                nbytes = self._local_elems(tuple(orders), tshape) * item
+                us = self._time("all_gather", nbytes, (x,))
+                moves.append(("all_gather", x, nbytes, us))
+                g += us
+            local += len(go) - k
+        nbytes = self._local_elems(tuple(orders), tshape) * item
+        for x, c in enumerate(s0[0]):
+            t = gcodes[x]
+            if c < R and c != t:
+                us = self._time("all_reduce", nbytes, (x,))
+                moves.append(("all_reduce", x, nbytes, us))
+                g += us
+                local += t < R
+            elif c == R and t < R:
+                local += 1
+        kinds = frozenset(c for c in s0[0] + gcodes if c < R)
+        if kinds not in _COMPATIBLE_PARTIALS:
+            return math.inf, None
+        return g + 1e-6 * local, moves
+
+    def _direct_steps(self, s0, goal, moves) -> list[Step]:
+        codes, orders = list(s0[0]), list(s0[1])
+        steps = []
+        for kind, x, nbytes, us in moves:
+            prev = (tuple(codes), tuple(orders))
+            if codes[x] >= 0:
+                orders[codes[x]] = orders[codes[x]][:-1]
+            codes[x] = R
+            steps.append(Step(kind, (x,), int(nbytes), us, decode(*prev), decode(tuple(codes), tuple(orders))))
+        return steps + self._complete((tuple(codes), tuple(orders)), goal)
 
     def costs(self, src: Spec, dsts: list[Spec], tshape: tuple[int, ...], itemsize: int) -> list[float]:
         """``plan(src, d).us`` for every d in ``dsts``, from one search.
@@ -370,11 +438,27 @@ class RedistributePlanner:
             goals.setdefault(g, []).append(d)
         if frozenset(c for c in s0[0] if c < R) not in _COMPATIBLE_PARTIALS:
             raise RedistributeError(f"spec {src} mixes partial kinds")
-        partition_ok = frozenset(pair for g in goals for pair in _partition_ok(g[0]))
-        self.stats["searches"] += 1
+        # One search per set of partials a partition may create, the set plan() would use.
+        by_partials: dict = {}
+        for g in goals:
+            by_partials.setdefault(_partials(s0[0], g[0]), []).append(g)
+        for partials, group in by_partials.items():
+            self.stats["searches"] += 1
+            with _no_gc():
+                true, done = self._settle(s0, group, tshape, itemsize, partials)
+            for g in group:
+                if g not in done:
+                    raise RedistributeError(f"no sequence of collectives turns {src} into {goals[g][0]}")
+                for d in goals[g]:
+                    self.cost_cache[(src, d, tshape, itemsize)] = true[g]
+        return [self.cost_cache[(src, d, tshape, itemsize)] for d in dsts]
+
+    def _settle(self, s0, goals, tshape, itemsize, partials):
+        """Dijkstra from ``s0`` until every state in ``goals`` is settled: (cost per state, settled)."""
         true = {s0: 0.0}
         best = {s0: 0.0}
         frontier = [(0.0, 0, s0)]
+        goals = set(goals)
         tie, left = 0, len(goals)
         done = set()
         while frontier and left:
@@ -385,7 +469,7 @@ class RedistributePlanner:
             if state in goals:
                 left -= 1
             codes, orders = state
-            for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, itemsize, partition_ok):
+            for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, itemsize, partials):
                 nxt = (c2, o2)
                 us = 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
                 ng = g + us + (1e-6 if us == 0 else 0)
@@ -394,12 +478,7 @@ class RedistributePlanner:
                     true[nxt] = true[state] + us
                     tie += 1
                     heapq.heappush(frontier, (ng, tie, nxt))
-        for g, ds in goals.items():
-            if g not in done:
-                raise RedistributeError(f"no sequence of collectives turns {src} into {ds[0]}")
-            for d in ds:
-                self.cost_cache[(src, d, tshape, itemsize)] = true[g]
-        return [self.cost_cache[(src, d, tshape, itemsize)] for d in dsts]
+        return true, done
 
     @staticmethod
     def _complete(state, goal) -> list[Step]:
@@ -419,35 +498,75 @@ class RedistributePlanner:
                 steps.append(Step("partition", (x,), 0, 0.0, decode(*prev), decode(tuple(codes), tuple(orders))))
         return steps
 
-    def _h(self, state, goal, axis_lb) -> float:
-        """Admissible: the dearest axis that some collective must still touch.
+    def _heuristic(self, goal, cover):
+        """Admissible: the cheapest set of collectives that touches every axis that must change.
 
-        Axis a must take part in a collective when it holds a shard or partial the
-        target does not (or a shard out of the target's order). Any collective on a
-        group with a moves at least the fully sharded buffer at the best bus
-        bandwidth: ``axis_lb[a]``. One merged collective may serve several such
-        axes, so the bound is their maximum, not their sum.
+        Axis a must take part in some collective when it holds a shard or partial
+        the target does not, or sits in a dim's order after the first place where
+        that order leaves the target's (only the last axis of an order ever leaves
+        it). Some of those need a *heavy* collective, one whose group holds a full
+        (unsharded) copy along a: a partial that must go (all_reduce or
+        reduce_scatter) and a shard whose target is R or partial (only an
+        all_gather unshards). ``cover`` prices such sets (:meth:`_cover_bounds`).
+        Returns ``h(codes, orders)`` from per-goal tables: each axis's code and each
+        dim's order contribute bits of ``U << n | H`` independently.
         """
         if not self.use_heuristic:
-            return 0.0
-        codes, orders = state
+            return lambda codes, orders: 0.0
         gcodes, gorders = goal
-        h = 0.0
-        for a, c in enumerate(codes):
-            if c != R and c != gcodes[a]:
-                h = max(h, axis_lb[a])
-        for o, go in zip(orders, gorders):
+        n = self.n
+        ndim = len(gorders)
+        # by_code[a][c]: axis a's bits (U at a + n, H at a) when it holds code c; codes run
+        # from -len(_PARTIAL) - 1 to ndim - 1, and a negative code indexes from the list's end.
+        by_code = []
+        for a, t in enumerate(gcodes):
+            row = [0] * (ndim + len(_PARTIAL) + 1)
+            for c in range(-len(_PARTIAL) - 1, ndim):
+                if c != R and c != t:
+                    row[c] = 1 << (a + n) | ((1 << a) if (c < R or t < 0) else 0)
+            by_code.append(row)
+        by_order = [{} for _ in range(ndim)]
+
+        def order_bits(d, o) -> int:
+            go = gorders[d]
             k = 0
             while k < len(o) and k < len(go) and o[k] == go[k]:
                 k += 1
+            bits = 0
             for a in o[k:]:
-                h = max(h, axis_lb[a])
+                bits |= 1 << (a + n)
+            by_order[d][o] = bits
+            return bits
+
+        def h(codes, orders) -> float:
+            key = 0
+            for a, c in enumerate(codes):
+                key |= by_code[a][c]
+            for d, o in enumerate(orders):
+                bits = by_order[d].get(o)
+                key |= order_bits(d, o) if bits is None else bits
+            v = cover.get(key)
+            return v if v is not None else cover.compute(key >> n, key & ((1 << n) - 1))
+
         return h
 
-    def _axis_lower_bounds(self, tshape, item) -> list[float]:
-        m_min = max(1, math.prod(tshape) // math.prod(self.shape)) * item
-        bw = self._max_busbw * 1e3
-        return [self._min_latency + m_min * (n - 1) / n / bw for n in self.shape]
+    def _cover_bounds(self, tshape, item) -> "_CoverBound":
+        """``cover[U << n | H]``: a lower bound on the cost of collectives whose groups contain
+        every axis of U, each axis of H (a subset of U) in a heavy one.
+
+        Every collective moves at least the fully sharded buffer ``m`` (the tensor
+        over the whole mesh, rounded down) and a heavy one on group G at least
+        ``m * |G|`` (its buffer is whole along G); predictions are monotone in
+        bytes, so a collective on G costs at least ``c(G) = min over kinds of
+        t(kind, G, m)``, a heavy one ``h(G) = min over all_gather, all_reduce,
+        reduce_scatter of t(kind, G, m|G|)``. The cheapest (heavy) collective whose
+        group contains P costs ``c'(P)`` (``h'(P)``), the minimum over supersets
+        (no monotonicity in the group assumed). Assigning each axis of U to one
+        collective that serves it splits U into parts, each priced at least ``h'``
+        when it holds an axis of H, else ``c'``: the cheapest such split is the
+        bound. Dynamic programming over axis subsets, once per tensor size.
+        """
+        return self._costs.cover(max(1, math.prod(tshape) // math.prod(self.shape)) * item)
 
     @staticmethod
     def _unwind(parent, state) -> list[Step]:
@@ -459,8 +578,59 @@ class RedistributePlanner:
         return steps[::-1]
 
 
-def _partition_ok(goal_codes) -> frozenset:
-    return frozenset((x, c) for x, c in enumerate(goal_codes) if c < R)
+class _CoverBound(dict):
+    """The table behind :meth:`RedistributePlanner._cover_bounds` for one buffer size, filled on
+    demand: a search meets a few dozen (U, H) pairs, far fewer than the 3^n there are."""
+
+    def __init__(self, costs: "_MeshCosts", m: int):
+        super().__init__()
+        self.costs, self.m, self.n = costs, m, len(costs.shape)
+        self.light: dict[int, float] = {}
+        self.heavy: dict[int, float] = {}
+        self[0] = 0.0
+
+    def _sup(self, table, part, heavy) -> float:
+        """min over groups G containing ``part`` of the (heavy) collective bound on G."""
+        hit = table.get(part)
+        if hit is not None:
+            return hit
+        time = self.costs.time
+        axes = tuple(a for a in range(self.n) if part >> a & 1)
+        if heavy:
+            size = math.prod(self.costs.shape[a] for a in axes)
+            best = min(time(k, self.m * size, axes) for k in _COLLECTIVE_KINDS if k != "all_to_all")
+        else:
+            best = min(time(k, self.m, axes) for k in _COLLECTIVE_KINDS)
+        for a in range(self.n):
+            if not part >> a & 1:
+                best = min(best, self._sup(table, part | 1 << a, heavy))
+        table[part] = best
+        return best
+
+    def compute(self, u: int, hv: int) -> float:
+        key = u << self.n | hv
+        hit = self.get(key)
+        if hit is not None:
+            return hit
+        low = u & -u
+        rest = u ^ low
+        best = math.inf
+        s = rest
+        while True:  # every part that holds U's lowest axis
+            part = s | low
+            price = self._sup(self.heavy, part, True) if part & hv else self._sup(self.light, part, False)
+            if price < best:
+                best = min(best, price + self.compute(u ^ part, hv & ~part))
+            if s == 0:
+                break
+            s = (s - 1) & rest
+        self[key] = best
+        return best
+
+
+def _partials(*codes_lists) -> tuple[int, ...]:
+    """The partial codes held anywhere in these states, sorted (deterministic neighbour order)."""
+    return tuple(sorted({c for codes in codes_lists for c in codes if c < R}))
 
 
 def local_plan(src: Spec, dst: Spec, ndim: int) -> RedistributePlan:
@@ -471,6 +641,58 @@ def local_plan(src: Spec, dst: Spec, ndim: int) -> RedistributePlan:
     if not RedistributePlanner._free_reachable(*s0, *goal):
         raise RedistributeError(f"{src} -> {dst} needs a collective: it is not local")
     return RedistributePlan(src, dst, RedistributePlanner._complete(s0, goal))
+
+
+@contextmanager
+def _no_gc():
+    """A search allocates thousands of small tuples and no cycles; in a process holding a
+    large heap (torch imported) the collections they trigger cost more than the search."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _MeshCosts:
+    """The cost model's answers on one mesh and profile, memoized as planners ask: collective
+    times by (kind, bytes, group), local sizes, and the heuristic's bound tables by buffer size. Pure
+    functions of (mesh, profile, bytes), so every planner on the mesh shares them; what a
+    new planner starts without is its path cache."""
+
+    def __init__(self, topo: MeshTopology, profile: Profile):
+        self.topo, self.profile, self.shape = topo, profile, topo.shape
+        self._pred: dict = {}
+        self._times: dict = {}
+        self.elems: dict = {}
+        """Local elements per (orders, tensor shape)."""
+        self._cover: dict = {}
+
+    def time(self, kind, nbytes, axes) -> float:
+        # Hot path: a search asks for the same few (kind, bytes, group) thousands of times.
+        key = (kind, nbytes, axes)
+        us = self._times.get(key)
+        if us is None:
+            fn = self._pred.get((kind, axes))
+            if fn is None:
+                group = math.prod(self.shape[a] for a in axes)
+                fn = self._pred[(kind, axes)] = self.profile.collective_predictor(
+                    kind, group, self.topo.group_is_intra_node(axes))
+            us = self._times[key] = fn(nbytes)
+        return us
+
+    def cover(self, m: int) -> "_CoverBound":
+        hit = self._cover.get(m)
+        if hit is None:
+            hit = self._cover[m] = _CoverBound(self, m)
+        return hit
+
+
+@lru_cache(maxsize=64)
+def _mesh_costs(topo: MeshTopology, profile: Profile) -> _MeshCosts:
+    return _MeshCosts(topo, profile)
 
 
 @lru_cache(maxsize=64)

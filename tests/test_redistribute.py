@@ -139,6 +139,25 @@ def test_heuristic_keeps_optimum():
     assert astar.stats["expanded"] < dijkstra.stats["expanded"]
 
 
+@pytest.mark.parametrize("profile,shape", [(PROFILE, (4096, 1024, 64)), (PROFILE, (96, 20, 7)),
+                                           (load_profile("cpu-gloo"), (512, 256, 8))])
+def test_cover_heuristic_admissible_on_4d(profile, shape):
+    """A* with the cover bound finds Dijkstra's optimum on a 4-D mesh spanning two nodes, for
+    bandwidth-bound, uneven, and calibrated (knotted, measured) costs."""
+    topo = MeshTopology((2, 2, 2, 2), 4)
+    dijkstra = RedistributePlanner(topo, profile, use_heuristic=False)
+    specs = all_specs(4, 3, partials=("P(sum)",))
+    rng = random.Random(7)
+    for _ in range(4):
+        src = rng.choice(specs)
+        dsts = rng.sample(specs, 12)
+        truth = dijkstra.costs(src, dsts, shape, 4)
+        for dst, want in zip(dsts, truth):
+            astar = RedistributePlanner(topo, profile)
+            got = astar.plan(src, dst, shape, 4)
+            assert got.us == pytest.approx(want, rel=1e-9, abs=1e-6), f"{src} -> {dst}: {got.describe()}"
+
+
 def test_bad_input():
     planner = RedistributePlanner(MeshTopology((2, 2), 8), PROFILE)
     with pytest.raises(RedistributeError, match="has 3 placements, the mesh has 2 axes"):
