@@ -21,7 +21,8 @@ cheaper ones (:class:`_CoreSolver`). Every round whose solution overflows by les
 half the limit is repaired (:func:`_penalty_repair`): the multipliers are doubled only
 where memory still overflows and the core re-descended, so core nodes move with the
 trees and chains eliminated into them; a greedy per-byte repair (:func:`repair_memory`)
-removes what is left and local search polishes. The best feasible answer is kept.
+removes what is left and local search polishes. The best feasible answer is kept, and
+:mod:`solver.lns` then polishes it with exact MILPs on small windows (memory rows kept).
 
 Measured on the IOPDDL instances (2 cores, contest time limits, `benchmarks/iopddl.py`):
 score (best known / ours) A 0.997, M 1.000, S 0.975 (mean with G 0.993); before this

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import pulp
 
-from solver import cfn, heuristic, highs_model, ilp, lagrange
+from solver import cfn, heuristic, highs_model, ilp, lagrange, lns
 from solver.evaluate import evaluate, memory_profile
 from solver.problem import Problem
 from solver.quotient import quotient
@@ -122,6 +122,10 @@ def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say, memory=
         choice = highs_model.extract(model, np.asarray(h.getSolution().col_value), problem.num_nodes)
     return choice, lower, optimal, model.stats
 
+
+#: Share of the time limit the Lagrangian search gets on models too large for the MILP;
+#: windowed MILPs (:mod:`solver.lns`) polish its answer until 95%.
+LAGRANGE_SHARE = 0.8
 
 #: The pairwise search runs first on quotient graphs up to this size: planner graphs
 #: (a few hundred groups once layers are tied) solve in seconds there. Larger graphs
@@ -244,13 +248,16 @@ def solve(
         stats["milp_skipped"] = str(exc)
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
             found, bound = lagrange.lagrangian_search(problem, best_choice if best.feasible else None,
-                                                      deadline=t0 + 0.95 * time_limit, say=say)
+                                                      deadline=t0 + LAGRANGE_SHARE * time_limit, say=say)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
             if found is not None:
                 ev = evaluate(problem, found)
                 if ev.feasible and (not best.feasible or ev.cost <= best.cost):
                     best, best_choice = ev, found
+        if best.feasible:
+            best_choice = lns.large_neighbourhood_search(problem, best_choice, t0 + 0.95 * time_limit, say=say)
+            best = evaluate(problem, best_choice)
         more = best_choice
         for _ in range(100):
             before = evaluate(problem, more).cost

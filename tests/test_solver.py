@@ -298,3 +298,45 @@ def test_elimination_reduces_a_chain_and_a_tree_to_nothing():
     got = el.solve(p.node_costs, lambda costs, edges: [])
     brute = min(itertools.product(range(3), repeat=n), key=lambda ch: evaluate(p, ch).cost)
     assert evaluate(p, got).cost == pytest.approx(evaluate(p, brute).cost)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lns_window_prices_every_assignment_like_the_whole_problem(seed):
+    """For every assignment of the free nodes, the window's cost difference equals the whole
+    problem's, and it fits the window's memory exactly when the whole problem's."""
+    from solver import heuristic, lns
+
+    rng = np.random.default_rng(300 + seed)
+    p = random_problem(rng, n=9, kmax=3, density=0.4, limit=True)
+    choice = np.array([int(np.argmin(u)) for u in p.node_usages])
+    p.usage_limit = float(max(p.usage_limit, evaluate(p, choice).peak_usage))
+    free = np.sort(rng.choice(p.num_nodes, size=4, replace=False))
+    adj, mem = heuristic._Adjacency(p), heuristic._Memory(p, choice)
+    sub = lns.subproblem(p, adj, mem, choice, free)
+    fillers = sub.num_nodes - free.size
+    assert all(sub.num_strategies(v) == 1 for v in range(free.size, sub.num_nodes))
+    base_full = evaluate(p, choice).cost
+    base_sub = evaluate(sub, np.concatenate([choice[free], np.zeros(fillers, int)])).cost
+    for x in itertools.product(*[range(p.num_strategies(v)) for v in free.tolist()]):
+        full = choice.copy()
+        full[free] = x
+        ef, es = evaluate(p, full), evaluate(sub, np.concatenate([x, np.zeros(fillers, int)]))
+        assert es.cost - base_sub == pytest.approx(ef.cost - base_full)
+        assert es.feasible == ef.feasible, (x, ef.peak_usage, es.peak_usage, p.usage_limit, sub.usage_limit)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lns_never_worse_and_reaches_the_optimum_on_small_problems(seed):
+    import time
+
+    from solver import lns
+
+    rng = np.random.default_rng(400 + seed)
+    p = random_problem(rng, n=8, kmax=3, density=0.3, limit=True)
+    start = np.array([int(np.argmin(u)) for u in p.node_usages])
+    p.usage_limit = float(max(p.usage_limit, evaluate(p, start).peak_usage))
+    best = brute_force(p)
+    found = lns.large_neighbourhood_search(p, start, time.perf_counter() + 3, budget=10_000)
+    ev = evaluate(p, found)
+    assert ev.feasible and ev.cost <= evaluate(p, start).cost
+    assert ev.cost == pytest.approx(best)  # the window (budget) covers the whole problem

@@ -1,0 +1,210 @@
+r"""Large-neighbourhood search: exact MILPs on small windows of a feasible answer.
+
+The Lagrangian search ends with repairs that push memory under the limit one
+move at a time, and they pay for it (2-4% on S). Here the memory rows are kept
+exact, but on a few hundred nodes at a time: pick a set F of free nodes, fix every
+other node at the incumbent's choice, and solve
+
+    min  sum_(v in F) c'_v(s_v) + sum_((u,v) in E, u, v in F) C_uv(s_u, s_v)
+    s.t. sum_(v in F live at t) m_v(s_v) <= limit - (usage at t of the fixed nodes)   for all t
+
+with ``c'_v = c_v + sum over edges to fixed neighbours w of C_vw(., s_w)`` (the
+fixed neighbour's column folded in). Its optimum is the best the whole problem
+can do by changing F alone, so a window never makes the answer worse; the MILP
+(:mod:`solver.highs_model`, HiGHS) starts from the incumbent's choice on F. The
+right-hand side varies over time, the sub-problem's single limit does not: each
+run of time points with the same live free nodes becomes one time point, and a
+one-strategy filler node live there takes up ``L' - residual`` (L' the largest
+residual), which the MILP's reductions then fold into its rows' constants
+(:func:`subproblem`).
+
+Windows (:func:`_window`): seeds among the nodes live where memory binds (the
+trades that matter there are between nodes live at the same time), or anywhere at
+random, grown breadth-first along edges (a node seldom changes alone: its
+neighbours' reshardings move with it), up to a budget of strategy pairs so each
+MILP solves in about a second.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+from solver import heuristic, highs_model
+from solver.evaluate import evaluate
+from solver.problem import FORBIDDEN, Problem
+
+
+def subproblem(problem: Problem, adj: heuristic._Adjacency, mem: heuristic._Memory, choice: np.ndarray,
+               free: np.ndarray) -> Problem:
+    """The problem restricted to ``free`` with every other node fixed at ``choice``: nodes
+    ``0..len(free)-1`` are ``free`` in order, fillers follow (see the module doc)."""
+    index = {int(v): i for i, v in enumerate(free.tolist())}
+    costs = [problem.node_costs[v].copy() for v in free.tolist()]
+    edges, mats = [], []
+    for i, v in enumerate(free.tolist()):
+        for e, w, is_src in adj.inc[v]:
+            m = problem.edge_costs[e]
+            j = index.get(w)
+            if j is None:
+                costs[i] += m[:, choice[w]] if is_src else m[choice[w], :]
+            elif is_src:  # an edge inside the window, added once from its source
+                edges.append((i, j))
+                mats.append(m)
+    usages = [problem.node_usages[v] for v in free.tolist()]
+    a, b = mem.a[free], mem.b[free]
+    limit = mem.limit
+    if not np.isfinite(limit):
+        return Problem(costs, usages, np.stack([a, b], axis=1), np.array(edges, dtype=np.int64).reshape(-1, 2),
+                       mats, None)
+    # Usage of the fixed nodes per time segment; the window's runs of equal live sets.
+    fixed_total = mem.total.copy()
+    current = np.array([problem.node_usages[v][choice[v]] for v in free.tolist()])
+    delta = np.zeros(fixed_total.size + 1)
+    np.add.at(delta, a, current)
+    np.add.at(delta, b, -current)
+    fixed_total -= np.cumsum(delta)[:-1]
+    cuts = np.unique(np.concatenate([a, b]))
+    cuts = cuts[cuts < fixed_total.size]
+    residual = limit - np.maximum.reduceat(fixed_total, cuts) if cuts.size else np.zeros(0)
+    run_of = lambda t: np.searchsorted(cuts, t)  # noqa: E731 - segment index -> run index
+    intervals = [np.stack([run_of(a), run_of(b)], axis=1)]
+    top = float(residual.max()) if residual.size else 0.0
+    for r, res in enumerate(residual.tolist()):
+        if top - res > 0:
+            costs.append(np.zeros(1))
+            usages.append(np.array([top - res]))
+            intervals.append(np.array([[r, r + 1]]))
+    return Problem(costs, usages, np.concatenate(intervals), np.array(edges, dtype=np.int64).reshape(-1, 2),
+                   mats, max(top, 0.0))
+
+
+def _window(problem, adj, mem, choice, rng, budget: int, movable: np.ndarray, binding: bool) -> np.ndarray:
+    """Free nodes: breadth-first from seeds (live at a binding time point, or random) until the
+    strategy budget (sum of k_v, plus k_u k_v per edge inside) is spent."""
+    if binding:
+        k = int(rng.choice(np.argsort(mem.total)[-max(1, mem.total.size // 50):]))
+        seeds, pool = _trading_seeds(problem, adj, choice, np.nonzero((mem.a <= k) & (k < mem.b) & movable)[0], rng)
+    else:
+        seeds, pool = [], []
+    # Once a component is used up, more seeds: nodes live at the same time trade memory
+    # without sharing an edge.
+    pool += rng.permutation(np.nonzero(movable)[0]).tolist()
+    picked: dict[int, None] = {}
+    spent = rejected = 0
+    queue = deque(seeds or pool[:1])
+    pool = deque(pool if seeds else pool[1:])
+    while spent < budget:
+        if not queue:
+            if not pool:
+                break
+            queue.append(pool.popleft())
+        v = queue.popleft()
+        if v in picked or not movable[v]:
+            continue
+        k_v = problem.num_strategies(v)
+        inside = sum(problem.edge_costs[e].size for e, w, _ in adj.inc[v] if w in picked)
+        if spent + k_v + inside > budget and picked:
+            rejected += 1
+            if rejected > 64:
+                break  # full: what is left would not fit either
+            continue
+        picked[v] = None
+        spent += k_v + inside
+        nbrs = [w for _, w, _ in adj.inc[v] if w not in picked]
+        for w in rng.permutation(nbrs).tolist() if nbrs else []:
+            queue.append(int(w))
+    return np.array(sorted(picked), dtype=np.int64)
+
+
+def _trading_seeds(problem, adj, choice, live: np.ndarray, rng, count: int = 6) -> list[int]:
+    """Nodes live at a binding time point that could trade memory: the ones that would gain
+    most with more memory (cost now minus their best cost, neighbours fixed) and the ones
+    that give memory up cheapest (least cost per byte saved), alternating."""
+    if live.size > 600:
+        live = rng.choice(live, 600, replace=False)
+    gain, rate = [], []
+    for v in live.tolist():
+        lc = heuristic._local_cost(problem, adj, choice, v)
+        cur = int(choice[v])
+        u = problem.node_usages[v]
+        gain.append(lc[cur] - lc.min())
+        less = (u < u[cur]) & np.isfinite(lc)
+        rate.append(((lc[less] - lc[cur]) / (u[cur] - u[less])).min() if less.any() else np.inf)
+    gainers = live[np.argsort(-np.asarray(gain), kind="stable")[:count]].tolist()
+    donors = live[np.argsort(np.asarray(rate), kind="stable")[:count]].tolist()
+    seeds = [v for pair in zip(gainers, donors) for v in pair]
+    return seeds, rng.permutation(live).tolist()
+
+
+def _solve_window(sub: Problem, start: np.ndarray, seconds: float) -> np.ndarray | None:
+    import highspy
+
+    model = highs_model.build(sub)
+    if model.cost.size == 0:
+        return highs_model.extract(model, np.zeros(0), sub.num_nodes)
+    h = highs_model.to_highs(model, seconds, 1e-9)
+    sol = highspy.HighsSolution()
+    sol.col_value = highs_model.start_vector(model, start).tolist()
+    sol.value_valid = True
+    h.setSolution(sol)
+    h.run()
+    if h.getInfo().primal_solution_status < 2:
+        return None
+    return highs_model.extract(model, np.asarray(h.getSolution().col_value), sub.num_nodes)
+
+
+def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: float, say=lambda m: None,
+                               budget: int = 6000, window_seconds: float = 2.0, seed: int = 0) -> np.ndarray:
+    """Improve a feasible ``choice`` window by window until ``deadline``; never returns a worse one."""
+    ev = evaluate(problem, choice)
+    if not ev.feasible:
+        return choice
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    adj = heuristic._Adjacency(problem)
+    current = choice.copy()
+    mem = heuristic._Memory(problem, current)
+    movable = np.array([int(problem.allowed(v).sum()) > 1 for v in range(problem.num_nodes)])
+    if not movable.any():
+        return current
+    cost = ev.cost
+    windows = improved = 0
+    while deadline - time.perf_counter() > 0.5:
+        binding = windows % 3 != 2
+        free = _window(problem, adj, mem, current, rng, budget, movable, binding)
+        windows += 1
+        if free.size < 2:
+            continue
+        sub = subproblem(problem, adj, mem, current, free)
+        fillers = sub.num_nodes - free.size
+        start = np.concatenate([current[free], np.zeros(fillers, dtype=np.int64)])
+        before = evaluate(sub, start)
+        seconds = min(window_seconds, deadline - time.perf_counter() - 0.2)
+        if seconds < 0.2:
+            break
+        try:
+            found = _solve_window(sub, start, seconds)
+        except ValueError:
+            continue
+        if found is None:
+            continue
+        after = evaluate(sub, found)
+        if not after.feasible or after.cost >= before.cost - 1e-9 * max(1.0, abs(before.cost)):
+            continue
+        trial = current.copy()
+        trial[free] = found[: free.size]
+        full = evaluate(problem, trial)
+        if not full.feasible or full.cost >= cost or full.cost >= FORBIDDEN:
+            continue
+        for v, new in zip(free.tolist(), found[: free.size].tolist()):
+            if new != current[v]:
+                mem.move([v], int(current[v]), int(new))
+        current, cost = trial, full.cost
+        improved += 1
+        if improved % 10 == 1:
+            say(f"lns: {windows} windows, {improved} improved, cost {cost:.6g} ({time.perf_counter() - t0:.1f}s)")
+    say(f"lns: {windows} windows, {improved} improved, cost {cost:.6g} ({time.perf_counter() - t0:.1f}s)")
+    return current
