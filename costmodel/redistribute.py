@@ -174,7 +174,8 @@ class RedistributePlanner:
 
     # -- transitions ------------------------------------------------------
     def _neighbors(self, codes, orders, tshape, item, partials):
-        """Every single step from (codes, orders); ``partials`` holds the partial codes a
+        """Every single step from (codes, orders) as ``(kind, axes, bytes, codes', orders',
+        dims whose order changed)``; ``partials`` holds the partial codes a
         partition may create: those of the source and target. A partial of another kind
         could only be undone by a reduction of its own; one of those kinds on another axis
         can pay (R -> P(sum) on x, then one all_reduce over x and an axis already partial
@@ -193,7 +194,7 @@ class RedistributePlanner:
             c2 = list(codes)
             c2[x] = R
             gathered = self._local_elems(new_orders, tshape) * item
-            out.append(("all_gather", (x,), gathered, tuple(c2), new_orders))
+            out.append(("all_gather", (x,), gathered, tuple(c2), new_orders, (d,)))
             # merged gather of the last k axes (ascending, even shards)
             if self.merge:
                 for k in range(2, len(od) + 1):
@@ -205,7 +206,7 @@ class RedistributePlanner:
                     for a in tail:
                         c3[a] = R
                     out.append(("all_gather", tuple(sorted(tail)), self._local_elems(no, tshape) * item,
-                                tuple(c3), no))
+                                tuple(c3), no, (d,)))
             # all_to_all: move the last axis of d to the end of e
             for e in dims_on[x]:
                 if e == d:
@@ -215,18 +216,18 @@ class RedistributePlanner:
                 no[e] = orders[e] + (x,)
                 c4 = list(codes)
                 c4[x] = e
-                out.append(("all_to_all", (x,), local, tuple(c4), tuple(no)))
+                out.append(("all_to_all", (x,), local, tuple(c4), tuple(no), (d, e)))
         partial_axes = [a for a, c in enumerate(codes) if c < R]
         for x in partial_axes:
             c2 = list(codes)
             c2[x] = R
-            out.append(("all_reduce", (x,), local, tuple(c2), orders))
+            out.append(("all_reduce", (x,), local, tuple(c2), orders, ()))
             for d in dims_on[x]:
                 no = list(orders)
                 no[d] = orders[d] + (x,)
                 c3 = list(codes)
                 c3[x] = d
-                out.append(("reduce_scatter", (x,), local, tuple(c3), tuple(no)))
+                out.append(("reduce_scatter", (x,), local, tuple(c3), tuple(no), (d,)))
         if self.merge and len(partial_axes) > 1:
             for k in range(2, len(partial_axes) + 1):
                 for group in combinations(partial_axes, k):
@@ -235,7 +236,7 @@ class RedistributePlanner:
                     c2 = list(codes)
                     for a in group:
                         c2[a] = R
-                    out.append(("all_reduce", group, local, tuple(c2), orders))
+                    out.append(("all_reduce", group, local, tuple(c2), orders, ()))
                     for d in sorted({e for a in group for e in dims_on[a]}):
                         if not self._even(d, group, tshape, orders):
                             continue
@@ -244,7 +245,7 @@ class RedistributePlanner:
                         c3 = list(codes)
                         for a in group:
                             c3[a] = d
-                        out.append(("reduce_scatter", group, local, tuple(c3), tuple(no)))
+                        out.append(("reduce_scatter", group, local, tuple(c3), tuple(no), (d,)))
         for x, c in enumerate(codes):
             if c != R:
                 continue
@@ -253,14 +254,14 @@ class RedistributePlanner:
                 no[d] = orders[d] + (x,)
                 c2 = list(codes)
                 c2[x] = d
-                out.append(("chunk", (x,), 0, tuple(c2), tuple(no)))
+                out.append(("chunk", (x,), 0, tuple(c2), tuple(no), (d,)))
             for p in partials:
                 kinds = {cc for cc in codes if cc < R} | {p}
                 if frozenset(kinds) not in _COMPATIBLE_PARTIALS:
                     continue
                 c2 = list(codes)
                 c2[x] = p
-                out.append(("partition", (x,), 0, tuple(c2), orders))
+                out.append(("partition", (x,), 0, tuple(c2), orders, ()))
         return out
 
     def _even_tail(self, d, od, tshape) -> bool:
@@ -288,7 +289,7 @@ class RedistributePlanner:
         s0, goal = encode(src, ndim, self.n), encode(dst, ndim, self.n)
         if s0 == goal:
             return 0.0
-        for kind, axes, nbytes, c2, o2 in self._neighbors(*s0, tuple(tshape), itemsize, _partials(s0[0], goal[0])):
+        for kind, axes, nbytes, c2, o2, _ in self._neighbors(*s0, tuple(tshape), itemsize, _partials(s0[0], goal[0])):
             if (c2, o2) == goal and len(axes) == 1:
                 return 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
         raise RedistributeError(f"{src} -> {dst} is not a single step")
@@ -318,8 +319,9 @@ class RedistributePlanner:
         if s0 == goal:
             return RedistributePlan(src, dst, [])
         partials = _partials(s0[0], goal[0])
-        h = self._heuristic(goal, self._cover_bounds(tshape, item))
-        h0 = h(*s0)
+        cover = self._cover_bounds(tshape, item)
+        bound = self._heuristic(goal, cover)
+        h0 = bound(*s0)
         # The direct plan bounds the search from above: states whose f reaches it are never
         # queued (most generated states are such), and it is the answer when nothing beats it.
         upper, direct = self._direct(s0, goal, tshape, item)
@@ -329,6 +331,7 @@ class RedistributePlanner:
         tie = 0
         # Hot loop: names bound once.
         pop, push, best_get, time, neighbors = heapq.heappop, heapq.heappush, best.get, self._time, self._neighbors
+        by_code, order_bits, cover_get, n, low = bound.by_code, bound.order_bits, cover.get, self.n, (1 << self.n) - 1
         inf, cap = math.inf, upper - 1e-9
         expanded = 0
         while frontier:
@@ -347,13 +350,30 @@ class RedistributePlanner:
                 self.stats["expanded"] += expanded
                 return RedistributePlan(src, dst, self._unwind(parent, state) + self._complete(state, goal))
             expanded += 1
-            for kind, axes, nbytes, c2, o2 in neighbors(codes, orders, tshape, item, partials):
+            key_codes = 0
+            for a, c in enumerate(codes):
+                key_codes |= by_code[a][c]
+            obits = [order_bits(d, o) for d, o in enumerate(orders)]
+            key_orders = 0
+            for bits in obits:
+                key_orders |= bits
+            for kind, axes, nbytes, c2, o2, dims in neighbors(codes, orders, tshape, item, partials):
                 nxt = (c2, o2)
                 # Local steps (no bytes) still cost a hair, so a plan never takes pointless detours.
                 us = time(kind, nbytes, axes) if nbytes else 0.0
                 ng = g + (us or 1e-6)
-                if ng < best_get(nxt, inf) - 1e-12:
-                    nf = ng + h(c2, o2)
+                if ng < cap and ng < best_get(nxt, inf) - 1e-12:
+                    # The child's key: the parent's with the changed axes' and dims' bits
+                    # swapped (each axis and each dim owns disjoint bits of its half).
+                    kc = key_codes
+                    for a in axes:
+                        kc ^= by_code[a][codes[a]] ^ by_code[a][c2[a]]
+                    ko = key_orders
+                    for d in dims:
+                        ko ^= obits[d] ^ order_bits(d, o2[d])
+                    key = kc | ko
+                    hv = cover_get(key)
+                    nf = ng + (hv if hv is not None else cover.compute(key >> n, key & low))
                     if nf >= cap:
                         continue
                     best[nxt] = ng
@@ -469,7 +489,7 @@ class RedistributePlanner:
             if state in goals:
                 left -= 1
             codes, orders = state
-            for kind, axes, nbytes, c2, o2 in self._neighbors(codes, orders, tshape, itemsize, partials):
+            for kind, axes, nbytes, c2, o2, _ in self._neighbors(codes, orders, tshape, itemsize, partials):
                 nxt = (c2, o2)
                 us = 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
                 ng = g + us + (1e-6 if us == 0 else 0)
@@ -508,47 +528,11 @@ class RedistributePlanner:
         (unsharded) copy along a: a partial that must go (all_reduce or
         reduce_scatter) and a shard whose target is R or partial (only an
         all_gather unshards). ``cover`` prices such sets (:meth:`_cover_bounds`).
-        Returns ``h(codes, orders)`` from per-goal tables: each axis's code and each
-        dim's order contribute bits of ``U << n | H`` independently.
+        Each axis's code and each dim's order contribute their own bits of the
+        table key ``U << n | H`` (:class:`_Bound`), so a step updates the key of its
+        parent by the axes and dims it changed.
         """
-        if not self.use_heuristic:
-            return lambda codes, orders: 0.0
-        gcodes, gorders = goal
-        n = self.n
-        ndim = len(gorders)
-        # by_code[a][c]: axis a's bits (U at a + n, H at a) when it holds code c; codes run
-        # from -len(_PARTIAL) - 1 to ndim - 1, and a negative code indexes from the list's end.
-        by_code = []
-        for a, t in enumerate(gcodes):
-            row = [0] * (ndim + len(_PARTIAL) + 1)
-            for c in range(-len(_PARTIAL) - 1, ndim):
-                if c != R and c != t:
-                    row[c] = 1 << (a + n) | ((1 << a) if (c < R or t < 0) else 0)
-            by_code.append(row)
-        by_order = [{} for _ in range(ndim)]
-
-        def order_bits(d, o) -> int:
-            go = gorders[d]
-            k = 0
-            while k < len(o) and k < len(go) and o[k] == go[k]:
-                k += 1
-            bits = 0
-            for a in o[k:]:
-                bits |= 1 << (a + n)
-            by_order[d][o] = bits
-            return bits
-
-        def h(codes, orders) -> float:
-            key = 0
-            for a, c in enumerate(codes):
-                key |= by_code[a][c]
-            for d, o in enumerate(orders):
-                bits = by_order[d].get(o)
-                key |= order_bits(d, o) if bits is None else bits
-            v = cover.get(key)
-            return v if v is not None else cover.compute(key >> n, key & ((1 << n) - 1))
-
-        return h
+        return _Bound(goal, cover, self.n, self.use_heuristic)
 
     def _cover_bounds(self, tshape, item) -> "_CoverBound":
         """``cover[U << n | H]``: a lower bound on the cost of collectives whose groups contain
@@ -576,6 +560,49 @@ class RedistributePlanner:
             steps.append(Step(kind, tuple(axes), int(nbytes), us, decode(*prev), decode(*state)))
             state = prev
         return steps[::-1]
+
+
+class _Bound:
+    """The search's heuristic for one goal (see :meth:`RedistributePlanner._heuristic`):
+    ``by_code[a][c]`` holds axis a's bits of the key ``U << n | H`` when it holds code c
+    (codes run from -len(_PARTIAL) - 1 to ndim - 1; a negative one indexes from the
+    row's end), ``order_bits(d, o)`` dim d's bits for order o; ``cover`` prices keys."""
+
+    def __init__(self, goal, cover: "_CoverBound", n: int, enabled: bool = True):
+        gcodes, self.gorders = goal
+        self.cover, self.n, self.enabled = cover, n, enabled
+        ndim = len(self.gorders)
+        self.by_code = []
+        for a, t in enumerate(gcodes):
+            row = [0] * (ndim + len(_PARTIAL) + 1)
+            for c in range(-len(_PARTIAL) - 1, ndim):
+                if enabled and c != R and c != t:
+                    row[c] = 1 << (a + n) | ((1 << a) if (c < R or t < 0) else 0)
+            self.by_code.append(row)
+        self._by_order = [{} for _ in range(ndim)]
+
+    def order_bits(self, d: int, o: tuple) -> int:
+        bits = self._by_order[d].get(o)
+        if bits is None:
+            go = self.gorders[d]
+            k = 0
+            while k < len(o) and k < len(go) and o[k] == go[k]:
+                k += 1
+            bits = 0
+            if self.enabled:
+                for a in o[k:]:
+                    bits |= 1 << (a + self.n)
+            self._by_order[d][o] = bits
+        return bits
+
+    def __call__(self, codes, orders) -> float:
+        key = 0
+        for a, c in enumerate(codes):
+            key |= self.by_code[a][c]
+        for d, o in enumerate(orders):
+            key |= self.order_bits(d, o)
+        v = self.cover.get(key)
+        return v if v is not None else self.cover.compute(key >> self.n, key & ((1 << self.n) - 1))
 
 
 class _CoverBound(dict):
