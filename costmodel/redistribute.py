@@ -120,6 +120,9 @@ def encode(spec: Spec, ndim: int, mesh_ndim: int) -> tuple[tuple[int, ...], tupl
             if not 0 <= d < ndim:
                 raise RedistributeError(f"spec {spec} shards tensor dim {d}, the tensor has {ndim} dims")
             codes.append(d)
+    kinds = frozenset(c for c in codes if c < R)
+    if kinds not in _COMPATIBLE_PARTIALS:
+        raise RedistributeError(f"spec {spec} mixes partial kinds {sorted(_PARTIAL_NAME[k] for k in kinds)}")
     given = dict(spec.shard_order)
     orders = []
     for d in range(ndim):
@@ -180,55 +183,53 @@ class RedistributePlanner:
         could only be undone by a reduction of its own; one of those kinds on another axis
         can pay (R -> P(sum) on x, then one all_reduce over x and an axis already partial
         can be cheaper than reducing that axis alone and moving x by all_to_all)."""
-        local = self._local_elems(orders, tshape) * item
+        # Hot path (millions of calls when an ILP is built): tuples sliced and joined, never
+        # lists copied; every branch builds exactly the states the table above lists.
+        local_elems = self._local_elems
+        local = local_elems(orders, tshape) * item
         out = []
+        append = out.append
         ndim = len(orders)
-        dims_on = [range(ndim)] * self.n
+        merge = self.merge
         for d in range(ndim):
             od = orders[d]
             if not od:
                 continue
             x = od[-1]
+            head = od[:-1]
+            before, after = codes[:x], codes[x + 1:]
+            new_orders = orders[:d] + (head,) + orders[d + 1:]
             # gather the last axis of d's order
-            new_orders = orders[:d] + (od[:-1],) + orders[d + 1:]
-            c2 = list(codes)
-            c2[x] = R
-            gathered = self._local_elems(new_orders, tshape) * item
-            out.append(("all_gather", (x,), gathered, tuple(c2), new_orders, (d,)))
+            append(("all_gather", (x,), local_elems(new_orders, tshape) * item, before + (R,) + after,
+                    new_orders, (d,)))
             # merged gather of the last k axes (ascending, even shards)
-            if self.merge:
+            if merge and len(od) > 1 and self._even_tail(d, od, tshape):
                 for k in range(2, len(od) + 1):
                     tail = od[-k:]
-                    if list(tail) != sorted(tail) or not self._even_tail(d, od, tshape):
+                    if list(tail) != sorted(tail):
                         continue
                     no = orders[:d] + (od[:-k],) + orders[d + 1:]
                     c3 = list(codes)
                     for a in tail:
                         c3[a] = R
-                    out.append(("all_gather", tuple(sorted(tail)), self._local_elems(no, tshape) * item,
-                                tuple(c3), no, (d,)))
+                    append(("all_gather", tail, local_elems(no, tshape) * item, tuple(c3), no, (d,)))
             # all_to_all: move the last axis of d to the end of e
-            for e in dims_on[x]:
+            for e in range(ndim):
                 if e == d:
                     continue
-                no = list(orders)
-                no[d] = od[:-1]
-                no[e] = orders[e] + (x,)
-                c4 = list(codes)
-                c4[x] = e
-                out.append(("all_to_all", (x,), local, tuple(c4), tuple(no), (d, e)))
+                if e < d:
+                    no = orders[:e] + (orders[e] + (x,),) + orders[e + 1:d] + (head,) + orders[d + 1:]
+                else:
+                    no = orders[:d] + (head,) + orders[d + 1:e] + (orders[e] + (x,),) + orders[e + 1:]
+                append(("all_to_all", (x,), local, before + (e,) + after, no, (d, e)))
         partial_axes = [a for a, c in enumerate(codes) if c < R]
         for x in partial_axes:
-            c2 = list(codes)
-            c2[x] = R
-            out.append(("all_reduce", (x,), local, tuple(c2), orders, ()))
-            for d in dims_on[x]:
-                no = list(orders)
-                no[d] = orders[d] + (x,)
-                c3 = list(codes)
-                c3[x] = d
-                out.append(("reduce_scatter", (x,), local, tuple(c3), tuple(no), (d,)))
-        if self.merge and len(partial_axes) > 1:
+            before, after = codes[:x], codes[x + 1:]
+            append(("all_reduce", (x,), local, before + (R,) + after, orders, ()))
+            for d in range(ndim):
+                no = orders[:d] + (orders[d] + (x,),) + orders[d + 1:]
+                append(("reduce_scatter", (x,), local, before + (d,) + after, no, (d,)))
+        if merge and len(partial_axes) > 1:
             for k in range(2, len(partial_axes) + 1):
                 for group in combinations(partial_axes, k):
                     if len({codes[a] for a in group}) > 1:
@@ -236,32 +237,30 @@ class RedistributePlanner:
                     c2 = list(codes)
                     for a in group:
                         c2[a] = R
-                    out.append(("all_reduce", group, local, tuple(c2), orders, ()))
-                    for d in sorted({e for a in group for e in dims_on[a]}):
+                    append(("all_reduce", group, local, tuple(c2), orders, ()))
+                    for d in range(ndim):
                         if not self._even(d, group, tshape, orders):
                             continue
-                        no = list(orders)
-                        no[d] = orders[d] + group
+                        no = orders[:d] + (orders[d] + group,) + orders[d + 1:]
                         c3 = list(codes)
                         for a in group:
                             c3[a] = d
-                        out.append(("reduce_scatter", group, local, tuple(c3), tuple(no), (d,)))
+                        append(("reduce_scatter", group, local, tuple(c3), no, (d,)))
+        held = None
         for x, c in enumerate(codes):
             if c != R:
                 continue
-            for d in dims_on[x]:
-                no = list(orders)
-                no[d] = orders[d] + (x,)
-                c2 = list(codes)
-                c2[x] = d
-                out.append(("chunk", (x,), 0, tuple(c2), tuple(no), (d,)))
-            for p in partials:
-                kinds = {cc for cc in codes if cc < R} | {p}
-                if frozenset(kinds) not in _COMPATIBLE_PARTIALS:
-                    continue
-                c2 = list(codes)
-                c2[x] = p
-                out.append(("partition", (x,), 0, tuple(c2), orders, ()))
+            before, after = codes[:x], codes[x + 1:]
+            for d in range(ndim):
+                append(("chunk", (x,), 0, before + (d,) + after, orders[:d] + (orders[d] + (x,),) + orders[d + 1:],
+                        (d,)))
+            if partials:
+                if held is None:
+                    held = {cc for cc in codes if cc < R}
+                for p in partials:
+                    if frozenset(held | {p}) not in _COMPATIBLE_PARTIALS:
+                        continue
+                    append(("partition", (x,), 0, before + (p,) + after, orders, ()))
         return out
 
     def _even_tail(self, d, od, tshape) -> bool:
@@ -301,8 +300,13 @@ class RedistributePlanner:
         if hit is not None:
             self.stats["hits"] += 1
             return hit
-        with _no_gc():
+        enabled = gc.isenabled()  # see _no_gc; inline, a context manager costs a few microseconds
+        gc.disable()
+        try:
             result = self._search(src, dst, tuple(tshape), itemsize)
+        finally:
+            if enabled:
+                gc.enable()
         self.cache[key] = result
         self.cost_cache.setdefault(key, result.us)
         return result
@@ -311,10 +315,6 @@ class RedistributePlanner:
         ndim = len(tshape)
         s0 = encode(src, ndim, self.n)
         goal = encode(dst, ndim, self.n)
-        for spec, (codes, orders) in ((src, s0), (dst, goal)):
-            kinds = frozenset(c for c in codes if c < R)
-            if kinds not in _COMPATIBLE_PARTIALS:
-                raise RedistributeError(f"spec {spec} mixes partial kinds {sorted(_PARTIAL_NAME[k] for k in kinds)}")
         self.stats["searches"] += 1
         if s0 == goal:
             return RedistributePlan(src, dst, [])
@@ -333,6 +333,7 @@ class RedistributePlanner:
         pop, push, best_get, time, neighbors = heapq.heappop, heapq.heappush, best.get, self._time, self._neighbors
         by_code, order_bits, cover_get, n, low = bound.by_code, bound.order_bits, cover.get, self.n, (1 << self.n) - 1
         inf, cap = math.inf, upper - 1e-9
+        prune = min(goal[0]) >= R
         expanded = 0
         while frontier:
             f, g, _, state = pop(frontier)
@@ -357,7 +358,10 @@ class RedistributePlanner:
             key_orders = 0
             for bits in obits:
                 key_orders |= bits
-            for kind, axes, nbytes, c2, o2, dims in neighbors(codes, orders, tshape, item, partials):
+            # No partial left and none wanted: a partition could only be undone by a
+            # reduction (all_reduce: back where it was; reduce_scatter: what a free chunk does).
+            steps = neighbors(codes, orders, tshape, item, () if prune and min(codes) >= R else partials)
+            for kind, axes, nbytes, c2, o2, dims in steps:
                 nxt = (c2, o2)
                 # Local steps (no bytes) still cost a hair, so a plan never takes pointless detours.
                 us = time(kind, nbytes, axes) if nbytes else 0.0
@@ -452,12 +456,7 @@ class RedistributePlanner:
         s0 = encode(src, ndim, self.n)
         goals = {}
         for d in dict.fromkeys(todo):
-            g = encode(d, ndim, self.n)
-            if frozenset(c for c in g[0] if c < R) not in _COMPATIBLE_PARTIALS:
-                raise RedistributeError(f"spec {d} mixes partial kinds")
-            goals.setdefault(g, []).append(d)
-        if frozenset(c for c in s0[0] if c < R) not in _COMPATIBLE_PARTIALS:
-            raise RedistributeError(f"spec {src} mixes partial kinds")
+            goals.setdefault(encode(d, ndim, self.n), []).append(d)
         # One search per set of partials a partition may create, the set plan() would use.
         by_partials: dict = {}
         for g in goals:
@@ -562,6 +561,16 @@ class RedistributePlanner:
         return steps[::-1]
 
 
+@lru_cache(maxsize=4096)
+def _code_row(a: int, t: int, ndim: int, n: int) -> tuple[int, ...]:
+    """Axis a's key bits per code it may hold, when the target holds t there (see _Bound)."""
+    row = [0] * (ndim + len(_PARTIAL) + 1)
+    for c in range(-len(_PARTIAL) - 1, ndim):
+        if c != R and c != t:
+            row[c] = 1 << (a + n) | ((1 << a) if (c < R or t < 0) else 0)
+    return tuple(row)
+
+
 class _Bound:
     """The search's heuristic for one goal (see :meth:`RedistributePlanner._heuristic`):
     ``by_code[a][c]`` holds axis a's bits of the key ``U << n | H`` when it holds code c
@@ -572,13 +581,8 @@ class _Bound:
         gcodes, self.gorders = goal
         self.cover, self.n, self.enabled = cover, n, enabled
         ndim = len(self.gorders)
-        self.by_code = []
-        for a, t in enumerate(gcodes):
-            row = [0] * (ndim + len(_PARTIAL) + 1)
-            for c in range(-len(_PARTIAL) - 1, ndim):
-                if enabled and c != R and c != t:
-                    row[c] = 1 << (a + n) | ((1 << a) if (c < R or t < 0) else 0)
-            self.by_code.append(row)
+        zero = (0,) * (ndim + len(_PARTIAL) + 1)
+        self.by_code = [_code_row(a, t, ndim, n) if enabled else zero for a, t in enumerate(gcodes)]
         self._by_order = [{} for _ in range(ndim)]
 
     def order_bits(self, d: int, o: tuple) -> int:

@@ -158,6 +158,24 @@ def test_cover_heuristic_admissible_on_4d(profile, shape):
             assert got.us == pytest.approx(want, rel=1e-9, abs=1e-6), f"{src} -> {dst}: {got.describe()}"
 
 
+@pytest.mark.parametrize("profile", ["h100-sxm", "cpu-gloo"])
+@pytest.mark.parametrize("mesh_shape,shape", [((2, 2), (8, 6, 5)), ((4, 2), (64, 32, 3)), ((2, 2, 2), (16, 12, 6))])
+def test_astar_matches_dijkstra_on_every_pair(profile, mesh_shape, shape):
+    """Pairs of specs (partials included; every source on 2-D meshes, 12 on (2, 2, 2)): A* with its bound, upper bound
+    and pruning finds the cost of exhaustive Dijkstra with every move. On the calibrated gloo
+    profile merged collectives can be cheaper than single ones, which breaks rules that look
+    safe under alpha-beta costs (a free chunk taken early can block a cheaper merged gather)."""
+    prof = load_profile(profile)
+    topo = MeshTopology(mesh_shape, 4)
+    specs = all_specs(len(mesh_shape), len(shape), partials=("P(sum)",))
+    reference = RedistributePlanner(topo, prof, use_heuristic=False)
+    sources = specs if len(specs) < 100 else random.Random(1).sample(specs, 12)  # (2, 2, 2): 12 x 291
+    for src in sources:
+        for dst, want in zip(specs, reference.costs(src, specs, shape, 4)):
+            got = RedistributePlanner(topo, prof).plan(src, dst, shape, 4)
+            assert got.us == pytest.approx(want, rel=1e-9, abs=1e-6), f"{src} -> {dst}: {got.describe()}"
+
+
 def test_bad_input():
     planner = RedistributePlanner(MeshTopology((2, 2), 8), PROFILE)
     with pytest.raises(RedistributeError, match="has 3 placements, the mesh has 2 axes"):
