@@ -23,10 +23,25 @@ flat uneven shard).
 
 Each step is costed by the collective model with the bytes it moves (the local
 buffer, the shard sizes of the other axes taken into account, uneven shards
-rounded up) on the group it uses. Search is A* over canonical integer states
-with an admissible heuristic (zero when the target is reachable by local steps
-alone, else the cheapest latency of any collective), and results are cached
-by (src, dst, shape, itemsize).
+rounded up) on the group it uses. A partition may put a partial of a kind the
+source or target holds on any replicated axis (one merged all_reduce through it
+can beat reducing another axis alone), but not once no partial is left or wanted.
+
+Search is A* over canonical integer states. The heuristic is a set cover: the axes
+that must still take part in a collective, some of them in a heavy one (an
+all_gather, all_reduce or reduce_scatter, whose buffer is whole along the axis),
+priced by the cheapest collectives whose groups cover them (:meth:`_cover_bounds`,
+dynamic programming over axis subsets). The plan that gathers and reduces
+everything the target lacks, then chunks, bounds the search from above: states
+whose f reaches it are never queued. Answers are cached by (src, dst, shape,
+itemsize); the cost model's answers (times by bytes and group, local sizes, bound
+tables) are memoized per mesh and profile and shared by every planner.
+
+Measured (``benchmarks/redistribute.py``, 48 pairs, cold = a new planner per pair):
+torch's planner / ours = 10.9x with the previous bound (the dearest single axis) ->
+26x with the cover bound -> 42x with the heavy/light split and the per-mesh memo ->
+47x with the upper bound, incremental keys and pruned partitions (2-D 15x, 3-D 34x,
+4-D 80x, 5-D 120x); expansions on (2, 2, 2, 2, 2) fell from 1.5k-5.7k to 0.1k-1.9k.
 """
 
 from __future__ import annotations
