@@ -415,9 +415,7 @@ class RedistributePlanner:
         g = 0.0
         local = 0
         for d, (o, go) in enumerate(zip(s0[1], gorders)):
-            k = 0
-            while k < len(o) and k < len(go) and o[k] == go[k]:
-                k += 1
+            k = _agreed(o, go)
             for x in reversed(o[k:]):
                 orders[d] = orders[d][:-1]
                 nbytes = self._local_elems(tuple(orders), tshape) * item
@@ -576,6 +574,14 @@ class RedistributePlanner:
         return steps[::-1]
 
 
+def _agreed(order: tuple, goal_order: tuple) -> int:
+    """How many leading axes of a dim's order already sit where the target's order has them."""
+    k = 0
+    while k < len(order) and k < len(goal_order) and order[k] == goal_order[k]:
+        k += 1
+    return k
+
+
 @lru_cache(maxsize=4096)
 def _code_row(a: int, t: int, ndim: int, n: int) -> tuple[int, ...]:
     """Axis a's key bits per code it may hold, when the target holds t there (see _Bound)."""
@@ -603,10 +609,7 @@ class _Bound:
     def order_bits(self, d: int, o: tuple) -> int:
         bits = self._by_order[d].get(o)
         if bits is None:
-            go = self.gorders[d]
-            k = 0
-            while k < len(o) and k < len(go) and o[k] == go[k]:
-                k += 1
+            k = _agreed(o, self.gorders[d])
             bits = 0
             if self.enabled:
                 for a in o[k:]:
