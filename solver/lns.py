@@ -58,7 +58,7 @@ def subproblem(problem: Problem, adj: heuristic._Adjacency, mem: heuristic._Memo
     limit = mem.limit
     if not np.isfinite(limit):
         return Problem(costs, usages, np.stack([a, b], axis=1), np.array(edges, dtype=np.int64).reshape(-1, 2),
-                       mats, None)
+                       mats, None, ties=_window_ties(problem, index))
     # Usage of the fixed nodes per time segment; the window's runs of equal live sets.
     fixed_total = mem.total.copy()
     current = np.array([problem.node_usages[v][choice[v]] for v in free.tolist()])
@@ -78,7 +78,27 @@ def subproblem(problem: Problem, adj: heuristic._Adjacency, mem: heuristic._Memo
             usages.append(np.array([top - res]))
             intervals.append(np.array([[r, r + 1]]))
     return Problem(costs, usages, np.concatenate(intervals), np.array(edges, dtype=np.int64).reshape(-1, 2),
-                   mats, max(top, 0.0))
+                   mats, max(top, 0.0), ties=_window_ties(problem, index))
+
+
+def _window_ties(problem: Problem, index: dict[int, int]) -> list[list[int]]:
+    """The tie groups inside the window, renumbered (windows hold whole groups or none)."""
+    return [[index[v] for v in g] for g in problem.ties if g and all(v in index for v in g)]
+
+
+def _close_over_ties(free: np.ndarray, groups: list[np.ndarray], group_of: dict[int, list[int]]) -> np.ndarray:
+    """``free`` plus every node tied to one in it, transitively (groups may share nodes)."""
+    done: set[int] = set()
+    todo = {g for v in free.tolist() for g in group_of.get(v, ())}
+    out = set(free.tolist())
+    while todo:
+        g = todo.pop()
+        done.add(g)
+        for v in groups[g].tolist():
+            if v not in out:
+                out.add(v)
+                todo.update(h for h in group_of.get(v, ()) if h not in done)
+    return np.array(sorted(out), dtype=np.int64)
 
 
 def _window(problem, adj, mem, choice, rng, budget: int, movable: np.ndarray, binding: bool) -> np.ndarray:
@@ -171,11 +191,18 @@ def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: f
     if not movable.any():
         return current
     cost = ev.cost
+    groups = [np.array(g, dtype=np.int64) for g in problem.ties if len(g) > 1]
+    group_of: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        for v in g.tolist():
+            group_of.setdefault(v, []).append(i)
     windows = improved = 0
     while deadline - time.perf_counter() > 0.5:
         binding = windows % 3 != 2
         free = _window(problem, adj, mem, current, rng, budget, movable, binding)
         windows += 1
+        if groups:  # a window holds every node of every tie group it touches
+            free = _close_over_ties(free, groups, group_of)
         if free.size < 2:
             continue
         sub = subproblem(problem, adj, mem, current, free)

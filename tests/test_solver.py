@@ -340,3 +340,24 @@ def test_lns_never_worse_and_reaches_the_optimum_on_small_problems(seed):
     ev = evaluate(p, found)
     assert ev.feasible and ev.cost <= evaluate(p, start).cost
     assert ev.cost == pytest.approx(best)  # the window (budget) covers the whole problem
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lns_keeps_ties(seed):
+    """Windows take whole tie groups, so repeated layers move together and answers stay tied."""
+    import time
+
+    from solver import lns
+
+    rng = np.random.default_rng(500 + seed)
+    p = random_problem(rng, n=8, kmax=3, density=0.3, limit=True, ties=True)
+    if not p.ties:
+        pytest.skip("draw without a tie")
+    g = p.ties[0]
+    start = np.array([int(np.argmin(u)) for u in p.node_usages])
+    start[g] = start[g[0]]
+    p.usage_limit = float(max(p.usage_limit, evaluate(p, start).peak_usage))
+    found = lns.large_neighbourhood_search(p, start, time.perf_counter() + 2, budget=10_000)
+    ev = evaluate(p, found)
+    assert ev.feasible and len({int(found[v]) for v in g}) == 1
+    assert ev.cost == pytest.approx(brute_force(p))
