@@ -4,11 +4,11 @@
 
 For a fixed suite of (src, dst) specs with non-default shard orders and partials
 on meshes (8, 8), (4, 4, 4), (2, 2, 4, 4), (2, 2, 2, 2, 2): time per path, cold
-and cached, for both planners. Cold is a new planner object per pair for both:
-for ours, an empty path cache; the cost model's memo per mesh (collective times
-by bytes and group, the heuristic's bound tables by buffer size) is emptied at
-each new mesh and then shared, as it is by every planner of one process; and the cost of each planner's path
-under OUR cost model (torch's path priced step by step). Last line: geometric-mean
+and cached, for both planners, and the cost of each planner's path under OUR cost
+model (torch's path priced step by step). Cold is a new planner object per pair
+for both: for ours an empty path cache; the cost model's memo per mesh (collective
+times by bytes and group, the heuristic's bound tables by buffer size) is emptied
+at each new mesh and then shared, as it is by every planner of one process. Last line: geometric-mean
 cold speed ratio (torch / ours) and the number of pairs where our path costs more.
 """
 

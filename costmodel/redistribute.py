@@ -346,7 +346,8 @@ class RedistributePlanner:
         tie = 0
         # Hot loop: names bound once.
         pop, push, best_get, time, neighbors = heapq.heappop, heapq.heappush, best.get, self._time, self._neighbors
-        by_code, order_bits, cover_get, n, low = bound.by_code, bound.order_bits, cover.get, self.n, (1 << self.n) - 1
+        by_code, order_bits, parts, price = bound.by_code, bound.order_bits, bound.parts, bound.price
+        cover_get = cover.get
         inf, cap = math.inf, upper - 1e-9
         prune = min(goal[0]) >= R
         expanded = 0
@@ -366,10 +367,7 @@ class RedistributePlanner:
                 self.stats["expanded"] += expanded
                 return RedistributePlan(src, dst, self._unwind(parent, state) + self._complete(state, goal))
             expanded += 1
-            key_codes = 0
-            for a, c in enumerate(codes):
-                key_codes |= by_code[a][c]
-            obits = [order_bits(d, o) for d, o in enumerate(orders)]
+            key_codes, obits = parts(codes, orders)
             key_orders = 0
             for bits in obits:
                 key_orders |= bits
@@ -392,7 +390,7 @@ class RedistributePlanner:
                         ko ^= obits[d] ^ order_bits(d, o2[d])
                     key = kc | ko
                     hv = cover_get(key)
-                    nf = ng + (hv if hv is not None else cover.compute(key >> n, key & low))
+                    nf = ng + (hv if hv is not None else price(key))
                     if nf >= cap:
                         continue
                     best[nxt] = ng
@@ -400,15 +398,14 @@ class RedistributePlanner:
                     tie += 1
                     push(frontier, (nf, -ng, -tie, nxt))
         self.stats["expanded"] += expanded
-        if direct is None:
-            raise RedistributeError(f"no sequence of collectives turns {src} into {dst}")
         return RedistributePlan(src, dst, self._direct_steps(s0, goal, direct))
 
-    def _direct(self, s0, goal, tshape, item) -> tuple[float, list | None]:
+    def _direct(self, s0, goal, tshape, item) -> tuple[float, list]:
         """The plan that undoes everything the target does not hold, one axis at a time, then
         builds the target by local steps: (its cost as the search counts it, its collectives
-        as ``(kind, axis, bytes, us)``), or (inf, None) when it does not apply (partials of
-        incompatible kinds on the way)."""
+        as ``(kind, axis, bytes, us)``). It always applies: gathers take the last axis of an
+        order, and after the reductions only partials the target holds are left, so the
+        target's partitions never mix kinds."""
         orders = list(s0[1])
         gcodes, gorders = goal
         moves = []
@@ -433,9 +430,6 @@ class RedistributePlanner:
                 local += t < R
             elif c == R and t < R:
                 local += 1
-        kinds = frozenset(c for c in s0[0] + gcodes if c < R)
-        if kinds not in _COMPATIBLE_PARTIALS:
-            return math.inf, None
         return g + 1e-6 * local, moves
 
     def _direct_steps(self, s0, goal, moves) -> list[Step]:
@@ -503,8 +497,8 @@ class RedistributePlanner:
             codes, orders = state
             for kind, axes, nbytes, c2, o2, _ in self._neighbors(codes, orders, tshape, itemsize, partials):
                 nxt = (c2, o2)
-                us = 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
-                ng = g + us + (1e-6 if us == 0 else 0)
+                us = self._time(kind, nbytes, axes) if nbytes else 0.0  # as _search prices steps
+                ng = g + (us or 1e-6)
                 if ng < best.get(nxt, math.inf) - 1e-12:
                     best[nxt] = ng
                     true[nxt] = true[state] + us
@@ -617,14 +611,22 @@ class _Bound:
             self._by_order[d][o] = bits
         return bits
 
-    def __call__(self, codes, orders) -> float:
-        key = 0
+    def parts(self, codes, orders) -> tuple[int, list[int]]:
+        """The codes' half of the key, and each dim's order bits (the search swaps them per step)."""
+        key_codes = 0
         for a, c in enumerate(codes):
-            key |= self.by_code[a][c]
-        for d, o in enumerate(orders):
-            key |= self.order_bits(d, o)
+            key_codes |= self.by_code[a][c]
+        return key_codes, [self.order_bits(d, o) for d, o in enumerate(orders)]
+
+    def price(self, key: int) -> float:
         v = self.cover.get(key)
         return v if v is not None else self.cover.compute(key >> self.n, key & ((1 << self.n) - 1))
+
+    def __call__(self, codes, orders) -> float:
+        key_codes, obits = self.parts(codes, orders)
+        for bits in obits:
+            key_codes |= bits
+        return self.price(key_codes)
 
 
 class _CoverBound(dict):

@@ -36,7 +36,7 @@ MAX_WORK = 8_000_000
 class Eliminator:
     """The elimination order of a problem's graph; ``keep`` nodes are never removed."""
 
-    def __init__(self, problem: Problem, keep: set[int] | frozenset = frozenset(), max_degree: int = 2):
+    def __init__(self, problem: Problem, keep: set[int] | frozenset = frozenset()):
         self.problem = problem
         n = problem.num_nodes
         # A node with nothing allowed keeps all its strategies: every choice is forbidden anyway.
@@ -51,10 +51,10 @@ class Eliminator:
                 adj[v].add(u)
         alive = k > 1
         self.ops: list[tuple[int, tuple[int, ...]]] = []
-        queue = deque(v for v in range(n) if alive[v] and v not in keep and len(adj[v]) <= max_degree)
+        queue = deque(v for v in range(n) if alive[v] and v not in keep and len(adj[v]) <= 2)
         while queue:
             v = queue.popleft()
-            if not alive[v] or len(adj[v]) > max_degree:
+            if not alive[v] or len(adj[v]) > 2:
                 continue
             nb = tuple(sorted(adj[v]))
             if len(nb) == 2 and k[nb[0]] * k[v] * k[nb[1]] > MAX_WORK:
@@ -67,7 +67,7 @@ class Eliminator:
                 adj[nb[0]].add(nb[1])
                 adj[nb[1]].add(nb[0])
             for w in nb:
-                if alive[w] and w not in keep and len(adj[w]) <= max_degree:
+                if alive[w] and w not in keep and len(adj[w]) <= 2:
                     queue.append(w)
             adj[v] = set()
         self.core = np.nonzero(alive)[0]

@@ -101,25 +101,35 @@ def _close_over_ties(free: np.ndarray, groups: list[np.ndarray], group_of: dict[
     return np.array(sorted(out), dtype=np.int64)
 
 
-def _window(problem, adj, mem, choice, rng, budget: int, movable: np.ndarray, binding: bool) -> np.ndarray:
-    """Free nodes: breadth-first from seeds (live at a binding time point, or random) until the
-    strategy budget (sum of k_v, plus k_u k_v per edge inside) is spent."""
-    if binding:
-        k = int(rng.choice(np.argsort(mem.total)[-max(1, mem.total.size // 50):]))
+def _fullest(mem: heuristic._Memory) -> np.ndarray:
+    """The 2% of time segments with the most memory in use (binding windows draw from them)."""
+    m = max(1, mem.total.size // 50)
+    return np.argpartition(mem.total, mem.total.size - m)[-m:]
+
+
+def _window(problem, adj, mem, choice, rng, budget: int, movable: np.ndarray, fullest: np.ndarray | None
+            ) -> np.ndarray:
+    """Free nodes: breadth-first from seeds (live at one of the ``fullest`` time points, or
+    random when None) until the strategy budget (sum of k_v, plus k_u k_v per edge inside)
+    is spent."""
+    if fullest is not None:
+        k = int(rng.choice(fullest))
         seeds, pool = _trading_seeds(problem, adj, choice, np.nonzero((mem.a <= k) & (k < mem.b) & movable)[0], rng)
     else:
         seeds, pool = [], []
-    # Once a component is used up, more seeds: nodes live at the same time trade memory
-    # without sharing an edge.
-    pool += rng.permutation(np.nonzero(movable)[0]).tolist()
     picked: dict[int, None] = {}
     spent = rejected = 0
     queue = deque(seeds or pool[:1])
     pool = deque(pool if seeds else pool[1:])
+    anywhere = None
     while spent < budget:
         if not queue:
             if not pool:
-                break
+                if anywhere is not None:
+                    break
+                # Once a component is used up, more seeds: nodes live at the same time trade
+                # memory without sharing an edge. Drawn only here: most windows fill first.
+                anywhere = pool = deque(rng.permutation(np.nonzero(movable)[0]).tolist())
             queue.append(pool.popleft())
         v = queue.popleft()
         if v in picked or not movable[v]:
@@ -197,9 +207,9 @@ def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: f
         for v in g.tolist():
             group_of.setdefault(v, []).append(i)
     windows = improved = 0
+    fullest = _fullest(mem)
     while deadline - time.perf_counter() > 0.5:
-        binding = windows % 3 != 2
-        free = _window(problem, adj, mem, current, rng, budget, movable, binding)
+        free = _window(problem, adj, mem, current, rng, budget, movable, fullest if windows % 3 != 2 else None)
         windows += 1
         if groups:  # a window holds every node of every tie group it touches
             free = _close_over_ties(free, groups, group_of)
@@ -230,6 +240,7 @@ def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: f
             if new != current[v]:
                 mem.move([v], int(current[v]), int(new))
         current, cost = trial, full.cost
+        fullest = _fullest(mem)
         improved += 1
         if improved % 10 == 1:
             say(f"lns: {windows} windows, {improved} improved, cost {cost:.6g} ({time.perf_counter() - t0:.1f}s)")
