@@ -344,10 +344,15 @@ class RedistributePlanner:
         best = {s0: 0.0}
         parent = {s0: None}
         tie = 0
-        # Hot loop: names bound once.
+        # Hot loop: names bound once; memo lookups inlined (a method call per child costs
+        # about as much as the lookup itself).
         pop, push, best_get, time, neighbors = heapq.heappop, heapq.heappush, best.get, self._time, self._neighbors
+        times_get = self._costs.times.get
         by_code, order_bits, parts, price = bound.by_code, bound.order_bits, bound.parts, bound.price
+        by_order = bound.by_order
         cover_get = cover.get
+        # Each queued state's key halves, computed when it was queued, so a pop need not redo them.
+        keys = {s0: parts(*s0)}
         inf, cap = math.inf, upper - 1e-9
         prune = min(goal[0]) >= R
         expanded = 0
@@ -367,7 +372,7 @@ class RedistributePlanner:
                 self.stats["expanded"] += expanded
                 return RedistributePlan(src, dst, self._unwind(parent, state) + self._complete(state, goal))
             expanded += 1
-            key_codes, obits = parts(codes, orders)
+            key_codes, obits = keys[state]
             key_orders = 0
             for bits in obits:
                 key_orders |= bits
@@ -377,8 +382,13 @@ class RedistributePlanner:
             for kind, axes, nbytes, c2, o2, dims in steps:
                 nxt = (c2, o2)
                 # Local steps (no bytes) still cost a hair, so a plan never takes pointless detours.
-                us = time(kind, nbytes, axes) if nbytes else 0.0
-                ng = g + (us or 1e-6)
+                if nbytes:
+                    us = times_get((kind, nbytes, axes))
+                    if us is None:
+                        us = time(kind, nbytes, axes)
+                    ng = g + us
+                else:
+                    us, ng = 0.0, g + 1e-6
                 if ng < cap and ng < best_get(nxt, inf) - 1e-12:
                     # The child's key: the parent's with the changed axes' and dims' bits
                     # swapped (each axis and each dim owns disjoint bits of its half).
@@ -386,13 +396,21 @@ class RedistributePlanner:
                     for a in axes:
                         kc ^= by_code[a][codes[a]] ^ by_code[a][c2[a]]
                     ko = key_orders
+                    cbits = None
                     for d in dims:
-                        ko ^= obits[d] ^ order_bits(d, o2[d])
+                        b = by_order[d].get(o2[d])
+                        if b is None:
+                            b = order_bits(d, o2[d])
+                        ko ^= obits[d] ^ b
+                        if cbits is None:
+                            cbits = obits[:]
+                        cbits[d] = b
                     key = kc | ko
                     hv = cover_get(key)
                     nf = ng + (hv if hv is not None else price(key))
                     if nf >= cap:
                         continue
+                    keys[nxt] = (kc, obits if cbits is None else cbits)
                     best[nxt] = ng
                     parent[nxt] = (state, kind, axes, nbytes, us)
                     tie += 1
@@ -545,18 +563,23 @@ class RedistributePlanner:
         every axis of U, each axis of H (a subset of U) in a heavy one.
 
         Every collective moves at least the fully sharded buffer ``m`` (the tensor
-        over the whole mesh, rounded down) and a heavy one on group G at least
-        ``m * |G|`` (its buffer is whole along G); predictions are monotone in
-        bytes, so a collective on G costs at least ``c(G) = min over kinds of
-        t(kind, G, m)``, a heavy one ``h(G) = min over all_gather, all_reduce,
-        reduce_scatter of t(kind, G, m|G|)``. The cheapest (heavy) collective whose
+        over the whole mesh, rounded down), and all but all_to_all, on group G, at
+        least ``m * |G|``: an all_gather's output, an all_reduce's buffer and a
+        reduce_scatter's input are whole along G. all_to_all moves one axis (no
+        merged form exists). Predictions are monotone in bytes, so a heavy
+        collective on G costs at least ``h(G) = min over all_gather, all_reduce,
+        reduce_scatter of t(kind, G, m|G|)``, any collective on G at least
+        ``c(G) = min(h(G), t(all_to_all, G, m))`` when G is one axis, else ``h(G)``.
+        The cheapest (heavy) collective whose
         group contains P costs ``c'(P)`` (``h'(P)``), the minimum over supersets
         (no monotonicity in the group assumed). Assigning each axis of U to one
         collective that serves it splits U into parts, each priced at least ``h'``
         when it holds an axis of H, else ``c'``: the cheapest such split is the
         bound. Dynamic programming over axis subsets, once per tensor size.
         """
-        return self._costs.cover(max(1, math.prod(tshape) // math.prod(self.shape)) * item)
+        # Rounded down, not up to one element: a tensor smaller than the mesh has local
+        # buffers of one element whatever the group, so m|G| would overstate them.
+        return self._costs.cover(math.prod(tshape) // math.prod(self.shape) * item)
 
     @staticmethod
     def _unwind(parent, state) -> list[Step]:
@@ -598,17 +621,20 @@ class _Bound:
         ndim = len(self.gorders)
         zero = (0,) * (ndim + len(_PARTIAL) + 1)
         self.by_code = [_code_row(a, t, ndim, n) if enabled else zero for a, t in enumerate(gcodes)]
-        self._by_order = [{} for _ in range(ndim)]
+        # Order bits depend only on the target's order of the dim: tables shared by every
+        # search on the mesh (a new target meets the same few orders again).
+        shared = cover.costs.order_bits
+        self.by_order = [shared.setdefault(go, {}) if enabled else {} for go in self.gorders]
 
     def order_bits(self, d: int, o: tuple) -> int:
-        bits = self._by_order[d].get(o)
+        bits = self.by_order[d].get(o)
         if bits is None:
             k = _agreed(o, self.gorders[d])
             bits = 0
             if self.enabled:
                 for a in o[k:]:
                     bits |= 1 << (a + self.n)
-            self._by_order[d][o] = bits
+            self.by_order[d][o] = bits
         return bits
 
     def parts(self, codes, orders) -> tuple[int, list[int]]:
@@ -647,11 +673,11 @@ class _CoverBound(dict):
             return hit
         time = self.costs.time
         axes = tuple(a for a in range(self.n) if part >> a & 1)
-        if heavy:
-            size = math.prod(self.costs.shape[a] for a in axes)
-            best = min(time(k, self.m * size, axes) for k in _COLLECTIVE_KINDS if k != "all_to_all")
-        else:
-            best = min(time(k, self.m, axes) for k in _COLLECTIVE_KINDS)
+        size = math.prod(self.costs.shape[a] for a in axes)
+        best = min(time(k, self.m * size, axes) for k in _COLLECTIVE_KINDS if k != "all_to_all")
+        if not heavy and len(axes) == 1:
+            # all_to_all is the one light collective, and it runs on one axis only.
+            best = min(best, time("all_to_all", self.m, axes))
         for a in range(self.n):
             if not part >> a & 1:
                 best = min(best, self._sup(table, part | 1 << a, heavy))
@@ -716,22 +742,25 @@ class _MeshCosts:
     def __init__(self, topo: MeshTopology, profile: Profile):
         self.topo, self.profile, self.shape = topo, profile, topo.shape
         self._pred: dict = {}
-        self._times: dict = {}
+        self.times: dict = {}
+        """Predicted microseconds per (kind, bytes, group); planners read it directly."""
         self.elems: dict = {}
         """Local elements per (orders, tensor shape)."""
         self._cover: dict = {}
+        self.order_bits: dict = {}
+        """Per target order of a dim: that dim's heuristic key bits per order (see _Bound)."""
 
     def time(self, kind, nbytes, axes) -> float:
         # Hot path: a search asks for the same few (kind, bytes, group) thousands of times.
         key = (kind, nbytes, axes)
-        us = self._times.get(key)
+        us = self.times.get(key)
         if us is None:
             fn = self._pred.get((kind, axes))
             if fn is None:
                 group = math.prod(self.shape[a] for a in axes)
                 fn = self._pred[(kind, axes)] = self.profile.collective_predictor(
                     kind, group, self.topo.group_is_intra_node(axes))
-            us = self._times[key] = fn(nbytes)
+            us = self.times[key] = fn(nbytes)
         return us
 
     def cover(self, m: int) -> "_CoverBound":
