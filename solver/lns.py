@@ -187,7 +187,7 @@ def _solve_window(sub: Problem, start: np.ndarray, seconds: float) -> np.ndarray
 
 
 def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: float, say=lambda m: None,
-                               budget: int = 6000, window_seconds: float = 2.0, seed: int = 0) -> np.ndarray:
+                               budget: int = 40000, window_seconds: float = 6.0, seed: int = 0) -> np.ndarray:
     """Improve a feasible ``choice`` window by window until ``deadline``; never returns a worse one."""
     ev = evaluate(problem, choice)
     if not ev.feasible:
