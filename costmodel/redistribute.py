@@ -32,11 +32,11 @@ that must still take part in a collective, priced by the cheapest collectives wh
 groups cover them (:meth:`_cover_bounds`, dynamic programming over axis subsets).
 Every collective but all_to_all is heavy: an all_gather, all_reduce or
 reduce_scatter on group G has a buffer whole along G, and all_to_all has no merged
-form, so one cheap collective over many axes never stands in for several. The plan that gathers and reduces
-everything the target lacks, then chunks, bounds the search from above: states
-whose f reaches it are never queued. Answers are cached by (src, dst, shape,
-itemsize); the cost model's answers (times by bytes and group, local sizes, bound
-tables) are memoized per mesh and profile and shared by every planner.
+form, so one cheap collective over many axes never stands in for several. The plan
+that gathers and reduces everything the target lacks, then chunks, bounds the search
+from above: states whose f reaches it are never queued. Answers are cached by (src,
+dst, shape, itemsize); the cost model's answers (times by bytes and group, local
+sizes, bound tables) are memoized per mesh and profile and shared by every planner.
 
 Measured (``benchmarks/redistribute.py``, 48 pairs, cold = a new planner per pair):
 torch's planner / ours = 10.9x with the previous bound (the dearest single axis) ->
@@ -347,15 +347,10 @@ class RedistributePlanner:
         best = {s0: 0.0}
         parent = {s0: None}
         tie = 0
-        # Hot loop: names bound once; memo lookups inlined (a method call per child costs
-        # about as much as the lookup itself).
+        # Hot loop: names bound once.
         pop, push, best_get, time, neighbors = heapq.heappop, heapq.heappush, best.get, self._time, self._neighbors
-        times_get = self._costs.times.get
         by_code, order_bits, parts, price = bound.by_code, bound.order_bits, bound.parts, bound.price
-        by_order = bound.by_order
         cover_get = cover.get
-        # Each queued state's key halves, computed when it was queued, so a pop need not redo them.
-        keys = {s0: parts(*s0)}
         inf, cap = math.inf, upper - 1e-9
         prune = min(goal[0]) >= R
         expanded = 0
@@ -375,7 +370,7 @@ class RedistributePlanner:
                 self.stats["expanded"] += expanded
                 return RedistributePlan(src, dst, self._unwind(parent, state) + self._complete(state, goal))
             expanded += 1
-            key_codes, obits = keys[state]
+            key_codes, obits = parts(codes, orders)
             key_orders = 0
             for bits in obits:
                 key_orders |= bits
@@ -385,13 +380,8 @@ class RedistributePlanner:
             for kind, axes, nbytes, c2, o2, dims in steps:
                 nxt = (c2, o2)
                 # Local steps (no bytes) still cost a hair, so a plan never takes pointless detours.
-                if nbytes:
-                    us = times_get((kind, nbytes, axes))
-                    if us is None:
-                        us = time(kind, nbytes, axes)
-                    ng = g + us
-                else:
-                    us, ng = 0.0, g + 1e-6
+                us = time(kind, nbytes, axes) if nbytes else 0.0
+                ng = g + (us or 1e-6)
                 if ng < cap and ng < best_get(nxt, inf) - 1e-12:
                     # The child's key: the parent's with the changed axes' and dims' bits
                     # swapped (each axis and each dim owns disjoint bits of its half).
@@ -399,21 +389,13 @@ class RedistributePlanner:
                     for a in axes:
                         kc ^= by_code[a][codes[a]] ^ by_code[a][c2[a]]
                     ko = key_orders
-                    cbits = None
                     for d in dims:
-                        b = by_order[d].get(o2[d])
-                        if b is None:
-                            b = order_bits(d, o2[d])
-                        ko ^= obits[d] ^ b
-                        if cbits is None:
-                            cbits = obits[:]
-                        cbits[d] = b
+                        ko ^= obits[d] ^ order_bits(d, o2[d])
                     key = kc | ko
                     hv = cover_get(key)
                     nf = ng + (hv if hv is not None else price(key))
                     if nf >= cap:
                         continue
-                    keys[nxt] = (kc, obits if cbits is None else cbits)
                     best[nxt] = ng
                     parent[nxt] = (state, kind, axes, nbytes, us)
                     tie += 1
@@ -573,8 +555,7 @@ class RedistributePlanner:
         collective on G costs at least ``h(G) = min over all_gather, all_reduce,
         reduce_scatter of t(kind, G, m|G|)``, any collective on G at least
         ``c(G) = min(h(G), t(all_to_all, G, m))`` when G is one axis, else ``h(G)``.
-        The cheapest (heavy) collective whose
-        group contains P costs ``c'(P)`` (``h'(P)``), the minimum over supersets
+        The cheapest (heavy) collective whose group contains P costs ``c'(P)`` (``h'(P)``), the minimum over supersets
         (no monotonicity in the group assumed). Assigning each axis of U to one
         collective that serves it splits U into parts, each priced at least ``h'``
         when it holds an axis of H, else ``c'``: the cheapest such split is the
@@ -745,8 +726,7 @@ class _MeshCosts:
     def __init__(self, topo: MeshTopology, profile: Profile):
         self.topo, self.profile, self.shape = topo, profile, topo.shape
         self._pred: dict = {}
-        self.times: dict = {}
-        """Predicted microseconds per (kind, bytes, group); planners read it directly."""
+        self._times: dict = {}
         self.elems: dict = {}
         """Local elements per (orders, tensor shape)."""
         self._cover: dict = {}
@@ -756,14 +736,14 @@ class _MeshCosts:
     def time(self, kind, nbytes, axes) -> float:
         # Hot path: a search asks for the same few (kind, bytes, group) thousands of times.
         key = (kind, nbytes, axes)
-        us = self.times.get(key)
+        us = self._times.get(key)
         if us is None:
             fn = self._pred.get((kind, axes))
             if fn is None:
                 group = math.prod(self.shape[a] for a in axes)
                 fn = self._pred[(kind, axes)] = self.profile.collective_predictor(
                     kind, group, self.topo.group_is_intra_node(axes))
-            us = self.times[key] = fn(nbytes)
+            us = self._times[key] = fn(nbytes)
         return us
 
     def cover(self, m: int) -> "_CoverBound":
