@@ -3,7 +3,7 @@
 Without memory the problem is a pairwise CFN: toulbar2 proves optima on planner
 graphs (a few hundred tie groups) and on eliminated IOPDDL cores (2-4k nodes) in
 seconds, where the MILP needs an edge variable per table entry. Memory is handled
-around it: checked after (``solve``) or priced by multipliers (:mod:`solver.lagrange`).
+around it: checked after (``solve``) or priced by per-node weights (:mod:`solver.weights`).
 Optional: without ``pytoulbar2`` these stages are skipped.
 """
 

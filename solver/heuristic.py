@@ -1,4 +1,5 @@
-"""Cheap incumbents: a memory-first start and single-node local search.
+"""Cheap incumbents and repairs: a memory-first start, single-node local search, joint
+moves out of forbidden pairs, and a greedy repair of memory overflow.
 
 The MILP is handed the best of these as a warm start, and ``solve`` never
 returns anything worse, so a stalled MILP still yields a usable plan.
@@ -170,3 +171,38 @@ def repair_pairs(problem: Problem, choice: np.ndarray, deadline: float | None = 
         if not changed:
             break
     return choice
+
+
+def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.ndarray | None:
+    """Lower usage at the worst segment by the cheapest move per byte, until within the limit."""
+    if problem.usage_limit is None:
+        return choice
+    choice = choice.copy()
+    mem = _Memory(problem, choice)
+    adj = _Adjacency(problem)
+    limit = problem.usage_limit
+    while time.perf_counter() < deadline:
+        k = int(np.argmax(mem.total))
+        if mem.total[k] <= limit:
+            return choice
+        live = np.nonzero((mem.a <= k) & (k < mem.b))[0]
+        best, best_rate = None, np.inf
+        for v in live.tolist():
+            u = problem.node_usages[v]
+            cur = choice[v]
+            lower = np.nonzero((u < u[cur]) & problem.allowed(v))[0]
+            if lower.size == 0:
+                continue
+            lc = _local_cost(problem, adj, choice, v)
+            for i in lower.tolist():
+                if lc[i] >= FORBIDDEN:
+                    continue
+                rate = (lc[i] - lc[cur]) / (u[cur] - u[i])
+                if rate < best_rate:
+                    best, best_rate = (v, i), rate
+        if best is None:
+            return None
+        v, i = best
+        mem.move([v], int(choice[v]), i)
+        choice[v] = i
+    return None

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import pulp
 
-from solver import cfn, heuristic, highs_model, ilp, lagrange, lns
+from solver import cfn, heuristic, highs_model, ilp, lns, weights
 from solver.evaluate import evaluate, memory_profile
 from solver.problem import Problem
 from solver.quotient import quotient
@@ -123,9 +123,9 @@ def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say, memory=
     return choice, lower, optimal, model.stats
 
 
-#: Share of the time limit the Lagrangian search gets on models too large for the MILP;
-#: windowed MILPs (:mod:`solver.lns`) polish its answer until 95%.
-LAGRANGE_SHARE = 0.8
+#: Share of the time limit the per-node weight search (:mod:`solver.weights`) gets on
+#: models too large for the MILP; windowed MILPs (:mod:`solver.lns`) polish its answer until 95%.
+WEIGHTS_SHARE = 0.8
 
 #: The pairwise search runs first on quotient graphs up to this size: planner graphs
 #: (a few hundred groups once layers are tied) solve in seconds there. Larger graphs
@@ -247,8 +247,8 @@ def solve(
         say(f"milp skipped: {exc}; penalty search and local search for the remaining time")
         stats["milp_skipped"] = str(exc)
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
-            found, bound = lagrange.lagrangian_search(problem, best_choice if best.feasible else None,
-                                                      deadline=t0 + LAGRANGE_SHARE * time_limit, say=say)
+            found, bound = weights.weight_search(problem, best_choice if best.feasible else None,
+                                                 deadline=t0 + WEIGHTS_SHARE * time_limit, say=say)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
             if found is not None:

@@ -183,31 +183,62 @@ def test_large_models_fall_back_to_heuristics_within_the_limit():
 
 @pytest.mark.skipif(not __import__("solver.cfn").cfn.available(), reason="pytoulbar2 not installed")
 @pytest.mark.parametrize("seed", range(3))
-def test_lagrangian_search_finds_feasible_answers_above_its_bound(seed):
+def test_weight_search_finds_feasible_answers_above_its_bound(seed):
     import time
 
-    from solver import lagrange
+    from solver import weights
 
     rng = np.random.default_rng(100 + seed)
-    p = random_problem(rng, n=40, kmax=4, density=0.15)
-    lows = sum(u.min() for u in p.node_usages)
-    p.usage_limit = float(max(p.usage_limit, lows))
-    try:
-        exact = solve(p, time_limit=30)
-    except solver.InfeasibleError:
-        pytest.skip("infeasible draw")
-    found, bound = lagrange.lagrangian_search(p, None, deadline=time.perf_counter() + 8)
+    p = random_problem(rng, n=40, kmax=4, density=0.15, limit=False)
+    free = solve(p, time_limit=10)
+    floor = evaluate(p, np.array([int(np.argmin(u)) for u in p.node_usages])).peak_usage
+    assert free.peak_usage > floor
+    p.usage_limit = float((floor + free.peak_usage) / 2)  # binds: the memory-free optimum breaks it
+    exact = solve(p, time_limit=30)
+    lines = []
+    found, bound = weights.weight_search(p, None, deadline=time.perf_counter() + 4, say=lines.append)
+    assert sum("weights round" in m for m in lines) >= 2, lines
     assert found is not None
     ev = evaluate(p, found)
     assert ev.feasible and ev.cost >= exact.cost - 1e-6
-    # L(mu) bounds the optimum from below (up to toulbar2's rounding at 1e12 / cost scale)
+    # the memory-free optimum bounds the optimum from below (up to toulbar2's rounding)
     assert bound is not None and bound <= exact.cost + 1e-6 * max(1.0, exact.cost)
+
+
+def test_weight_brackets_raise_broken_nodes_and_lower_fitting_ones():
+    from solver.weights import GROWTH, Brackets
+
+    b = Brackets(np.array([True, True, False]), start=1.0)
+    w = b.update(np.array([True, False, False]))  # node 0 broke at 1, node 1 fit at 1
+    assert w[0] == pytest.approx(GROWTH) and w[1] == pytest.approx(0.25) and w[2] == 0
+    w = b.update(np.array([False, True, False]))  # node 0 fits at 8: bisect [1, 8]; node 1 broke at 0.25
+    assert w[0] == pytest.approx(np.sqrt(1.0 * 8.0 / 1.5))  # lo widened by 1.5 on a fit
+    assert 0.25 < w[1] < 1.0 * 1.35  # between the break (0.25) and its widened fit (1.35)
+    for _ in range(20):  # a node that keeps breaking keeps rising
+        w = b.update(np.array([True, False, False]))
+    assert w[0] > 100 and w[1] < 1e-3 and w[2] == 0
+
+
+def test_weight_search_returns_the_memory_free_optimum_when_it_fits():
+    import time
+
+    from solver import weights
+
+    if not __import__("solver.cfn").cfn.available():
+        pytest.skip("pytoulbar2 not installed")
+    rng = np.random.default_rng(7)
+    p = random_problem(rng, n=30, kmax=3, density=0.2, limit=False)
+    p.node_costs = [c + rng.random(c.size) for c in p.node_costs]  # one optimum, not several
+    free = solve(p, time_limit=10)
+    p.usage_limit = float(free.peak_usage)  # the memory-free optimum just fits
+    found, bound = weights.weight_search(p, None, deadline=time.perf_counter() + 5)
+    assert evaluate(p, found).cost == pytest.approx(free.cost) and bound <= free.cost + 1e-6
 
 
 def test_memory_repair_reaches_the_limit():
     import time
 
-    from solver import lagrange
+    from solver import heuristic
 
     rng = np.random.default_rng(5)
     p = random_problem(rng, n=25, kmax=3, density=0.1, limit=False)
@@ -215,7 +246,7 @@ def test_memory_repair_reaches_the_limit():
     peak = evaluate(p, greedy).peak_usage
     floor = evaluate(p, np.array([int(np.argmin(u)) for u in p.node_usages])).peak_usage
     p.usage_limit = (peak + floor) / 2
-    fixed = lagrange.repair_memory(p, greedy, time.perf_counter() + 5)
+    fixed = heuristic.repair_memory(p, greedy, time.perf_counter() + 5)
     assert fixed is not None and evaluate(p, fixed).peak_usage <= p.usage_limit
 
 
