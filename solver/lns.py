@@ -1,7 +1,7 @@
 r"""Large-neighbourhood search: exact MILPs on small windows of a feasible answer.
 
-The weight search (:mod:`solver.weights`) ends with repairs that push memory under the limit one
-move at a time, and they pay for it (2-4% on S). Here the memory rows are kept
+The weight search (:mod:`solver.weights`) ends with repairs that push memory under
+the limit a few moves at a time, and they pay for it. Here the memory rows are kept
 exact, but on a few hundred nodes at a time: pick a set F of free nodes, fix every
 other node at the incumbent's choice, and solve
 

@@ -10,28 +10,30 @@ costs, with one weight w_v >= 0 per node:
 
 and each round solves this pairwise problem once (:meth:`Eliminator.solve`). Node v is
 *broken* in a round when the total usage overflows the limit somewhere in v's live
-interval. Each weight keeps a bracket [lo_v, hi_v]: a broken node's weight was too low
-(lo_v = w_v), an unbroken one's high enough (hi_v = w_v), and the next weight is the
-geometric midpoint, or ``GROWTH`` times lo_v while no high end is known
-(:class:`Brackets`). Neighbours move the answer under a node, so a bracket that a
-round contradicts widens again: hi_v x 1.35 when v breaks at its high end, lo_v / 1.5
-when it fits at its low end; nodes that never bind drift down to cheap weights.
-Nodes whose interval cannot overflow even with every node at its largest usage keep
-w_v = 0.
-
-Per-segment Lagrange multipliers (one per run of time points, summed over a node's
-interval) were the previous design: L(mu) bounds the optimum, but on IOPDDL S the
-multipliers stayed noisy (toulbar2 does not prove the core in seconds) and the
-repaired answers sat 3% above the best known; per-node weights reach 0.9% from the
-same rounds, and M's best known (2 cores, `benchmarks/iopddl.py`). Per-node weights
-tuned by bisection are the winning idea of the IOPDDL 2025 contest (Jena's
-"soft constraints, strong solutions"), here on one core with exact elimination.
+interval. Each weight keeps a bracket [lo_v, hi_v] (:class:`Brackets`): a broken node's
+weight was too low (lo_v = w_v), a fitting one's high enough (hi_v = w_v); the next
+weight is the geometric midpoint, or ``GROWTH`` x lo_v while no high end is known. The
+answer moves under a node as its neighbours' weights change, so each round also widens
+the other end (hi_v x 1.35 when v breaks, lo_v / 1.5 when it fits): a node that keeps
+breaking keeps rising, and nodes that never bind drift down to cheap weights. Nodes
+whose interval cannot overflow even with every node at its largest usage keep w_v = 0.
+The first weights are the memory-free answer's cost per byte of usage above the least.
 
 Round 0 has w = 0: the memory-free optimum, whose cost (minus toulbar2's unproven gap)
 bounds the optimum from below, and which is the answer when it fits. Rounds that fit, or
-overflow by at most ``REPAIR_OVERFLOW``, get a greedy per-byte repair
-(:func:`solver.heuristic.repair_memory`) and local search; the best feasible answer is
+overflow by at most ``REPAIR_OVERFLOW``, are repaired: the broken nodes' weights alone
+are raised and the core re-descended (:func:`_reweigh`, so core nodes move with the trees
+and chains eliminated into them), then a greedy per-byte repair
+(:func:`solver.heuristic.repair_memory`) and local search. The best feasible answer is
 kept, and :mod:`solver.lns` then polishes it.
+
+Per-segment Lagrange multipliers (one per run of time points, summed over a node's
+interval) were the previous design. L(mu) bounds the optimum, but on IOPDDL S the
+multipliers stayed noisy (toulbar2 does not prove the 3.5k-node core in seconds) and
+the repaired answers sat 3% above the best known. With per-node weights the same rounds
+go below it. Per-node penalties tuned per node come from ti2-group's IOPDDL 2025 entry
+("Soft constraints, strong solutions": many weight levels in parallel processes, toulbar2
+on the whole graph); here one chain of rounds runs on exact elimination's core.
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ class Brackets:
         self.lo = np.where(broken, w, self.lo)
         self.hi = np.where(fits, w, self.hi)
         # Widen the other end too: the answer moves under a node as its neighbours' weights
-        # change, so a node that keeps breaking keeps rising (x1.35 a round at most), and
-        # one that keeps fitting keeps falling (/1.5), rather than settling inside a stale bracket.
+        # change, so a node that keeps breaking keeps rising (x1.35 a round at most) and one
+        # that keeps fitting keeps falling (/1.5), rather than settling inside a stale
+        # bracket. (Widening only on a repeated state, bisecting nodes that alternate, did
+        # worse: S 1.548e9 vs 1.524e9, M 4.9935e10 vs 4.9928e10 before LNS.)
         self.hi = np.where(broken, 1.35 * self.hi, self.hi)
         self.lo = np.where(fits, self.lo / 1.5, self.lo)
         known = np.isfinite(self.hi)
@@ -104,12 +108,13 @@ def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadl
     limit = float(problem.usage_limit)
     positive = w[w > 0]
     floor = 0.25 * float(positive.mean()) if positive.size else 0.0
-    w, start, current, last_peak = w.copy(), core_start, choice, np.inf
+    w, start, current, last_peak, stalls = w.copy(), core_start, choice, np.inf, 0
     for _ in range(tries):
         peak = evaluate(problem, current).peak_usage
-        if peak <= limit or time.perf_counter() > deadline:
-            break
-        factor = 2.0 if peak < last_peak - 1e-3 * limit else 8.0
+        stalls = stalls + 1 if peak >= last_peak - 1e-3 * limit else 0
+        if peak <= limit or stalls >= 2 or time.perf_counter() > deadline:
+            break  # fits, or descent cannot move the peak (on A: forbidden pairs all round)
+        factor = 8.0 if stalls else 2.0
         last_peak = peak
         w = np.where(broken, factor * np.maximum(w, floor), w)
         picked = {}

@@ -211,10 +211,9 @@ def test_weight_brackets_raise_broken_nodes_and_lower_fitting_ones():
     b = Brackets(np.array([True, True, False]), start=1.0)
     w = b.update(np.array([True, False, False]))  # node 0 broke at 1, node 1 fit at 1
     assert w[0] == pytest.approx(GROWTH) and w[1] == pytest.approx(0.25) and w[2] == 0
-    w = b.update(np.array([False, True, False]))  # node 0 fits at 8: bisect [1, 8]; node 1 broke at 0.25
-    assert w[0] == pytest.approx(np.sqrt(1.0 * 8.0 / 1.5))  # lo widened by 1.5 on a fit
-    assert 0.25 < w[1] < 1.0 * 1.35  # between the break (0.25) and its widened fit (1.35)
-    for _ in range(20):  # a node that keeps breaking keeps rising
+    w = b.update(np.array([False, True, False]))  # they swap: bisected, the other end widened
+    assert w[0] == pytest.approx(np.sqrt(1.0 / 1.5 * 8.0)) and w[1] == pytest.approx(np.sqrt(0.25 * 1.35))
+    for _ in range(20):  # a node that keeps breaking keeps rising, one that keeps fitting falls
         w = b.update(np.array([True, False, False]))
     assert w[0] > 100 and w[1] < 1e-3 and w[2] == 0
 
