@@ -1,6 +1,6 @@
 r"""Exact variable elimination of low-degree nodes in the pairwise (memory-free) problem.
 
-For fixed node costs ``c_v`` (the costs plus, under Lagrangian multipliers, each
+For fixed node costs ``c_v`` (the costs plus, under per-node weights, each
 node's memory penalty) the problem is a min-sum pairwise network
 
     min_s  sum_v c_v(s_v) + sum_(u,v) C_uv(s_u, s_v)

@@ -244,7 +244,7 @@ def solve(
                 best, best_choice = ev, choice
                 status = "optimal" if optimal else "feasible"
     except highs_model.ModelTooLarge as exc:
-        say(f"milp skipped: {exc}; penalty search and local search for the remaining time")
+        say(f"milp skipped: {exc}; per-node weight search, then windowed MILPs, for the remaining time")
         stats["milp_skipped"] = str(exc)
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
             found, bound = weights.weight_search(problem, best_choice if best.feasible else None,
