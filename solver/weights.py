@@ -92,7 +92,8 @@ def _interval_max(mem, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _segment_usage(problem: Problem, mem, per_node: np.ndarray) -> np.ndarray:
+def _segment_usage(mem, per_node: np.ndarray) -> np.ndarray:
+    """Total of ``per_node`` (one value per node) at each time segment."""
     total = np.zeros(mem.total.size + 1)
     np.add.at(total, mem.a, per_node)
     np.add.at(total, mem.b, -per_node)
@@ -100,9 +101,9 @@ def _segment_usage(problem: Problem, mem, per_node: np.ndarray) -> np.ndarray:
 
 
 def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadline, tries: int = 6):
-    """Make a round's answer fit by raising the weights of its broken nodes only (x2 a try,
-    x8 while the peak stalls) and re-solving with descent on the core from the round's core
-    answer: a core node then moves together with the trees and chains eliminated into it,
+    """Make a round's answer fit by raising the weights ``w`` (already the next round's, so
+    broken nodes start raised) of its broken nodes only (x2 a try, x8 while the peak
+    stalls) and re-solving with descent on the core from the round's core answer: a core node then moves together with the trees and chains eliminated into it,
     where the greedy single-node repair breaks them apart. Returns the last answer, which
     may still overflow (the greedy repair takes it from there)."""
     limit = float(problem.usage_limit)
@@ -146,7 +147,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
     limit = float(problem.usage_limit)
     low = np.array([u[problem.allowed(v)].min(initial=0.0) for v, u in enumerate(problem.node_usages)])
     high = np.array([u[problem.allowed(v)].max(initial=0.0) for v, u in enumerate(problem.node_usages)])
-    active = (_interval_max(mem, _segment_usage(problem, mem, high)) > limit) & (high > low)
+    active = (_interval_max(mem, _segment_usage(mem, high)) > limit) & (high > low)
     best, upper = None, np.inf
     if start is not None:
         ev = evaluate(problem, start)
@@ -159,7 +160,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
 
     def broken_of(choice):
         usage = np.array([problem.node_usages[v][choice[v]] for v in range(n)])
-        return (_interval_max(mem, _segment_usage(problem, mem, usage)) > limit) & active
+        return (_interval_max(mem, _segment_usage(mem, usage)) > limit) & active
 
     w = np.zeros(n)
     seen: set[bytes] = set()
