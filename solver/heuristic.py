@@ -61,6 +61,14 @@ class _Memory:
             self.total[self.a[v]:self.b[v]] += problem.node_usages[v][choice[v]]
         self.limit = problem.usage_limit if problem.usage_limit is not None else np.inf
 
+    def profile(self, per_node: np.ndarray, nodes: np.ndarray | None = None) -> np.ndarray:
+        """Total of ``per_node`` (one value per node, or per node of ``nodes``) at each time segment."""
+        a, b = (self.a, self.b) if nodes is None else (self.a[nodes], self.b[nodes])
+        delta = np.zeros(self.total.size + 1)
+        np.add.at(delta, a, per_node)
+        np.add.at(delta, b, -per_node)
+        return np.cumsum(delta)[:-1]
+
     def fits(self, group, old: int, new: int) -> bool:
         if not np.isfinite(self.limit):
             return True

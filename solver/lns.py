@@ -60,12 +60,8 @@ def subproblem(problem: Problem, adj: heuristic._Adjacency, mem: heuristic._Memo
         return Problem(costs, usages, np.stack([a, b], axis=1), np.array(edges, dtype=np.int64).reshape(-1, 2),
                        mats, None, ties=_window_ties(problem, index))
     # Usage of the fixed nodes per time segment; the window's runs of equal live sets.
-    fixed_total = mem.total.copy()
     current = np.array([problem.node_usages[v][choice[v]] for v in free.tolist()])
-    delta = np.zeros(fixed_total.size + 1)
-    np.add.at(delta, a, current)
-    np.add.at(delta, b, -current)
-    fixed_total -= np.cumsum(delta)[:-1]
+    fixed_total = mem.total - mem.profile(current, free)
     cuts = np.unique(np.concatenate([a, b]))
     cuts = cuts[cuts < fixed_total.size]
     residual = limit - np.maximum.reduceat(fixed_total, cuts) if cuts.size else np.zeros(0)

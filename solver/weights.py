@@ -92,20 +92,22 @@ def _interval_max(mem, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _segment_usage(mem, per_node: np.ndarray) -> np.ndarray:
-    """Total of ``per_node`` (one value per node) at each time segment."""
-    total = np.zeros(mem.total.size + 1)
-    np.add.at(total, mem.a, per_node)
-    np.add.at(total, mem.b, -per_node)
-    return np.cumsum(total)[:mem.total.size]
+def _weighted(problem: Problem, w: np.ndarray, low: np.ndarray) -> list[np.ndarray]:
+    """Node costs plus each node's penalty w_v (m_v - min m_v)."""
+    return [problem.node_costs[v] + w[v] * (problem.node_usages[v] - low[v]) for v in range(problem.num_nodes)]
+
+
+def _chosen_usage(problem: Problem, choice: np.ndarray) -> np.ndarray:
+    return np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
 
 
 def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadline, tries: int = 6):
     """Make a round's answer fit by raising the weights ``w`` (already the next round's, so
     broken nodes start raised) of its broken nodes only (x2 a try, x8 while the peak
-    stalls) and re-solving with descent on the core from the round's core answer: a core node then moves together with the trees and chains eliminated into it,
-    where the greedy single-node repair breaks them apart. Returns the last answer, which
-    may still overflow (the greedy repair takes it from there)."""
+    stalls) and re-solving with descent on the core from the round's core answer: a core
+    node then moves together with the trees and chains eliminated into it, where the
+    greedy single-node repair breaks them apart. Returns the last answer, which may still
+    overflow (the greedy repair takes it from there)."""
     limit = float(problem.usage_limit)
     positive = w[w > 0]
     floor = 0.25 * float(positive.mean()) if positive.size else 0.0
@@ -124,8 +126,7 @@ def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadl
             picked["core"] = descend(costs, edges, start, pairs=True)
             return picked["core"]
 
-        current = elim.solve([problem.node_costs[v] + w[v] * (problem.node_usages[v] - low[v])
-                              for v in range(problem.num_nodes)], core)
+        current = elim.solve(_weighted(problem, w, low), core)
         start = picked["core"]
         broken = broken_of(current)
     return current
@@ -147,7 +148,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
     limit = float(problem.usage_limit)
     low = np.array([u[problem.allowed(v)].min(initial=0.0) for v, u in enumerate(problem.node_usages)])
     high = np.array([u[problem.allowed(v)].max(initial=0.0) for v, u in enumerate(problem.node_usages)])
-    active = (_interval_max(mem, _segment_usage(mem, high)) > limit) & (high > low)
+    active = (_interval_max(mem, mem.profile(high)) > limit) & (high > low)
     best, upper = None, np.inf
     if start is not None:
         ev = evaluate(problem, start)
@@ -159,8 +160,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
     brackets, lower = None, None
 
     def broken_of(choice):
-        usage = np.array([problem.node_usages[v][choice[v]] for v in range(n)])
-        return (_interval_max(mem, _segment_usage(mem, usage)) > limit) & active
+        return (_interval_max(mem, mem.profile(_chosen_usage(problem, choice))) > limit) & active
 
     w = np.zeros(n)
     seen: set[bytes] = set()
@@ -170,8 +170,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
         if deadline - now < max(0.5, 1.2 * last):
             break
         core.seconds = max(1.0, min(core_seconds, deadline - now - 1.0))
-        choice = elim.solve([problem.node_costs[v] + w[v] * (problem.node_usages[v] - low[v]) for v in range(n)],
-                            core)
+        choice = elim.solve(_weighted(problem, w, low), core)
         rounds += 1
         raw = evaluate(problem, choice)
         broken = broken_of(choice)
@@ -182,8 +181,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
                 say(f"weights: the memory-free optimum fits ({raw.cost:.6g})")
                 return choice, lower
             # First weights: the cost per byte of usage above each node's least, averaged.
-            usage = np.array([problem.node_usages[v][choice[v]] for v in range(n)])
-            excess = float((usage - low)[active].sum())
+            excess = float((_chosen_usage(problem, choice) - low)[active].sum())
             brackets = Brackets(active, raw.cost / max(excess, 1.0))
             w = brackets.w
         else:
