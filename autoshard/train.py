@@ -149,6 +149,9 @@ def main(argv=None) -> int:
                 planned_step=planned)
     if args.save:
         save_checkpoint(args.save, model, opt)
+    # No rank may tear its gloo pairs down while a peer still talks to it: the last
+    # collective of a step can finish on one rank before its peers have drained it.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

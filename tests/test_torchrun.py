@@ -1,12 +1,21 @@
 """Real processes: plan, apply and train under torchrun with 4 gloo ranks."""
 
+import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 from helpers import SHARDING_PROFILE
+
+
+def died_by_signal(stderr: str) -> bool:
+    """torchrun's root cause (its first failed worker) is a signal, not a Python exception.
+    Workers the agent stops afterwards are listed as SIGTERM too, but never as the root cause."""
+    root = stderr.rpartition("Root Cause (first observed failure):")[2]
+    return bool(root) and re.search(r"exitcode\s*:\s*-\d+", root) is not None and "traceback : Signal" in root
 
 
 def losses(out: str) -> list[float]:
@@ -26,12 +35,25 @@ def test_torchrun_training_matches_single_process(tmp_path):
                             capture_output=True, text=True, check=True)
     from costmodel.calibrate import free_port
 
-    def torchrun(*args):
+    # faulthandler: a worker that dies in native code prints every thread's Python stack.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+    def launch(args):
         return subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
              str(free_port()), "-m", "autoshard.train", "--mesh", "dp=2,tp=2", *args, *common],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True, text=True, timeout=300, env=env,
         )
+
+    def torchrun(*args):
+        done = launch(args)
+        if done.returncode != 0 and died_by_signal(done.stderr):
+            # Once in about a hundred runs a gloo worker aborts natively ("terminate called
+            # without an active exception", SIGABRT) with no Python error. One rerun, loudly;
+            # any Python error, or a second abort, fails the test.
+            warnings.warn(f"torchrun worker killed by a signal, rerunning once:\n{done.stderr[-4000:]}")
+            done = launch(args)
+        return done
 
     ckpt = tmp_path / "ckpt"
     first = torchrun("--profile", str(prof), "--save-plan", str(plan_file), "--steps", "2", "--save", str(ckpt))
@@ -50,3 +72,17 @@ def test_torchrun_training_matches_single_process(tmp_path):
     plan = autoshard.Plan.load(plan_file)
     sharded = [f for f in plan.params if "S(" in str(plan.param_spec(f))] + [s for s in plan.inputs if "S(" in s]
     assert sharded, "the plan under test shards nothing"
+
+
+def test_died_by_signal_reads_only_the_root_cause():
+    """The rerun is for a native abort only: a Python error whose peers the agent then
+    SIGTERMs must not be retried."""
+    def summary(root_exit, root_trace):
+        return ("Failures:\n[1]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : -15 (pid: 7)  (SIGTERM)\n"
+                "  traceback : Signal 15 (SIGTERM) received by PID 7\n-----\n"
+                "Root Cause (first observed failure):\n[0]:\n  rank      : 2 (local_rank: 2)\n"
+                f"  exitcode  : {root_exit} (pid: 6)\n  error_file: <N/A>\n  traceback : {root_trace}\n=====\n")
+
+    assert died_by_signal(summary("-6", "Signal 6 (SIGABRT) received by PID 6"))
+    assert not died_by_signal(summary("1", "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"))
+    assert not died_by_signal("Traceback (most recent call last):\nValueError: bad mesh\n")
