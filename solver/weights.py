@@ -85,11 +85,14 @@ class Brackets:
 
 
 def _interval_max(mem, values: np.ndarray) -> np.ndarray:
-    """Per node, the largest of ``values`` (one per time segment) over its live interval."""
-    out = np.full(mem.a.size, -np.inf)
-    for v in np.nonzero(mem.b > mem.a)[0].tolist():
-        out[v] = values[mem.a[v]:mem.b[v]].max()
-    return out
+    """Per node, the largest of ``values`` (one per time segment) over its live interval
+    (-inf for an empty one): one ``reduceat`` over the interleaved ends [a_0, b_0, a_1, ...],
+    whose even slots are exactly max(values[a_v:b_v]) where a_v < b_v."""
+    padded = np.append(values, -np.inf)  # b_v may equal the segment count
+    ends = np.empty(2 * mem.a.size, dtype=np.int64)
+    ends[0::2], ends[1::2] = mem.a, mem.b
+    out = np.maximum.reduceat(padded, ends)[0::2] if ends.size else np.zeros(0)
+    return np.where(mem.b > mem.a, out, -np.inf)
 
 
 def _weighted(problem: Problem, w: np.ndarray, low: np.ndarray) -> list[np.ndarray]:

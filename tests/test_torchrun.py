@@ -14,8 +14,8 @@ from helpers import SHARDING_PROFILE
 def died_by_signal(stderr: str) -> bool:
     """torchrun's root cause (its first failed worker) is a signal, not a Python exception.
     Workers the agent stops afterwards are listed as SIGTERM too, but never as the root cause."""
-    root = stderr.rpartition("Root Cause (first observed failure):")[2]
-    return bool(root) and re.search(r"exitcode\s*:\s*-\d+", root) is not None and "traceback : Signal" in root
+    _, found, root = stderr.rpartition("Root Cause (first observed failure):")
+    return bool(found) and re.search(r"exitcode\s*:\s*-\d+", root) is not None and "traceback : Signal" in root
 
 
 def losses(out: str) -> list[float]:
