@@ -86,3 +86,5 @@ def test_died_by_signal_reads_only_the_root_cause():
     assert died_by_signal(summary("-6", "Signal 6 (SIGABRT) received by PID 6"))
     assert not died_by_signal(summary("1", "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"))
     assert not died_by_signal("Traceback (most recent call last):\nValueError: bad mesh\n")
+    no_root = summary("-6", "Signal 6 (SIGABRT) received by PID 6").replace("Root Cause (first observed failure)", "")
+    assert not died_by_signal(no_root)  # without torchrun's root-cause block nothing is rerun
