@@ -2,12 +2,16 @@
 
 Without memory the problem is a pairwise CFN: toulbar2 proves optima on planner
 graphs (a few hundred tie groups) and on eliminated IOPDDL cores (2-4k nodes) in
-seconds, where the MILP needs an edge variable per table entry. Memory is handled
-around it: checked after (``solve``) or priced by per-node weights (:mod:`solver.weights`).
+seconds, where the MILP needs an edge variable per table entry. Memory is either
+posted as knapsack constraints over the tie quotient where its rows are few
+(:mod:`solver.exact`), or handled around the search: checked after (``solve``) or
+priced by per-node weights (:mod:`solver.weights`).
 Optional: without ``pytoulbar2`` these stages are skipped.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
@@ -18,6 +22,9 @@ try:
 except ImportError:  # pragma: no cover - exercised only where the wheel is missing
     pytoulbar2 = None
 
+#: ``([(variable, integer weight per value)], rhs)``: sum of the chosen values' weights <= rhs.
+KnapsackRow = tuple[list[tuple[int, np.ndarray]], int]
+
 #: toulbar2's forbidden cost: far above any real total once scaled (costs are int64 there).
 TOP = 1e15
 
@@ -27,13 +34,16 @@ def available() -> bool:
 
 
 def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], seconds: float,
-                 scale: float, upper: float | None = None) -> tuple[list[int] | None, bool, float]:
+                 scale: float, upper: float | None = None, rows: Sequence[KnapsackRow] = ()
+                 ) -> tuple[list[int] | None, bool, float]:
     """Minimize sum_i costs[i][x_i] + sum_(a,b) edges[a,b][x_a, x_b]: (choice, proved, gap).
 
     Costs are multiplied by ``scale`` and rounded (toulbar2's costs are integers);
     entries at or above ``FORBIDDEN`` (or inf) are hard. ``gap`` (in cost units,
     rounding included) bounds how far the choice can be above the optimum. With
     ``upper`` (the cost of a known choice) only strictly cheaper choices are searched.
+    ``rows`` are hard linear constraints sum_(i, w) w[x_i] <= rhs with integer w >= 0
+    (toulbar2's knapsack constraint, propagated during the search: memory rows).
     Choice None when nothing (better) was found in time.
     """
     ub = TOP if upper is None else min(TOP, float(np.floor(upper * scale)))
@@ -49,6 +59,8 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
             net.AddFunction([i], _table(c, scale).tolist())
         for (a, b), m in edges.items():
             net.AddFunction([a, b], _table(m, scale).ravel().tolist())
+        for terms, rhs in rows:
+            _post_knapsack(net, terms, rhs)
         res = net.Solve(timeLimit=max(1, int(seconds)))
     except net.Contradiction:  # the bounds alone prove nothing beats ``upper``
         return None, False, np.inf
@@ -59,6 +71,22 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     primal, dual = float(res[1]), float(net.GetDDualBound())
     rounding = 0.5 * (len(costs) + len(edges)) / scale  # one rounded entry per table in any choice
     return list(res[0]), dual >= primal, max(0.0, primal - dual) / scale + rounding
+
+
+def _post_knapsack(net, terms: list[tuple[int, np.ndarray]], rhs: int) -> None:
+    """sum_(i, w) w[x_i] <= rhs as toulbar2's knapsack  sum -w[x_i] >= -rhs. Posted directly:
+    pytoulbar2's AddGeneralizedLinearConstraint scans every tuple once per variable, which is
+    quadratic in a row's size (seconds per row on IOPDDL V)."""
+    scope, parts = [], [str(-int(rhs))]
+    for var, w in terms:
+        nz = np.nonzero(w)[0]
+        if nz.size == 0:
+            continue
+        scope.append(int(var))
+        parts.append(str(nz.size))
+        parts.extend(f"{i} {-int(w[i])}" for i in nz.tolist())
+    if scope:
+        net.CFN.wcsp.postKnapsackConstraint(scope, " ".join(parts), kp=True)
 
 
 def _rounding_error(x: np.ndarray, scale: float) -> float:

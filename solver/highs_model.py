@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from solver.memrows import RowsTooLarge, memory_rows
 from solver.problem import FORBIDDEN, Problem
 
 
@@ -61,81 +62,6 @@ class ArrayModel:
 
 def _allowed(problem: Problem) -> list[np.ndarray]:
     return [np.nonzero(problem.allowed(v))[0] for v in range(problem.num_nodes)]
-
-
-def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray,
-                    max_entries: float = np.inf, strategies: np.ndarray | None = None, count_only: bool = False):
-    """The memory rows that are not implied by others: ``[(live varying nodes, base usage)]``.
-
-    Time splits into segments between interval endpoints; on segment k the
-    varying nodes S_k are live and the least usage of everything live is b_k.
-    The row of k reads  sum_(v in S_k) (usage_v - least_v) <= limit - b_k.  It is
-    implied by a neighbour j when S_k is a subset of S_j (no varying node starts or
-    ends between them, in the right direction) and b_k <= b_j. Runs of segments with
-    the same S keep the largest b; neighbours then differ in S, so no two rows drop
-    each other, and the survivors imply every dropped row.
-    """
-    from solver.evaluate import memory_profile
-
-    iv = problem.intervals
-    live = iv[:, 1] > iv[:, 0]
-    times, base_total = memory_profile(problem, np.where(live, base_usage, 0.0))
-    if times.size < 2:
-        return []
-    vn = np.nonzero(varying & live)[0]
-    # Per boundary (times[k]) whether a varying node starts / ends there.
-    vstart = np.zeros(times.size, dtype=bool)
-    vend = np.zeros(times.size, dtype=bool)
-    vstart[np.searchsorted(times, iv[vn, 0])] = True
-    vend[np.searchsorted(times, iv[vn, 1])] = True
-    nseg = times.size - 1
-    # Merge runs without varying changes: segment groups g, base = max over the run.
-    new_group = vstart[:nseg] | vend[:nseg]
-    new_group[0] = True
-    gid = np.cumsum(new_group) - 1
-    ng = int(gid[-1]) + 1
-    gbase = np.full(ng, -np.inf)
-    np.maximum.at(gbase, gid, base_total[:nseg])
-    gfirst = np.nonzero(new_group)[0]
-    keep = np.ones(ng, dtype=bool)
-    for g in range(ng):
-        t_left = gfirst[g]
-        if g > 0 and not vstart[t_left] and gbase[g] <= gbase[g - 1]:
-            keep[g] = False  # only ends at the left boundary: S_g is inside S_(g-1)
-            continue
-        if g + 1 < ng:
-            t_right = gfirst[g + 1]
-            if not vend[t_right] and gbase[g] <= gbase[g + 1]:
-                keep[g] = False  # only starts at the right boundary: S_g is inside S_(g+1)
-    # Entries of the kept rows, from live counts alone, before any set is built.
-    k_of = strategies if strategies is not None else np.ones(problem.num_nodes)
-    w_start = np.zeros(times.size)
-    np.add.at(w_start, np.searchsorted(times, iv[vn, 0]), k_of[vn])
-    np.add.at(w_start, np.searchsorted(times, iv[vn, 1]), -k_of[vn])
-    entries = float(np.cumsum(w_start)[gfirst][keep].sum())
-    if entries > max_entries:
-        raise ModelTooLarge(f"{int(keep.sum())} memory rows with ~{entries:.3g} entries exceed the budget "
-                            f"of {max_entries:.3g}")
-    if count_only:
-        return []
-    # Sweep once more, materializing the kept sets.
-    starts = {}
-    ends = {}
-    for v in vn.tolist():
-        starts.setdefault(int(np.searchsorted(times, iv[v, 0])), []).append(v)
-        ends.setdefault(int(np.searchsorted(times, iv[v, 1])), []).append(v)
-    cur: set[int] = set()
-    out = []
-    for g in range(ng):
-        for t in range(gfirst[g - 1] + 1 if g > 0 else 0, gfirst[g] + 1):
-            for v in ends.get(t, []):
-                cur.discard(v)
-            cur.update(starts.get(t, []))
-        if keep[g] and cur:
-            out.append((np.array(sorted(cur), dtype=np.int64), float(gbase[g])))
-        elif keep[g] and gbase[g] > (problem.usage_limit or np.inf):
-            out.append((np.zeros(0, dtype=np.int64), float(gbase[g])))
-    return out
 
 
 def _tie_map(problem: Problem, allowed: list[np.ndarray]) -> np.ndarray:
@@ -210,12 +136,26 @@ def drop_dominated(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
     return total
 
 
-def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True) -> ArrayModel:
-    """The MILP as arrays; :class:`ModelTooLarge` when it would pass ``max_nonzeros``.
+@dataclass
+class Reduced:
+    """The problem over tie groups after the exact reductions that the MILP and the exact
+    CFN (:mod:`solver.exact`) share."""
 
-    With ``memory=False`` the memory rows are left out (and memory plays no part in
-    dominance): the relaxation that :func:`solver.solve` tries first.
-    """
+    allowed: list[np.ndarray]
+    """Per node, its allowed strategies after dominance (tied nodes share their head's)."""
+    rep: np.ndarray
+    """``rep[v]``: the head of v's tie group."""
+    linear: list[np.ndarray]
+    """Per head, the summed node costs of its group (plus diagonals of edges inside it); 0 elsewhere."""
+    pairs: dict[tuple[int, int], np.ndarray]
+    """Edges between heads, parallel ones summed, keyed (low, high)."""
+    dropped: int
+    """Strategies removed by dominance."""
+
+
+def reduce(problem: Problem, memory: bool = True) -> Reduced:
+    """Ties as shared strategies, edges merged per pair of groups, dominated strategies
+    dropped (with ``memory``, a strategy that uses less memory is never dominated)."""
     n = problem.num_nodes
     allowed = _allowed(problem)
     for v, a in enumerate(allowed):
@@ -226,14 +166,24 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True) -
     for v in np.nonzero(rep != np.arange(n))[0].tolist():
         linear[rep[v]] = linear[rep[v]] + linear[v]
         linear[v] = np.zeros_like(linear[v])
-    const = 0.0
-
-    # Edges between tie groups: sum parallel ones; an edge inside a group is a diagonal cost.
     from solver.quotient import merge_edges
 
-    all_pairs = merge_edges(problem, rep, linear)
-    dropped = drop_dominated(problem, rep, allowed, linear, all_pairs,
+    pairs = merge_edges(problem, rep, linear)
+    dropped = drop_dominated(problem, rep, allowed, linear, pairs,
                              use_usage=memory and problem.usage_limit is not None)
+    return Reduced(allowed, rep, linear, pairs, dropped)
+
+
+def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True) -> ArrayModel:
+    """The MILP as arrays; :class:`ModelTooLarge` when it would pass ``max_nonzeros``.
+
+    With ``memory=False`` the memory rows are left out (and memory plays no part in
+    dominance): the relaxation that :func:`solver.solve` tries first.
+    """
+    n = problem.num_nodes
+    red = reduce(problem, memory)
+    allowed, rep, linear, all_pairs, dropped = red.allowed, red.rep, red.linear, red.pairs, red.dropped
+    const = 0.0
     fixed = {v: int(a[0]) for v, a in enumerate(allowed) if a.size == 1}
 
     # Fold edges at fixed nodes into costs; keep the rest.
@@ -319,7 +269,7 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True) -
         model.add_rows(np.zeros(n_marg), np.zeros(n_marg), np.concatenate(row_r), np.concatenate(row_c),
                        np.concatenate(row_v))
     if memory:
-        _memory_rows(model, problem, allowed, max_nonzeros - 3 * n_y)
+        _memory_rows(model, problem, rep, allowed, max_nonzeros - 3 * n_y)
     else:
         model.stats["memory_rows"] = 0
     model.stats.update(dominated_strategies=dropped, tied_nodes=int((rep != np.arange(n)).sum()),variables=int(model.cost.size), edge_variables=int(ycol - ncol), constraints=model.n_rows,
@@ -330,65 +280,38 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True) -
 def check_memory_rows(problem: Problem, max_entries: float) -> None:
     """Raise :class:`ModelTooLarge` when the memory rows alone would pass ``max_entries``.
 
-    Counted from live-set sizes without building anything (no reductions applied, so
-    an over-estimate): lets ``solve`` skip MILP work that could never be finished.
+    Counted over tie groups before dominance (an over-estimate): lets ``solve`` skip
+    MILP work that could never be finished.
     """
     if problem.usage_limit is None:
         return
     allowed = _allowed(problem)
-    base = np.array([problem.node_usages[v][a].min() for v, a in enumerate(allowed)])
-    varying = np.array([problem.node_usages[v][a].max() > problem.node_usages[v][a].min()
-                        for v, a in enumerate(allowed)])
-    ks = np.array([a.size for a in allowed], dtype=np.float64)
-    memory_segments(problem, varying, base, max_entries, ks, count_only=True)
+    rep = _tie_map(problem, allowed)
+    try:
+        memory_rows(problem, rep, allowed, max_entries)
+    except RowsTooLarge as exc:
+        raise ModelTooLarge(str(exc)) from exc
 
 
-def _memory_rows(model: ArrayModel, problem: Problem, allowed, max_entries: float = np.inf) -> None:
-    if problem.usage_limit is None:
-        model.stats["memory_rows"] = 0
-        return
-    n = problem.num_nodes
-    base_usage = np.zeros(n)
-    varying = np.zeros(n, dtype=bool)
-    for v in range(n):
-        u = problem.node_usages[v][allowed[v]]
-        base_usage[v] = u.min()
-        varying[v] = v not in model.fixed and u.max() > u.min()
-    ks = np.array([a.size for a in allowed], dtype=np.float64)
-    segments = memory_segments(problem, varying, base_usage, max_entries, ks)
-    lower, upper, rr, cc, vv = [], [], [], [], []
-    rows = []
-    seen: dict = {}
-    for live, base in segments:
-        if live.size == 0:
-            raise ValueError(f"memory limit {problem.usage_limit:g} is below the least usage {base:g}")
-        cols, vals = [], []
-        for v in live.tolist():
-            a = allowed[v]
-            d = problem.node_usages[v][a] - base_usage[v]
-            nz = d != 0
-            cols.append(model.node_cols[v][a][nz])
-            vals.append(d[nz])
-        cols = np.concatenate(cols)
-        vals = np.concatenate(vals)
-        # Tied nodes share columns: a tied group live k times at once weighs k times.
-        cols, inv = np.unique(cols, return_inverse=True)
-        vals = np.bincount(inv, weights=vals, minlength=cols.size)
-        key = (cols.tobytes(), vals.tobytes())
-        if key in seen:
-            r = seen[key]
-            upper[r] = min(upper[r], problem.usage_limit - base)
-            continue
-        seen[key] = len(rows)
-        rr.append(np.full(cols.size, len(rows)))
-        cc.append(cols)
-        vv.append(vals)
-        lower.append(-math.inf)
-        upper.append(problem.usage_limit - base)
-        rows.append(live)
-    if rows:
-        model.add_rows(np.array(lower), np.array(upper), np.concatenate(rr), np.concatenate(cc), np.concatenate(vv))
-    model.stats["memory_rows"] = len(rows)
+def _memory_rows(model: ArrayModel, problem: Problem, rep: np.ndarray, allowed, max_entries: float) -> None:
+    """One row per memory row of :func:`solver.memrows.memory_rows` (tied groups aggregated,
+    implied rows dropped), over the node columns."""
+    try:
+        mr = memory_rows(problem, rep, allowed, max_entries)
+    except RowsTooLarge as exc:
+        raise ModelTooLarge(str(exc)) from exc
+    rr, cc, vv = [], [], []
+    for k, row in enumerate(mr.rows):
+        for head, coef in zip(row.groups.tolist(), row.coefs):
+            nz = coef != 0
+            cc.append(model.node_cols[head][allowed[head]][nz])
+            vv.append(coef[nz])
+            rr.append(np.full(int(nz.sum()), k))
+    if mr.rows:
+        model.add_rows(np.full(len(mr.rows), -math.inf), np.array([r.rhs for r in mr.rows]),
+                       np.concatenate(rr), np.concatenate(cc), np.concatenate(vv))
+    model.stats["memory_rows"] = len(mr.rows)
+    model.stats["memory_segments"] = mr.segments
 
 
 def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int = 1, log: bool = False):

@@ -5,15 +5,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import pulp
 
 from solver import cfn, heuristic, highs_model, ilp, lns, weights
+from solver.exact import solve_exact
+from solver.memrows import RowsTooLarge
 from solver.evaluate import evaluate, memory_profile
 from solver.problem import Problem
-from solver.quotient import quotient
+from solver.quotient import quotient, tie_heads
 
 BACKENDS = ("highs", "cbc")
 
@@ -45,6 +47,10 @@ class Solution:
     peak_usage: float = 0.0
     backend: str = ""
     stats: dict = field(default_factory=dict)
+    source: str = ""
+    """The stage whose answer this is: ``start`` (a given start), ``heuristic``, ``pairwise``
+    (memory-free optimum that fits), ``exact`` (toulbar2 with memory rows), ``milp``,
+    ``weights`` (per-node penalty search), ``lns`` or ``polish`` (local search at the end)."""
 
     @property
     def gap(self) -> float | None:
@@ -127,6 +133,10 @@ def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say, memory=
 #: models too large for the MILP; windowed MILPs (:mod:`solver.lns`) polish its answer until 95%.
 WEIGHTS_SHARE = 0.8
 
+#: The exact CFN (:mod:`solver.exact`) searches until this share of the time limit when
+#: memory binds; the MILP, warm-started from its answer, gets the rest.
+EXACT_SHARE = 0.7
+
 #: The pairwise search runs first on quotient graphs up to this size: planner graphs
 #: (a few hundred groups once layers are tied) solve in seconds there. Larger graphs
 #: (the IOPDDL instances, 30k nodes with binding memory) go to the MILP / penalty path.
@@ -158,6 +168,26 @@ def _pairwise_first(problem, deadline, say):
     return choice, ev, bound, proved
 
 
+def _exact(problem, upper, deadline, say):
+    """toulbar2 on the whole problem (memory rows as knapsacks): an ExactResult, or None when
+    its rows are too many or no time is left."""
+    seconds = deadline - time.perf_counter()
+    if seconds < 1:
+        return None
+    t0 = time.perf_counter()
+    try:
+        res = solve_exact(problem, seconds, upper=upper)
+    except RowsTooLarge as exc:
+        say(f"exact (toulbar2 with memory rows) skipped: {exc}")
+        return None
+    st = res.stats
+    found = "nothing better" if res.choice is None else f"cost {evaluate(problem, res.choice).cost:.6g}"
+    say(f"exact (toulbar2, {st['groups']} tie groups, {st['memory_rows']} memory rows of "
+        f"{st['memory_segments']} segments): {found}, {'proved optimal' if res.proved else 'time limit'}, "
+        f"bound {res.lower_bound}, {time.perf_counter() - t0:.2f}s")
+    return res
+
+
 def _solve_cbc(problem, start, t0, time_limit, mip_gap, say):
     model = ilp.build(problem)
     say(f"ilp (PuLP): {model.stats['variables']} variables, {model.stats['constraints']} constraints "
@@ -171,6 +201,38 @@ def _solve_cbc(problem, start, t0, time_limit, mip_gap, say):
     return ilp.extract(model, problem), None, pulp.LpStatus[lp_status] == "Optimal", model.stats
 
 
+class _Incumbent:
+    """The best answer so far (a feasible one beats any infeasible one; among feasible ones
+    the cheaper, a later stage on equal cost) and the stage it came from."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.choice: np.ndarray | None = None
+        self.ev = None
+        self.source = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.ev is not None and self.ev.feasible
+
+    @property
+    def cost(self) -> float:
+        return self.ev.cost if self.feasible else math.inf
+
+    def offer(self, choice, source: str, ev=None) -> bool:
+        """Keep ``choice`` when it beats the incumbent; returns whether it was kept."""
+        if choice is None:
+            return False
+        choice = np.asarray(choice, dtype=np.int64)
+        ev = ev if ev is not None else evaluate(self.problem, choice)
+        if self.ev is None or (ev.feasible and (not self.ev.feasible or ev.cost <= self.ev.cost)):
+            if self.choice is None or not np.array_equal(choice, self.choice):
+                self.source = source  # a stage that hands the incumbent back leaves its source
+            self.choice, self.ev = choice, ev
+            return True
+        return False
+
+
 def solve(
     problem: Problem,
     time_limit: float = 60.0,
@@ -179,12 +241,18 @@ def solve(
     log: Callable[[str], None] | None = None,
     max_nonzeros: float = 30e6,
     pairwise: bool = True,
+    starts: Sequence[tuple[str, np.ndarray]] = (),
+    exact: bool = True,
 ) -> Solution:
     """Pick one strategy per node minimizing cost under the memory limit.
 
-    With ``pairwise`` (and pytoulbar2 installed), toulbar2 first solves the tie
-    quotient without memory (:func:`_pairwise_first`); the MILP runs only when that
-    answer breaks the memory limit or is not proved optimal in half the time.
+    Stages, each kept only when it beats the incumbent (:class:`_Incumbent`):
+    ``starts`` (named choices, e.g. hand-written plans) and a heuristic start; with
+    ``pairwise`` (and pytoulbar2 installed), toulbar2 on the tie quotient without memory
+    (:func:`_pairwise_first`), the answer when it is proved and fits; where memory binds,
+    with ``exact``, toulbar2 on the tie quotient with the memory rows as knapsacks
+    (:mod:`solver.exact`) until ``EXACT_SHARE`` of the time, the answer when proved; then
+    the MILP, or on models too large for it the per-node weight search and windowed MILPs.
     Raises :class:`InfeasibleError` when even the least-usage strategies exceed the
     limit. Always returns the best feasible choice it found within ``time_limit``.
     """
@@ -203,94 +271,97 @@ def solve(
                 floor,
                 binding,
             )
+    inc = _Incumbent(problem)
+    for name, choice in starts:
+        choice = np.asarray(choice, dtype=np.int64)
+        if choice.shape != (problem.num_nodes,):
+            raise ValueError(f"start {name!r}: expected {problem.num_nodes} strategy indices, "
+                             f"found shape {choice.shape}")
+        ev = evaluate(problem, choice)
+        inc.offer(choice, f"start:{name}", ev)
+        say(f"start {name}: cost {ev.cost:.6g} ({'feasible' if ev.feasible else ev.reason})")
+    # The heuristic start gets a tenth of the time.
     start = heuristic.initial_choice(problem)
-    # The incumbent gets a tenth of the time; the MILP the rest.
     start = heuristic.local_search(problem, start, deadline=t0 + 0.05 * time_limit)
     start = heuristic.repair_pairs(problem, start, deadline=t0 + 0.08 * time_limit)
     start = heuristic.local_search(problem, start, deadline=t0 + 0.1 * time_limit)
-    best = evaluate(problem, start)
-    best_choice, status = start, "heuristic"
-    lower = None
-    say(f"incumbent: cost {best.cost:.6g} (feasible={best.feasible}) after {time.perf_counter() - t0:.2f}s")
+    inc.offer(start, "heuristic")
+    say(f"incumbent: cost {inc.ev.cost:.6g} (feasible={inc.feasible}, {inc.source}) "
+        f"after {time.perf_counter() - t0:.2f}s")
     stats = dict(problem.stats())
-    relaxed_bound = None
+    status, lower, relaxed_bound = "heuristic", None, None
+
+    def finish(status, lower):
+        if not inc.feasible:
+            floor, binding = memory_lower_bound(problem)
+            raise InfeasibleError(
+                f"found no feasible assignment within {time_limit:g}s (the problem may still be feasible): "
+                f"{inc.ev.reason}; the least-usage strategies peak at {floor:g}",
+                floor,
+                binding,
+            )
+        if status == "optimal" and lower is None:
+            lower = inc.cost
+        if lower is not None and lower > inc.cost:
+            lower = inc.cost
+        seconds = time.perf_counter() - t0
+        say(f"solved: {status} ({inc.source}), cost {inc.cost:.6g}, bound {lower}, {seconds:.2f}s")
+        return Solution(choice=inc.choice, cost=inc.cost, status=status, lower_bound=lower, seconds=seconds,
+                        peak_usage=inc.ev.peak_usage, backend=backend, stats=stats, source=inc.source)
+
+    groups = len(np.unique(tie_heads(problem)))
     if pairwise and cfn.available():
         found = _pairwise_first(problem, t0 + 0.5 * time_limit, say)
         if found is not None:
             choice, ev, bound, proved = found
             stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - t0, 3)}
-            if ev.feasible and (not best.feasible or ev.cost <= best.cost):
-                best, best_choice = ev, choice
+            inc.offer(choice, "pairwise", ev)
             if proved:
                 relaxed_bound = bound
                 if ev.feasible:
-                    say(f"solved: optimal (toulbar2 on the tie quotient), cost {best.cost:.6g}, "
-                        f"{time.perf_counter() - t0:.2f}s")
-                    return Solution(choice=best_choice, cost=best.cost, status="optimal",
-                                    lower_bound=min(bound, best.cost), seconds=time.perf_counter() - t0,
-                                    peak_usage=best.peak_usage, backend=backend, stats=stats)
+                    return finish("optimal", min(bound, inc.cost))
+    if exact and problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
+        res = _exact(problem, inc.cost if inc.feasible else None, t0 + EXACT_SHARE * time_limit, say)
+        if res is not None:
+            stats["exact"] = dict(res.stats, proved=res.proved, seconds=round(time.perf_counter() - t0, 3))
+            inc.offer(res.choice, "exact")
+            if res.lower_bound is not None:
+                relaxed_bound = max(relaxed_bound if relaxed_bound is not None else -math.inf, res.lower_bound)
+            if res.proved:
+                return finish("optimal", relaxed_bound)
     try:
+        warm = inc.choice if inc.feasible else None
         if backend == "highs":
-            choice, lower, optimal, mstats = _solve_highs(problem, best_choice if best.feasible else None,
-                                                          t0, time_limit, mip_gap, max_nonzeros, say,
-                                                          relaxed_bound)
+            choice, lower, optimal, mstats = _solve_highs(problem, warm, t0, time_limit, mip_gap, max_nonzeros,
+                                                          say, relaxed_bound)
         else:
-            choice, lower, optimal, mstats = _solve_cbc(problem, best_choice if best.feasible else None,
-                                                        t0, time_limit, mip_gap, say)
+            choice, lower, optimal, mstats = _solve_cbc(problem, warm, t0, time_limit, mip_gap, say)
+            if relaxed_bound is not None and (lower is None or relaxed_bound > lower):
+                lower = relaxed_bound
         stats.update(mstats)
-        if choice is not None:
-            ev = evaluate(problem, choice)
-            if ev.feasible and (not best.feasible or ev.cost <= best.cost):
-                best, best_choice = ev, choice
-                status = "optimal" if optimal else "feasible"
+        if inc.offer(choice, "milp") and inc.feasible:
+            status = "optimal" if optimal else "feasible"
     except highs_model.ModelTooLarge as exc:
         say(f"milp skipped: {exc}; per-node weight search, then windowed MILPs, for the remaining time")
         stats["milp_skipped"] = str(exc)
+        lower = relaxed_bound
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
-            found, bound = weights.weight_search(problem, best_choice if best.feasible else None,
+            found, bound = weights.weight_search(problem, inc.choice if inc.feasible else None,
                                                  deadline=t0 + WEIGHTS_SHARE * time_limit, say=say)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
-            if found is not None:
-                ev = evaluate(problem, found)
-                if ev.feasible and (not best.feasible or ev.cost <= best.cost):
-                    best, best_choice = ev, found
-        if best.feasible:
-            best_choice = lns.large_neighbourhood_search(problem, best_choice, t0 + 0.95 * time_limit, say=say)
-            best = evaluate(problem, best_choice)
-        more = best_choice
+            inc.offer(found, "weights")
+        if inc.feasible:
+            inc.offer(lns.large_neighbourhood_search(problem, inc.choice, t0 + 0.95 * time_limit, say=say), "lns")
+        more = inc.choice
         for _ in range(100):
             before = evaluate(problem, more).cost
             more = heuristic.repair_pairs(problem, more, deadline=t0 + 0.97 * time_limit)
             more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=t0 + 0.97 * time_limit)
             if evaluate(problem, more).cost >= before or time.perf_counter() > t0 + 0.97 * time_limit:
                 break
-        ev = evaluate(problem, more)
-        if ev.feasible and (not best.feasible or ev.cost <= best.cost):
-            best, best_choice = ev, more
+        if not np.array_equal(more, inc.choice):
+            inc.offer(more, "polish")
     except ValueError as exc:  # the reductions proved it infeasible
         say(f"milp: {exc}")
-    if not best.feasible:
-        floor, binding = memory_lower_bound(problem)
-        raise InfeasibleError(
-            f"found no feasible assignment within {time_limit:g}s (the problem may still be feasible): "
-            f"{best.reason}; the least-usage strategies peak at {floor:g}",
-            floor,
-            binding,
-        )
-    if status == "optimal" and lower is None:
-        lower = best.cost
-    if lower is not None and lower > best.cost:
-        lower = best.cost
-    seconds = time.perf_counter() - t0
-    say(f"solved: {status}, cost {best.cost:.6g}, bound {lower}, {seconds:.2f}s")
-    return Solution(
-        choice=best_choice,
-        cost=best.cost,
-        status=status,
-        lower_bound=lower,
-        seconds=seconds,
-        peak_usage=best.peak_usage,
-        backend=backend,
-        stats=stats,
-    )
+    return finish(status, lower)

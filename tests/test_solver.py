@@ -53,7 +53,7 @@ def brute_force(p: Problem):
     return best
 
 
-@pytest.mark.parametrize("pairwise", [True, False], ids=["toulbar2-first", "milp"])
+@pytest.mark.parametrize("pairwise", [True, False], ids=["toulbar2-first", "milp"])  # exact CFN with toulbar2
 @pytest.mark.parametrize("seed", range(40))
 def test_matches_brute_force(seed, pairwise):
     rng = np.random.default_rng(seed)
@@ -61,9 +61,9 @@ def test_matches_brute_force(seed, pairwise):
     exact = brute_force(p)
     if exact is None:
         with pytest.raises(solver.InfeasibleError):
-            solve(p, time_limit=10, pairwise=pairwise)
+            solve(p, time_limit=10, pairwise=pairwise, exact=pairwise)
         return
-    sol = solve(p, time_limit=10, pairwise=pairwise)
+    sol = solve(p, time_limit=10, pairwise=pairwise, exact=pairwise)
     ev = evaluate(p, sol.choice)
     assert ev.feasible, ev.reason
     assert sol.cost == pytest.approx(exact, abs=1e-6)
@@ -176,7 +176,7 @@ def test_pair_repair_leaves_forbidden_pairs_single_moves_cannot():
 def test_large_models_fall_back_to_heuristics_within_the_limit():
     rng = np.random.default_rng(11)
     p = random_problem(rng, n=30, kmax=4, density=0.3)
-    sol = solve(p, time_limit=5, max_nonzeros=10, pairwise=False)  # any MILP is "too large"
+    sol = solve(p, time_limit=5, max_nonzeros=10, pairwise=False, exact=False)  # any MILP is "too large"
     assert evaluate(p, sol.choice).feasible and sol.status == "heuristic"
     assert "milp_skipped" in sol.stats and sol.seconds < 5
 
@@ -249,8 +249,9 @@ def test_memory_repair_reaches_the_limit():
     assert fixed is not None and evaluate(p, fixed).peak_usage <= p.usage_limit
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["milp", "exact-cfn"])
 @pytest.mark.parametrize("seed", range(30))
-def test_tie_groups_of_three_match_brute_force(seed):
+def test_tie_groups_of_three_match_brute_force(seed, exact):
     """Tied nodes share MILP columns (their edges merged, edges inside a group diagonal,
     memory rows weighing a group once per live member) and dominated strategies are dropped:
     the optimum must still be the brute-force one."""
@@ -264,9 +265,9 @@ def test_tie_groups_of_three_match_brute_force(seed):
     exact = brute_force(p)
     if exact is None:
         with pytest.raises(solver.InfeasibleError):
-            solve(p, time_limit=10, pairwise=False)
+            solve(p, time_limit=10, pairwise=False, exact=exact)
         return
-    sol = solve(p, time_limit=10, pairwise=False)
+    sol = solve(p, time_limit=10, pairwise=False, exact=exact)
     assert evaluate(p, sol.choice).feasible
     assert sol.cost == pytest.approx(exact, abs=1e-6)
     assert sol.status == "optimal"

@@ -1,0 +1,250 @@
+r"""Memory rows over tie groups: aggregated, deduplicated, pruned by dominance.
+
+Every time segment k gives one memory row over the nodes live on it,
+
+    sum_(v live on k) m_v(s_v) <= L   <=>   sum_(v in S_k) (m_v(s_v) - low_v) <= L - b_k,
+
+with ``low_v`` the least allowed usage of v, ``S_k`` the live nodes whose usage varies
+and ``b_k`` the least usage of everything live (:func:`memory_segments`
+keeps the segments no neighbour implies). Tied nodes take one strategy, so in the tie
+quotient the row reads, per group g with strategy i,
+
+    sum_g  a_kg(i) x_g,i <= L - b_k,     a_kg(i) = sum_(v in S_k, v in g) (m_v(i) - low_v).
+
+Members of a group with equal usage vectors form a *class*; a row is then a count of
+live members per class. A model with 80 tied layers has thousands of segments but few
+classes (LLaMA-70B on (8, 8, 8): 6,979 segments, 155 classes, at most 29 groups a row):
+
+- rows with the same counts keep the smallest right-hand side (:func:`_distinct`);
+- row k is implied by row j when counts_j >= counts_k class by class and
+  L - b_j <= L - b_k, since every coefficient is >= 0 (:func:`_undominated`).
+  On LLaMA-70B, 6,979 rows -> 121.
+
+Both the MILP (:mod:`solver.highs_model`) and the exact CFN (:mod:`solver.exact`) read
+these rows, so the two solve the same memory model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.evaluate import memory_profile
+from solver.problem import Problem
+
+#: Largest number of live-node entries (summed over segments) materialized before
+#: aggregation; the industrial IOPDDL instances (untied, ~1e8) stop here.
+MAX_NODE_ENTRIES = 2e7
+
+#: Dominance checks (row x kept row x class comparisons) made before the rest are kept unchecked.
+MAX_DOMINANCE_WORK = 2e9
+
+
+class RowsTooLarge(Exception):
+    """The memory rows would pass the entry budget."""
+
+
+class MemoryInfeasible(ValueError):
+    """Some segment's least usage alone is above the limit."""
+
+    def __init__(self, base: float, limit: float):
+        super().__init__(f"memory limit {limit:g} is below the least usage {base:g} of one time segment")
+        self.base, self.limit = base, limit
+
+
+@dataclass(frozen=True)
+class Row:
+    """``sum_j coefs[j][x_groups[j]] <= rhs``: one memory row in tie-group space."""
+
+    groups: np.ndarray
+    """Tie-group heads (node ids) with a nonzero coefficient."""
+    coefs: list[np.ndarray]
+    """Per group, the usage above the least for each of its allowed strategies (>= 0)."""
+    rhs: float
+
+
+@dataclass(frozen=True)
+class MemoryRows:
+    """The rows of :func:`memory_rows` and what they came from."""
+
+    rows: list[Row]
+    segments: int
+    """Segments before deduplication and dominance."""
+    entries: int
+    """Sum over rows and groups of the allowed strategy counts."""
+
+
+def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray,
+                    max_entries: float = np.inf, strategies: np.ndarray | None = None, count_only: bool = False):
+    """The memory rows that are not implied by others: ``[(live varying nodes, base usage)]``.
+
+    Time splits into segments between interval endpoints; on segment k the
+    varying nodes S_k are live and the least usage of everything live is b_k.
+    The row of k reads  sum_(v in S_k) (usage_v - least_v) <= limit - b_k.  It is
+    implied by a neighbour j when S_k is a subset of S_j (no varying node starts or
+    ends between them, in the right direction) and b_k <= b_j. Runs of segments with
+    the same S keep the largest b; neighbours then differ in S, so no two rows drop
+    each other, and the survivors imply every dropped row.
+    """
+    iv = problem.intervals
+    live = iv[:, 1] > iv[:, 0]
+    times, base_total = memory_profile(problem, np.where(live, base_usage, 0.0))
+    if times.size < 2:
+        return []
+    vn = np.nonzero(varying & live)[0]
+    # Per boundary (times[k]) whether a varying node starts / ends there.
+    vstart = np.zeros(times.size, dtype=bool)
+    vend = np.zeros(times.size, dtype=bool)
+    vstart[np.searchsorted(times, iv[vn, 0])] = True
+    vend[np.searchsorted(times, iv[vn, 1])] = True
+    nseg = times.size - 1
+    # Merge runs without varying changes: segment groups g, base = max over the run.
+    new_group = vstart[:nseg] | vend[:nseg]
+    new_group[0] = True
+    gid = np.cumsum(new_group) - 1
+    ng = int(gid[-1]) + 1
+    gbase = np.full(ng, -np.inf)
+    np.maximum.at(gbase, gid, base_total[:nseg])
+    gfirst = np.nonzero(new_group)[0]
+    keep = np.ones(ng, dtype=bool)
+    for g in range(ng):
+        t_left = gfirst[g]
+        if g > 0 and not vstart[t_left] and gbase[g] <= gbase[g - 1]:
+            keep[g] = False  # only ends at the left boundary: S_g is inside S_(g-1)
+            continue
+        if g + 1 < ng:
+            t_right = gfirst[g + 1]
+            if not vend[t_right] and gbase[g] <= gbase[g + 1]:
+                keep[g] = False  # only starts at the right boundary: S_g is inside S_(g+1)
+    # Entries of the kept rows, from live counts alone, before any set is built.
+    k_of = strategies if strategies is not None else np.ones(problem.num_nodes)
+    w_start = np.zeros(times.size)
+    np.add.at(w_start, np.searchsorted(times, iv[vn, 0]), k_of[vn])
+    np.add.at(w_start, np.searchsorted(times, iv[vn, 1]), -k_of[vn])
+    entries = float(np.cumsum(w_start)[gfirst][keep].sum())
+    if entries > max_entries:
+        raise RowsTooLarge(f"{int(keep.sum())} memory rows with ~{entries:.3g} entries exceed the budget "
+                            f"of {max_entries:.3g}")
+    if count_only:
+        return []
+    # Sweep once more, materializing the kept sets.
+    starts = {}
+    ends = {}
+    for v in vn.tolist():
+        starts.setdefault(int(np.searchsorted(times, iv[v, 0])), []).append(v)
+        ends.setdefault(int(np.searchsorted(times, iv[v, 1])), []).append(v)
+    cur: set[int] = set()
+    out = []
+    for g in range(ng):
+        for t in range(gfirst[g - 1] + 1 if g > 0 else 0, gfirst[g] + 1):
+            for v in ends.get(t, []):
+                cur.discard(v)
+            cur.update(starts.get(t, []))
+        if keep[g] and cur:
+            out.append((np.array(sorted(cur), dtype=np.int64), float(gbase[g])))
+        elif keep[g] and gbase[g] > (problem.usage_limit or np.inf):
+            out.append((np.zeros(0, dtype=np.int64), float(gbase[g])))
+    return out
+
+
+def least_usage(problem: Problem, allowed: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(``low[v]``: least allowed usage, ``varying[v]``: whether v's allowed usages differ)."""
+    low = np.array([problem.node_usages[v][a].min() for v, a in enumerate(allowed)])
+    high = np.array([problem.node_usages[v][a].max() for v, a in enumerate(allowed)])
+    return low, high > low
+
+
+def _classes(problem: Problem, rep: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """(``cls[v]``, a member of each class): nodes of one tie group with equal usage vectors."""
+    keys: dict = {}
+    cls = np.empty(problem.num_nodes, dtype=np.int64)
+    first: list[int] = []
+    for v in range(problem.num_nodes):
+        k = (int(rep[v]), problem.node_usages[v].tobytes())
+        c = keys.get(k)
+        if c is None:
+            c = keys[k] = len(first)
+            first.append(v)
+        cls[v] = c
+    return cls, first
+
+
+def _distinct(segments, cls: np.ndarray, limit: float) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    seen: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray, float]] = {}
+    for live, base in segments:
+        if live.size == 0:
+            if base > limit:
+                raise MemoryInfeasible(base, limit)
+            continue
+        c, count = np.unique(cls[live], return_counts=True)
+        key = (c.tobytes(), count.tobytes())
+        old = seen.get(key)
+        if old is None or limit - base < old[2]:
+            seen[key] = (c, count, limit - base)
+    return list(seen.values())
+
+
+def _undominated(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> list[int]:
+    """Indices of rows no other kept row implies, tightest first. Each row is checked against
+    the rows kept so far; past :data:`MAX_DOMINANCE_WORK` the rest are kept unchecked (an
+    implied row left in is harmless)."""
+    if not rows:
+        return []
+    used = np.unique(np.concatenate([c for c, _, _ in rows]))
+    r = len(rows)
+    pos = np.full(int(used.max()) + 1, -1, dtype=np.int64)
+    pos[used] = np.arange(used.size)
+    counts = np.zeros((r, used.size), dtype=np.int32)
+    for k, (c, count, _) in enumerate(rows):
+        counts[k, pos[c]] = count
+    rhs = np.array([h for _, _, h in rows])
+    # Tightest first (then fullest), so a row is only ever checked against rows that can imply it.
+    order = np.lexsort((-counts.sum(axis=1), rhs)).tolist()
+    kept = np.empty((r, used.size), dtype=np.int32)
+    out: list[int] = []
+    work = 0.0
+    for pos_k, k in enumerate(order):
+        work += float(len(out)) * used.size
+        if work > MAX_DOMINANCE_WORK:
+            return out + order[pos_k:]
+        if out and (kept[: len(out)] >= counts[k]).all(axis=1).any():
+            continue
+        kept[len(out)] = counts[k]
+        out.append(k)
+    return out
+
+
+def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
+                max_entries: float = np.inf) -> MemoryRows:
+    """The memory rows of ``problem`` over tie-group heads ``rep`` with the final ``allowed``
+    strategies (after reductions; tied nodes share their head's). :class:`RowsTooLarge` past
+    ``max_entries``; :class:`MemoryInfeasible` when a segment's least usage breaks the limit."""
+    if problem.usage_limit is None:
+        return MemoryRows([], 0, 0)
+    limit = float(problem.usage_limit)
+    low, varying = least_usage(problem, allowed)
+    memory_segments(problem, varying, low, MAX_NODE_ENTRIES, count_only=True)
+    segments = memory_segments(problem, varying, low)
+    cls, first = _classes(problem, rep)
+    distinct = _distinct(segments, cls, limit)
+    keep = _undominated(distinct)
+    rows: list[Row] = []
+    entries = 0
+    for k in keep:
+        c, count, rhs = distinct[k]
+        terms: dict[int, np.ndarray] = {}
+        for ci, times in zip(c.tolist(), count.tolist()):
+            v = first[ci]
+            head = int(rep[v])
+            extra = times * (problem.node_usages[v][allowed[head]] - low[v])
+            terms[head] = terms[head] + extra if head in terms else extra
+        heads = sorted(h for h, e in terms.items() if e.any())
+        entries += sum(allowed[h].size for h in heads)
+        if entries > max_entries:
+            raise RowsTooLarge(f"{len(keep)} memory rows (of {len(segments)} segments) with over "
+                               f"{entries:.3g} entries exceed the budget of {max_entries:.3g}")
+        if not heads:
+            continue
+        rows.append(Row(np.array(heads, dtype=np.int64), [terms[h] for h in heads], rhs))
+    return MemoryRows(rows, len(segments), entries)
