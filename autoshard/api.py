@@ -43,6 +43,8 @@ def plan(
     tie_layers: bool = True,
     pins: dict | None = None,
     input_specs: Sequence | None = None,
+    seed_baselines: bool = True,
+    export_problem: str | None = None,
 ) -> Plan:
     """Choose a spec for every node of ``model``'s training step on ``mesh``.
 
@@ -53,10 +55,28 @@ def plan(
     same specs, so the solver sees one layer however deep the model is.
     ``pins``: ``{FQN glob (parameter or module): spec}`` fixes those parameters'
     specs (a spec is text such as ``"S(0)[1,0]S(0)"`` or ``{axis: placement}``);
-    ``input_specs``: one spec (or None) per example input.
+    ``input_specs``: one spec (or None) per example input. ``seed_baselines``: unless
+    the first solve (60% of ``time_limit``) proves its plan optimal, the hand-written
+    plans (DDP, FSDP, TP, FSDP+TP) are solved under their pins and, with the first
+    answer, start a second solve for the time left, so the plan is never dearer than any
+    of them. ``plan.solver["source"]`` names the stage or start the answer came from.
+    ``export_problem``: also write the solver's problem (pins applied) to this path in the
+    IOPDDL contest format (``.json`` or ``.json.gz``; ties and pins as extra keys).
     """
     session = _Session(model, example_inputs, mesh, profile, memory_budget, loss_fn, tie_layers, log)
-    return session.solve(pins, input_specs, time_limit, backend)
+    if export_problem is not None:
+        solver.save_iopddl(session.problem(pins, input_specs), export_problem)
+        session.say(f"wrote the solver problem to {export_problem}")
+    if not seed_baselines:
+        return session.solve(pins, input_specs, time_limit, backend)
+    t0 = time.perf_counter()
+    first, choice = session.solve_with_choice(pins, input_specs, 0.6 * time_limit, backend)
+    if first.solver["status"] == "optimal":
+        return first  # a proved optimum: no hand-written plan can beat it
+    seeds = session.baselines(BASELINES, 0.1 * time_limit / len(BASELINES), backend, user_pins=pins)
+    rest = max(1.0, time_limit - (time.perf_counter() - t0))
+    return session.solve(pins, input_specs, rest, backend, seeds=seeds,
+                         starts=[(f"first solve ({first.solver['source']})", choice)])
 
 
 def compare(
@@ -78,15 +98,20 @@ def compare(
     Keys: ``"autoshard"`` and the baseline names.
     """
     session = _Session(model, example_inputs, mesh, profile, memory_budget, loss_fn, True, log)
-    out: dict[str, Plan | str] = {"autoshard": session.solve(None, None, time_limit, "highs")}
+    seeds = session.baselines(baselines, time_limit, "highs")
+    out: dict[str, Plan | str] = {"autoshard": session.solve(None, None, time_limit, "highs", seeds=seeds)}
     for name in baselines:
-        pins, inputs = baseline_pins(name, model, len(tuple(mesh.shape)))
-        inputs = inputs * len(session.tg.input_nodes())
-        try:
-            out[name] = session.solve(pins, inputs, time_limit, "highs")
-        except AutoshardError as exc:
-            out[name] = str(exc)
+        seed = seeds[name]
+        out[name] = seed.plan if isinstance(seed, _Seed) else seed
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seed:
+    """A hand-written plan solved under its pins: the plan and the solver's choice."""
+
+    plan: Plan
+    choice: object
 
 
 class _Session:
@@ -117,15 +142,52 @@ class _Session:
                  f"in {self.phases['build_s']:.2f}s")
         self.names = axis_names_of(mesh)
 
-    def solve(self, pins, input_specs, time_limit, backend) -> Plan:
+    def baselines(self, names, time_limit, backend, user_pins=None) -> dict[str, "_Seed | str"]:
+        """Each hand-written plan solved under its pins (the user's pins, where given, win):
+        name -> :class:`_Seed`, or the error message when it breaks the budget."""
+        out: dict[str, _Seed | str] = {}
+        for name in names:
+            pins, inputs = baseline_pins(name, self.model, len(tuple(self.mesh.shape)))
+            inputs = inputs * len(self.tg.input_nodes())
+            if user_pins:
+                pins = {**pins, **resolve_pins(user_pins, self.tg.param_fqns + self.tg.buffer_fqns, self.names)}
+            try:
+                plan, choice = self.solve_with_choice(pins, inputs, time_limit, backend)
+            except AutoshardError as exc:
+                out[name] = str(exc)
+                self.say(f"baseline {name}: {exc}")
+                continue
+            out[name] = _Seed(plan, choice)
+            self.say(f"baseline {name}: {plan.summary['step_us'] / 1e3:.1f} ms predicted")
+        return out
+
+    def solve(self, pins, input_specs, time_limit, backend, seeds=None, starts=()) -> Plan:
+        """The plan under ``pins``; ``seeds`` (from :meth:`baselines`) and ``starts`` (named
+        choices) start the solver."""
+        seeds = seeds or {}
+        starts = [*starts, *((name, s.choice) for name, s in seeds.items() if isinstance(s, _Seed))]
+        plan, _ = self.solve_with_choice(pins, input_specs, time_limit, backend, starts)
+        if seeds:
+            plan.solver["seeds"] = {name: s.plan.summary["step_us"] if isinstance(s, _Seed) else None
+                                    for name, s in seeds.items()}
+        return plan
+
+    def problem(self, pins, input_specs) -> solver.Problem:
+        """The solver's problem with ``pins`` (parameter FQN globs -> spec) and ``input_specs`` fixed."""
         tg, gp = self.tg, self.gp
         pinned = resolve_pins(pins or {}, tg.param_fqns + tg.buffer_fqns, self.names)
         in_specs = None if input_specs is None else [
             None if s is None else to_spec(s, self.names, f"input_specs[{k}]") for k, s in enumerate(input_specs)]
-        problem = dataclasses.replace(gp.problem, pins=pin_indices(gp, tg, pinned, in_specs))
+        return dataclasses.replace(gp.problem, pins=pin_indices(gp, tg, pinned, in_specs),
+                                   name=f"{type(self.model).__name__} on {tuple(self.mesh.shape)}")
+
+    def solve_with_choice(self, pins, input_specs, time_limit, backend, starts=()) -> tuple[Plan, object]:
+        """(plan, the solver's choice per problem node) under ``pins``."""
+        tg, gp = self.tg, self.gp
+        problem = self.problem(pins, input_specs)
         t1 = time.perf_counter()
         try:
-            sol = solver.solve(problem, time_limit=time_limit, backend=backend, log=self.say)
+            sol = solver.solve(problem, time_limit=time_limit, backend=backend, log=self.say, starts=starts)
         except solver.InfeasibleError as exc:
             raise AutoshardError(
                 f"memory budget {human_bytes(self.budget)} per device is infeasible for this model"
@@ -139,9 +201,9 @@ class _Session:
         phases["assemble_s"] = time.perf_counter() - t1
         result.summary["plan_seconds"] = round(sum(phases.values()), 3)
         result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
-        if pinned or in_specs:
+        if problem.pins:
             result.summary["pinned"] = len(problem.pins)
-        return result
+        return result, sol.choice
 
 
 def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
@@ -219,6 +281,7 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
         solver={"backend": sol.backend, "status": sol.status, "objective": round(sol.cost, 3),
                 "bound": None if sol.lower_bound is None else round(sol.lower_bound, 3),
                 "gap": None if sol.gap is None else round(sol.gap, 6), "seconds": round(sol.seconds, 3),
+                "source": sol.source,
                 "variables": sol.stats.get("variables"), "constraints": sol.stats.get("constraints")},
         profile={"name": prof.name, "device": prof.device},
         model={"class": type(model).__name__, "fingerprint": Plan.fingerprint(shapes)},

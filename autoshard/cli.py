@@ -57,6 +57,9 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--pin", action="append", default=[], metavar="FQN=SPEC",
                    help="fix parameters (FQN glob, or a module) to a spec, e.g. 'layers.*.attn.wq=RS(0)'; repeatable")
+    p.add_argument("--export-problem", default=None, metavar="FILE",
+                   help="also write the solver's problem in the IOPDDL contest format (.json or .json.gz; "
+                        "ties and pins as extra keys)")
     p.add_argument("--compare", action="store_true",
                    help="also cost the hand-written plans (DDP, FSDP, TP, FSDP+TP) and print a table")
 
@@ -77,7 +80,8 @@ def _run_plan(model, inputs, args) -> int:
     t0 = time.perf_counter()
     budget = args.memory_budget if args.memory_budget else "auto"
     plan = autoshard.plan(model, inputs, mesh, profile=args.profile, memory_budget=budget,
-                          time_limit=args.time_limit, log=_log, pins=pins or None)
+                          time_limit=args.time_limit, log=_log, pins=pins or None,
+                          export_problem=args.export_problem)
     print(plan.describe())
     if args.compare:
         results = autoshard.compare(model, inputs, mesh, profile=args.profile, memory_budget=budget,

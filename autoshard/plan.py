@@ -149,7 +149,8 @@ class Plan:
             f"  graph: {s.get('graph_nodes', '?')} nodes, {s.get('strategies', '?')} strategies, "
             f"{s.get('edges', '?')} edges; {len(self.redistributes)} redistributes",
             f"  solver: {self.solver.get('backend', '?')} {self.solver.get('status', '?')} "
-            f"in {self.solver.get('seconds', 0):.2f} s (gap {self.solver.get('gap')})",
+            f"in {self.solver.get('seconds', 0):.2f} s (gap {self.solver.get('gap')}"
+            + (f", from {self.solver['source']}" if self.solver.get("source") else "") + ")",
         ]
         if s.get("fallback_ops"):
             lines.append(f"  ops with no sharding rule (replicated): {s['fallback_ops']}")

@@ -1,6 +1,7 @@
 """Predicted step time of our plan against hand-written plans, same profile and budget.
 
     python benchmarks/plan_quality.py [--models gpt2-small,llama-1b,llama-8b] [--meshes 8,8x8,2x4x8]
+                                      [--no-scale]
 
 For GPT-2-small, a LLaMA-1B-like and a LLaMA-8B-like model (meta device, global
 batch 64, sequence 1024 for GPT-2 and 2048 for LLaMA) on fake meshes (8,), (8, 8)
@@ -11,6 +12,11 @@ baseline pins parameters and inputs; the solver schedules the rest at its best.
 Per case: each plan's predicted step time (ms), ours split into compute and
 communication, peak memory per device. Last line: the worst ratio (ours / best
 feasible baseline) over all cases; it must be <= 1.
+
+Then LLaMA-70B shapes on (8, 8, 8) = 512 ranks with global batch 512 x 2048 (``--no-scale``
+skips it): compared the same way (ours seeded by the baselines), then planned twice
+more without the seeds, which must land within 5% of the best baseline and give the
+same plan in both runs.
 """
 
 from __future__ import annotations
@@ -33,52 +39,80 @@ MODELS = {
     "gpt2-small": (lambda: gpt2("small"), 1024),
     "llama-1b": (lambda: llama("1b"), 2048),
     "llama-8b": (lambda: llama("8b"), 2048),
+    "llama-70b": (lambda: llama("70b"), 2048),
 }
+#: Cases at the scale people train, beyond the grid: (model, mesh, global batch).
+SCALE_CASES = [("llama-70b", (8, 8, 8), 512)]
 MESH_NAMES = {1: ("tp",), 2: ("dp", "tp"), 3: ("rep", "dp", "tp")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default="gpt2-small,llama-1b,llama-8b")
     ap.add_argument("--meshes", default="8,8x8,2x4x8")
     ap.add_argument("--profile", default="h100-sxm")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--no-scale", action="store_true", help="skip LLaMA-70B on (8, 8, 8), batch 512")
     args = ap.parse_args()
+    cases = [(name, tuple(int(x) for x in mesh_text.split("x")), args.batch)
+             for mesh_text in args.meshes.split(",") for name in args.models.split(",")]
+    if not args.no_scale:
+        cases += SCALE_CASES
     worst = 0.0
-    for mesh_text in args.meshes.split(","):
-        shape = tuple(int(x) for x in mesh_text.split("x"))
+    for name, shape, batch in cases:
         if dist.is_initialized():
             dist.destroy_process_group()
         mesh = autoshard.fake_mesh(shape, MESH_NAMES[len(shape)])
-        for name in args.models.split(","):
-            factory, seq = MODELS[name]
-            with torch.device("meta"):
-                model = factory()
-            tokens = torch.empty(args.batch, seq, dtype=torch.long, device="meta")
-            t0 = time.perf_counter()
-            res = autoshard.compare(model, (tokens,), mesh, baselines=BASELINES, profile=args.profile,
-                                    time_limit=args.time_limit)
-            seconds = time.perf_counter() - t0
-            ours = res["autoshard"]
-            feasible = {k: v for k, v in res.items() if k != "autoshard" and not isinstance(v, str)}
-            cells = []
-            for k in BASELINES:
-                v = res[k]
-                cells.append(f"{k}=" + ("infeasible" if isinstance(v, str) else f"{v.summary['step_us'] / 1e3:.1f}"))
-            s = ours.summary
-            line = (f"{name:10s} mesh={shape!s:10s} ours={s['step_us'] / 1e3:.1f}ms "
-                    f"(compute {s['compute_us'] / 1e3:.1f} + comm {s['comm_us'] / 1e3:.1f}, "
-                    f"peak {s['peak_mem_bytes'] / 2**30:.1f}GiB, {ours.solver['status']}) " + " ".join(cells))
-            if feasible:
-                best_name, best = min(feasible.items(), key=lambda kv: kv[1].summary["step_us"])
-                ratio = s["step_us"] / best.summary["step_us"]
-                worst = max(worst, ratio)
-                line += f" best={best_name} ratio={ratio:.4f} margin={(1 - ratio) * 100:.1f}%"
-            else:
-                line += " best=none (every baseline breaks the budget)"
-            print(line + f" [{seconds:.0f}s]", flush=True)
+        factory, seq = MODELS[name]
+        with torch.device("meta"):
+            model = factory()
+        tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
+        t0 = time.perf_counter()
+        res = autoshard.compare(model, (tokens,), mesh, baselines=BASELINES, profile=args.profile,
+                                time_limit=args.time_limit)
+        seconds = time.perf_counter() - t0
+        ours = res["autoshard"]
+        feasible = {k: v for k, v in res.items() if k != "autoshard" and not isinstance(v, str)}
+        cells = []
+        for k in BASELINES:
+            v = res[k]
+            cells.append(f"{k}=" + ("infeasible" if isinstance(v, str) else f"{v.summary['step_us'] / 1e3:.1f}"))
+        s = ours.summary
+        line = (f"{name:10s} mesh={shape!s:10s} batch={batch} ours={s['step_us'] / 1e3:.1f}ms "
+                f"(compute {s['compute_us'] / 1e3:.1f} + comm {s['comm_us'] / 1e3:.1f}, "
+                f"peak {s['peak_mem_bytes'] / 2**30:.1f}GiB, {ours.solver['status']}, from "
+                f"{ours.solver['source']}) " + " ".join(cells))
+        best = None
+        if feasible:
+            best_name, best = min(feasible.items(), key=lambda kv: kv[1].summary["step_us"])
+            ratio = s["step_us"] / best.summary["step_us"]
+            worst = max(worst, ratio)
+            line += f" best={best_name} ratio={ratio:.4f} margin={(1 - ratio) * 100:.1f}%"
+        else:
+            line += " best=none (every baseline breaks the budget)"
+        print(line + f" [{seconds:.0f}s]", flush=True)
+        if (name, shape, batch) in SCALE_CASES:
+            _unseeded(model, tokens, mesh, args, best, s["step_us"])
     print(f"worst ratio ours/best baseline: {worst:.4f}")
+
+
+def _unseeded(model, tokens, mesh, args, best, seeded_us) -> None:
+    """Plan twice without the hand-written seeds: the ratio to the best baseline, and
+    whether both runs give the same plan."""
+    plans = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        p = autoshard.plan(model, (tokens,), mesh, profile=args.profile, time_limit=args.time_limit,
+                           seed_baselines=False)
+        plans.append((p, time.perf_counter() - t0))
+    (a, sa), (b, sb) = plans
+    same = a.params == b.params and a.nodes == b.nodes
+    ratio = a.summary["step_us"] / best.summary["step_us"] if best is not None else float("nan")
+    print(f"    without seeds: {a.summary['step_us'] / 1e3:.1f}ms and {b.summary['step_us'] / 1e3:.1f}ms "
+          f"({a.solver['status']}, from {a.solver['source']}; {sa:.0f}s and {sb:.0f}s end to end), "
+          f"ratio to best baseline {ratio:.4f}, with seeds {seeded_us / 1e3:.1f}ms, "
+          f"same plan in both runs: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Read and write the IOPDDL contest format (ASPLOS/EuroSys 2025), .json or .json.gz."""
+"""Read and write the IOPDDL contest format (ASPLOS/EuroSys 2025), .json or .json.gz,
+with the planner's ties and pins as optional extra keys of ``problem``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,16 @@ def from_dict(data: dict, name: str = "") -> Problem:
             f"nodes disagree in count: {len(costs)} costs, {len(usages)} usages, {len(intervals)} intervals"
         )
     limit = p.get("usage_limit")
+    ties, pins = p.get("ties", []), p.get("pins", {})
+    if not isinstance(ties, list) or not all(isinstance(g, list) for g in ties):
+        raise ProblemError(f"problem.ties: expected a list of node lists, found {type(ties).__name__}")
+    if not isinstance(pins, dict):
+        raise ProblemError(f"problem.pins: expected {{node: strategy}}, found {type(pins).__name__}")
+    try:
+        pins = {int(v): int(i) for v, i in pins.items()}
+        ties = [[int(v) for v in g] for g in ties]
+    except (TypeError, ValueError) as exc:
+        raise ProblemError(f"problem.ties / problem.pins: expected integers: {exc}") from None
     return Problem(
         node_costs=[np.asarray(c, dtype=np.float64) for c in costs],
         node_usages=[np.asarray(u, dtype=np.float64) for u in usages],
@@ -39,6 +50,8 @@ def from_dict(data: dict, name: str = "") -> Problem:
         edges=np.asarray(edge_nodes, dtype=np.int64).reshape(-1, 2),
         edge_costs=[np.asarray(c, dtype=np.float64) for c in edge_costs],
         usage_limit=None if limit is None else float(limit),
+        pins=pins,
+        ties=ties,
         name=p.get("name", name),
     )
 
@@ -59,7 +72,10 @@ def _num(x: float):
 
 
 def to_dict(problem: Problem) -> dict:
-    """The contest's JSON object for ``problem`` (pins and ties are not part of the format)."""
+    """The contest's JSON object for ``problem``. Ties (``problem.ties``: lists of nodes that
+    take one strategy index) and pins (``problem.pins``: node -> strategy) are written only
+    when present: they extend the format, and a contest solver that ignores them solves a
+    relaxation of the planner's problem."""
     out = {
         "name": problem.name,
         "nodes": {
@@ -74,6 +90,10 @@ def to_dict(problem: Problem) -> dict:
     }
     if problem.usage_limit is not None:
         out["usage_limit"] = _num(problem.usage_limit)
+    if problem.ties:
+        out["ties"] = [[int(v) for v in g] for g in problem.ties]
+    if problem.pins:
+        out["pins"] = {str(v): int(i) for v, i in sorted(problem.pins.items())}
     return {"problem": out}
 
 

@@ -121,3 +121,41 @@ def test_ops_without_rule_fall_back_and_are_listed(mesh64):
     trace_nodes = [v for v in plan.nodes.values() if v["op"] == "aten.trace.default"]
     assert trace_nodes and all(s == "RR" for s in trace_nodes[0]["in"]) and trace_nodes[0]["out"] == "RR"
     assert "no sharding rule" in plan.describe()
+
+
+def test_unproved_plans_are_seeded_by_the_hand_written_ones(mesh64, monkeypatch, tmp_path):
+    """When the first solve proves nothing, the baselines are solved and start a second solve:
+    the plan is never dearer than any of them, and says where it came from. The first solve is
+    made to return the dearest feasible answer it can find (the heuristic's, unproved)."""
+    import solver as solver_pkg
+
+    model, inputs = small_gpt()
+    real = solver_pkg.solve
+    calls = []
+
+    def first_is_poor(problem, **kw):
+        calls.append(bool(problem.pins))
+        if len(calls) == 1:
+            return real(problem, **{**kw, "pairwise": False, "exact": False, "max_nonzeros": 1,
+                                    "time_limit": 1.0})
+        return real(problem, **kw)
+
+    monkeypatch.setattr("autoshard.api.solver.solve", first_is_poor)
+    plan = autoshard.plan(model, inputs, mesh64, profile=SHARDING_PROFILE, time_limit=20,
+                          export_problem=str(tmp_path / "p.json.gz"))
+    assert calls[0] is False and True in calls  # the first solve, then the baselines (pinned)
+    seeds = plan.solver["seeds"]
+    # A batch of 16 cannot be split 64 ways: DDP and FSDP are reported as infeasible (None).
+    assert seeds["ddp"] is None and seeds["fsdp"] is None and seeds["tp"] > 0 and seeds["fsdp_tp"] > 0
+    best = min(v for v in seeds.values() if v is not None)
+    assert plan.summary["step_us"] <= best + 1e-6
+    assert plan.solver["source"] != ""
+    exported = solver_pkg.load_iopddl(tmp_path / "p.json.gz")
+    assert exported.num_nodes == len(plan.nodes) + len(plan.params) + len(plan.inputs)
+    assert exported.ties == [] or all(len(g) > 1 for g in exported.ties)
+
+
+def test_proved_plans_skip_the_seeds(mesh64):
+    plan = autoshard.plan(*small_gpt(), mesh64, profile=SHARDING_PROFILE)
+    assert plan.solver["status"] == "optimal" and "seeds" not in plan.solver
+    assert plan.solver["source"] in ("heuristic", "pairwise", "exact", "milp")

@@ -110,6 +110,15 @@ def test_iopddl_roundtrip(tmp_path):
         solver.save_iopddl(p, tmp_path / name)
         q = solver.load_iopddl(tmp_path / name)
         assert to_dict(q) == to_dict(p)
+    # The planner's ties and pins travel as extra keys and come back as they were.
+    p = Problem(p.node_costs, p.node_usages, p.intervals, p.edges, p.edge_costs, p.usage_limit,
+                pins={2: 2}, ties=[[1, 3]])
+    solver.save_iopddl(p, tmp_path / "t.json")
+    q = solver.load_iopddl(tmp_path / "t.json")
+    assert q.ties == p.ties and q.pins == p.pins
+    assert solve(q, time_limit=5).cost == pytest.approx(solve(p, time_limit=5).cost)
+    with pytest.raises(ProblemError, match="problem.ties: expected a list of node lists"):
+        from_dict({"problem": {**to_dict(p)["problem"], "ties": 3}})
 
 
 def test_deterministic():
