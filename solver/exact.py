@@ -11,7 +11,11 @@ search, so the answer is exact, and proved optimal when the search completes. Th
 the model where memory binds and the graph is small once ties are quotiented: planner
 problems (LLaMA-70B on (8, 8, 8): 20,930 nodes -> 311 groups, 6,979 memory segments
 -> 121 rows, proved optimal in seconds) and the small tight contest instances (IOPDDL V,
-where the MILP with 790k edge variables returns 57 times the best known cost).
+where the MILP with 790k edge variables returns 57 times the best known cost). It is not
+always the stronger search: where the knapsacks propagate weakly the MILP's LP bound
+wins (a 2-layer LLaMA-8B on (2, 4, 8): the MILP proves the optimum in 48 s, toulbar2
+sits 68% above it), so :func:`solver.solve` runs the two side by side on two cores
+(toulbar2 in the calling process, the MILP in :mod:`solver.milp_child`).
 
 Usages are integers (bytes) in every problem seen; fractional ones are rounded up,
 which keeps every answer feasible but proves nothing.
@@ -26,7 +30,8 @@ import numpy as np
 
 from solver import cfn
 from solver.core import cost_scale
-from solver.highs_model import reduce
+from solver.evaluate import evaluate
+from solver.highs_model import Reduced, reduce
 from solver.memrows import RowsTooLarge, memory_rows
 from solver.problem import Problem
 
@@ -45,11 +50,31 @@ class ExactResult:
     stats: dict
 
 
-def solve_exact(problem: Problem, seconds: float, upper: float | None = None,
-                reference: float | None = None) -> ExactResult:
-    """toulbar2 on the tie quotient with the memory rows; :class:`solver.memrows.RowsTooLarge`
-    when the rows pass :data:`MAX_ENTRIES`. With ``upper`` (a feasible cost) only cheaper
-    answers are searched; ``reference`` (a cost of the right magnitude) sets the integer scale."""
+@dataclass
+class ExactModel:
+    """The network toulbar2 reads (:func:`solver.cfn.solve_tables`'s arguments) and the map back."""
+
+    costs: list[np.ndarray]
+    tables: dict[tuple[int, int], np.ndarray]
+    rows: list[cfn.KnapsackRow]
+    scale: float
+    exact: bool
+    """Every row's weights were integers (else rounded up: feasible answers, no proof)."""
+    allowed: list[np.ndarray]
+    rep: np.ndarray
+    index: np.ndarray
+    """``index[head]``: the network variable of a tie group's head (-1 for other nodes)."""
+    stats: dict
+    reduced: Reduced
+    """The reductions it was built from (the MILP beside it reuses them)."""
+
+    def choice(self, picked) -> np.ndarray:
+        return np.array([self.allowed[h][picked[self.index[h]]] for h in self.rep.tolist()], dtype=np.int64)
+
+
+def build_exact(problem: Problem, reference: float | None = None) -> ExactModel:
+    """The exact network of ``problem``; :class:`solver.memrows.RowsTooLarge` when the rows pass
+    :data:`MAX_ENTRIES`. ``reference`` (a cost of the right magnitude) sets the integer scale."""
     t0 = time.perf_counter()
     red = reduce(problem, memory=True)
     mr = memory_rows(problem, red.rep, red.allowed, MAX_ENTRIES)
@@ -62,23 +87,36 @@ def solve_exact(problem: Problem, seconds: float, upper: float | None = None,
     exact = True
     rows = []
     for row in mr.rows:
-        coefs = [np.ceil(c).astype(np.int64) for c in row.coefs]
+        weights = [np.ceil(c).astype(np.int64) for c in row.coefs]
         # Integer weights: sum <= rhs <=> sum <= floor(rhs), so only rounded weights lose exactness.
-        exact &= all(np.array_equal(c, w) for c, w in zip(row.coefs, coefs))
-        rows.append(([(int(index[h]), w) for h, w in zip(row.groups.tolist(), coefs)], int(np.floor(row.rhs))))
-    scale = cost_scale(problem, reference if reference is not None else (upper if upper is not None else np.inf))
-    built = time.perf_counter() - t0
-    picked, proved, gap = cfn.solve_tables(costs, tables, max(1.0, seconds - built), scale, upper, rows)
+        exact &= all(np.array_equal(c, w) for c, w in zip(row.coefs, weights))
+        rows.append(([(int(index[h]), w) for h, w in zip(row.groups.tolist(), weights)], int(np.floor(row.rhs))))
+    scale = cost_scale(problem, reference if reference is not None else np.inf)
     stats = {"groups": int(heads.size), "memory_rows": len(mr.rows), "memory_segments": mr.segments,
-             "knapsack_entries": mr.entries, "build_s": round(built, 3)}
+             "knapsack_entries": mr.entries, "build_s": round(time.perf_counter() - t0, 3)}
+    return ExactModel(costs, tables, rows, scale, exact, red.allowed, red.rep, index, stats, red)
+
+
+def finish(problem: Problem, model: ExactModel, picked, proved: bool, gap: float) -> ExactResult:
+    """toulbar2's answer as a choice for ``problem``, with its bound when the rows were exact."""
     if picked is None:
-        return ExactResult(None, False, None, stats)
-    choice = np.array([red.allowed[h][picked[index[h]]] for h in red.rep.tolist()], dtype=np.int64)
-    from solver.evaluate import evaluate
-
+        return ExactResult(None, False, None, model.stats)
+    choice = model.choice(picked)
     cost = evaluate(problem, choice).cost
-    lower = cost - gap if exact and np.isfinite(gap) else None
-    return ExactResult(choice, proved and exact, lower, stats)
+    lower = cost - gap if model.exact and np.isfinite(gap) else None
+    return ExactResult(choice, proved and model.exact, lower, model.stats)
 
 
-__all__ = ["ExactResult", "RowsTooLarge", "solve_exact", "MAX_ENTRIES"]
+def solve_exact(problem: Problem, seconds: float, upper: float | None = None,
+                reference: float | None = None) -> ExactResult:
+    """toulbar2 on the tie quotient with the memory rows, in this process. With ``upper`` (a
+    feasible cost) only cheaper answers are searched."""
+    t0 = time.perf_counter()
+    model = build_exact(problem, reference if reference is not None else upper)
+    left = max(1.0, seconds - (time.perf_counter() - t0))
+    picked, proved, gap = cfn.solve_tables(model.costs, model.tables, left, model.scale, upper, model.rows)
+    return finish(problem, model, picked, proved, gap)
+
+
+__all__ = ["ExactModel", "ExactResult", "RowsTooLarge", "build_exact", "finish", "solve_exact",
+           "MAX_ENTRIES"]

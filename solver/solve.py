@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -11,10 +12,12 @@ import numpy as np
 import pulp
 
 from solver import cfn, heuristic, highs_model, ilp, lns, weights
-from solver.exact import solve_exact
+from solver.exact import build_exact
+from solver.exact import finish as exact_answer
 from solver.memrows import RowsTooLarge
+from solver.milp_child import MilpChild
 from solver.evaluate import evaluate, memory_profile
-from solver.problem import Problem
+from solver.problem import FORBIDDEN, Problem
 from solver.quotient import quotient, tie_heads
 
 BACKENDS = ("highs", "cbc")
@@ -168,24 +171,29 @@ def _pairwise_first(problem, deadline, say):
     return choice, ev, bound, proved
 
 
-def _exact(problem, upper, deadline, say):
-    """toulbar2 on the whole problem (memory rows as knapsacks): an ExactResult, or None when
-    its rows are too many or no time is left."""
-    seconds = deadline - time.perf_counter()
-    if seconds < 1:
-        return None
-    t0 = time.perf_counter()
+def cores() -> int:
+    """CPU cores this process may run on."""
     try:
-        res = solve_exact(problem, seconds, upper=upper)
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _exact_model(problem, reference, say):
+    """The exact network (:mod:`solver.exact`), or None when its rows are too many."""
+    try:
+        return build_exact(problem, reference)
     except RowsTooLarge as exc:
         say(f"exact (toulbar2 with memory rows) skipped: {exc}")
         return None
+
+
+def _exact_said(problem, res, t_start, say, where=""):
     st = res.stats
     found = "nothing better" if res.choice is None else f"cost {evaluate(problem, res.choice).cost:.6g}"
-    say(f"exact (toulbar2, {st['groups']} tie groups, {st['memory_rows']} memory rows of "
-        f"{st['memory_segments']} segments): {found}, {'proved optimal' if res.proved else 'time limit'}, "
-        f"bound {res.lower_bound}, {time.perf_counter() - t0:.2f}s")
-    return res
+    say(f"exact{where} (toulbar2, {st['groups']} tie groups, {st['memory_rows']} memory rows of "
+        f"{st['memory_segments']} segments): {found}, {'proved optimal' if res.proved else 'not proved'}, "
+        f"bound {res.lower_bound}, {time.perf_counter() - t_start:.2f}s")
 
 
 def _solve_cbc(problem, start, t0, time_limit, mip_gap, say):
@@ -320,15 +328,70 @@ def solve(
                 relaxed_bound = bound
                 if ev.feasible:
                     return finish("optimal", min(bound, inc.cost))
+    model = None
     if exact and problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
-        res = _exact(problem, inc.cost if inc.feasible else None, t0 + EXACT_SHARE * time_limit, say)
-        if res is not None:
+        model = _exact_model(problem, inc.cost if inc.feasible else None, say)
+    if model is None:
+        return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, say,
+                                relaxed_bound, finish)
+    milp = None
+    if cores() >= 2 and backend == "highs" and _milp_fits(model, max_nonzeros):
+        # Two searches at once: the MILP in a child (killed once toulbar2 proves), toulbar2 here.
+        milp = MilpChild(problem, model.reduced, inc.choice if inc.feasible else None,
+                         t0 + time_limit - time.perf_counter() - 1.0, mip_gap, max_nonzeros)
+        say(f"milp runs beside the exact search in a child process ({cores()} cores)")
+    try:
+        share = 0.95 if milp is not None else EXACT_SHARE
+        seconds = t0 + share * time_limit - time.perf_counter()
+        if seconds >= 1:
+            t_start = time.perf_counter()
+            upper = inc.cost if inc.feasible else None
+            res = exact_answer(problem, model, *cfn.solve_tables(model.costs, model.tables, seconds, model.scale,
+                                                                upper, model.rows))
+            _exact_said(problem, res, t_start, say)
             stats["exact"] = dict(res.stats, proved=res.proved, seconds=round(time.perf_counter() - t0, 3))
             inc.offer(res.choice, "exact")
             if res.lower_bound is not None:
                 relaxed_bound = max(relaxed_bound if relaxed_bound is not None else -math.inf, res.lower_bound)
             if res.proved:
                 return finish("optimal", relaxed_bound)
+        if milp is None:
+            return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, say,
+                                    relaxed_bound, finish)
+        ans = milp.answer(timeout=max(0.0, t0 + time_limit - time.perf_counter()))
+        status, lower = "heuristic", relaxed_bound
+        if ans is None:
+            say("milp (child): no answer within the time limit")
+        elif ans.too_large or ans.infeasible:
+            say(f"milp (child): {ans.too_large or ans.infeasible}")
+        else:
+            stats.update(ans.stats)
+            if ans.lower is not None:
+                lower = max(lower if lower is not None else -math.inf, ans.lower)
+            if inc.offer(ans.choice, "milp") and inc.feasible:
+                status = "feasible"
+            if ans.optimal and inc.feasible:
+                status = "optimal"
+            say(f"milp (child): {'optimal' if ans.optimal else 'not proved'}, bound {ans.lower}")
+        return finish(status, lower)
+    finally:
+        if milp is not None:
+            milp.close()
+
+
+def _milp_fits(model, max_nonzeros: float) -> bool:
+    """Whether the MILP over the model's reductions stays within ``max_nonzeros`` (edge variables
+    counted before the folds :func:`highs_model.build` makes, so an over-estimate)."""
+    red = model.reduced
+    n_y = sum(int((m[np.ix_(red.allowed[u], red.allowed[v])] < FORBIDDEN).sum()) for (u, v), m in red.pairs.items())
+    return 3 * n_y + model.stats["knapsack_entries"] <= max_nonzeros
+
+
+def _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, say, relaxed_bound,
+                     finish):
+    """The MILP in this process (or, on models too large for it, the weight search and LNS);
+    returns the :class:`Solution`."""
+    status, lower = "heuristic", None
     try:
         warm = inc.choice if inc.feasible else None
         if backend == "highs":

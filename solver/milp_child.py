@@ -1,0 +1,133 @@
+"""The MILP in a child process, beside toulbar2's exact search in the caller (two cores).
+
+toulbar2 cannot be interrupted once it searches, and HiGHS only looks at its interrupt
+callbacks between phases (LLaMA-70B on (8, 8, 8): 13 s of presolve without one). So
+the caller runs toulbar2, whose model it has built anyway, and the MILP runs here, where
+the caller can kill it the moment toulbar2 proves optimality, or read its answer at the
+end. The child gets the problem without its edges plus the tie reductions already made
+(:class:`solver.highs_model.Reduced`): ~60 MB for LLaMA-70B instead of ~1 GB of edge
+matrices. It is a fresh interpreter (``python -m solver.milp_child``), not a fork: the
+caller may hold torch's thread pools, and a spawned ``multiprocessing`` child would
+re-run an unguarded ``__main__``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from solver import highs_model
+from solver.problem import Problem
+
+
+@dataclass(frozen=True)
+class MilpAnswer:
+    choice: np.ndarray | None
+    lower: float | None
+    optimal: bool
+    stats: dict
+    too_large: str = ""
+    """Why the model was not built (it would pass the nonzero budget); empty when it was."""
+    infeasible: str = ""
+    """The builder's proof that nothing is feasible (as :func:`solver.solve` reads its ValueError)."""
+
+
+def without_edges(problem: Problem) -> Problem:
+    """``problem`` with no edges: what :func:`highs_model.build` reads once ``reduced`` is given."""
+    return replace(problem, edges=np.zeros((0, 2), dtype=np.int64), edge_costs=[])
+
+
+def run(problem: Problem, reduced, start, seconds: float, mip_gap: float, max_nonzeros: float) -> MilpAnswer:
+    """Build and solve the MILP (memory rows included) within ``seconds``."""
+    import highspy
+
+    t0 = time.perf_counter()
+    try:
+        model = highs_model.build(problem, max_nonzeros=max_nonzeros, memory=True, reduced=reduced)
+    except highs_model.ModelTooLarge as exc:
+        return MilpAnswer(None, None, False, {}, too_large=str(exc))
+    except ValueError as exc:  # the reductions proved it infeasible, as in solve's own MILP path
+        return MilpAnswer(None, None, False, {}, infeasible=str(exc))
+    if model.cost.size == 0:
+        return MilpAnswer(highs_model.extract(model, np.zeros(0), problem.num_nodes), model.const, True, model.stats)
+    deadline = t0 + seconds
+    h = highs_model.to_highs(model, deadline - time.perf_counter(), mip_gap)
+    if start is not None:
+        sol = highspy.HighsSolution()
+        sol.col_value = highs_model.start_vector(model, start).tolist()
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+    info = h.getInfo()
+    lower = float(info.mip_dual_bound) + model.const if math.isfinite(info.mip_dual_bound) else None
+    choice = None
+    if info.primal_solution_status >= 2:
+        choice = highs_model.extract(model, np.asarray(h.getSolution().col_value), problem.num_nodes)
+    optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    return MilpAnswer(choice, lower, optimal, model.stats)
+
+
+class MilpChild:
+    """:func:`run` in a child process; :meth:`answer` waits for it, :meth:`close` kills it."""
+
+    def __init__(self, problem: Problem, reduced, start, seconds: float, mip_gap: float, max_nonzeros: float):
+        self.dir = tempfile.TemporaryDirectory(prefix="autoshard-milp-")
+        self.out = Path(self.dir.name) / "out.pkl"
+        args = Path(self.dir.name) / "in.pkl"
+        with open(args, "wb") as f:
+            pickle.dump((without_edges(problem), reduced, start, seconds, mip_gap, max_nonzeros), f,
+                        protocol=pickle.HIGHEST_PROTOCOL)
+        root = str(Path(__file__).resolve().parents[1])  # the folder holding the solver package
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", "solver.milp_child", str(args), str(self.out)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._answer: MilpAnswer | None = None
+
+    def answer(self, timeout: float | None = None) -> MilpAnswer | None:
+        """The child's answer (waiting up to ``timeout``), or None while it still runs."""
+        if self._answer is None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return None
+            err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+            if self.proc.returncode != 0 or not self.out.exists():
+                raise RuntimeError(f"the MILP's child process failed (exit {self.proc.returncode}):\n{err}")
+            with open(self.out, "rb") as f:
+                self._answer = pickle.load(f)
+        return self._answer
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self.dir.cleanup()
+
+
+def _main(args_path: str, out_path: str) -> None:
+    with open(args_path, "rb") as f:
+        problem, reduced, start, seconds, mip_gap, max_nonzeros = pickle.load(f)
+    # Through the module's own name: run as ``__main__``, its answers would pickle as
+    # ``__main__.MilpAnswer``, which the caller cannot load.
+    from solver import milp_child
+
+    answer = milp_child.run(problem, reduced, start, seconds, mip_gap, max_nonzeros)
+    tmp = out_path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(answer, f)
+    os.replace(tmp, out_path)  # the parent never reads half a file
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])
