@@ -136,13 +136,8 @@ def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadl
 
 
 def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, say=lambda m: None,
-                  core_seconds: float = 5.0, cycle_repeats: int = 3) -> tuple[np.ndarray | None, float | None]:
+                  core_seconds: float = 5.0) -> tuple[np.ndarray | None, float | None]:
     """(best feasible choice or None, proven lower bound or None) found before ``deadline``.
-
-    The search stops early once ``cycle_repeats`` rounds have returned answers it had
-    already seen, with no better feasible answer between them: the weights then cycle
-    (on IOPDDL T two answers alternated for 100 s) and the time is worth more to the
-    windowed MILPs that follow.
 
     Ties are not eliminated (their nodes stay in the core, where toulbar2 does not tie
     them); the caller hands problems with ties to the MILP instead.
@@ -172,15 +167,10 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
 
     w = np.zeros(n)
     seen: set[bytes] = set()
-    visited: set[bytes] = set()
-    rounds, last, repeats = 0, 0.0, 0
+    rounds, last = 0, 0.0
     while True:
         now = time.perf_counter()
         if deadline - now < max(0.5, 1.2 * last):
-            break
-        if best is not None and repeats >= cycle_repeats:
-            say(f"weights: {repeats} rounds returned answers already seen since the last better one: "
-                f"the weights cycle; stopping after {rounds} rounds ({now - t_begin:.1f}s)")
             break
         core.seconds = max(1.0, min(core_seconds, deadline - now - 1.0))
         choice = elim.solve(_weighted(problem, w, low), core)
@@ -201,9 +191,6 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
             w = brackets.update(broken)
         repaired = None
         key = choice.tobytes()
-        repeat = key in visited
-        visited.add(key)
-        repeats += repeat
         if key not in seen and (raw.peak_usage <= REPAIR_OVERFLOW * limit or best is None and
                                 raw.peak_usage <= 1.5 * limit):
             seen.add(key)
@@ -216,9 +203,9 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
                 if ev.feasible:
                     repaired = ev.cost
                     if ev.cost < upper:
-                        best, upper, repeats = fixed, ev.cost, 0
+                        best, upper = fixed, ev.cost
         say(f"weights round {rounds}: pairwise cost {raw.cost:.6g}, peak {raw.peak_usage / limit:.4f}x limit, "
             f"{int(broken.sum())} nodes broken, repaired {'-' if repaired is None else f'{repaired:.6g}'}, "
-            f"best {upper:.6g}{' (a repeat)' if repeat else ''} ({time.perf_counter() - t_begin:.1f}s)")
+            f"best {upper:.6g} ({time.perf_counter() - t_begin:.1f}s)")
         last = time.perf_counter() - now
     return best, lower
