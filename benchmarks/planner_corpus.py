@@ -76,15 +76,12 @@ def milp_alone(problem: solver.Problem, limit: float) -> tuple[float | None, flo
         model = highs_model.build(problem, max_nonzeros=30e6)
     except highs_model.ModelTooLarge:
         return None, None, time.perf_counter() - t0
-    h = highs_model.to_highs(model, max(1.0, limit - (time.perf_counter() - t0)), 1e-6)
-    h.run()
-    info = h.getInfo()
-    bound = float(info.mip_dual_bound) + model.const if np.isfinite(info.mip_dual_bound) else None
+    choice, bound, _ = highs_model.solve_model(model, problem.num_nodes,
+                                               max(1.0, limit - (time.perf_counter() - t0)), 1e-6)
     cost = None
-    if info.primal_solution_status >= 2:
-        choice = highs_model.extract(model, np.asarray(h.getSolution().col_value), problem.num_nodes)
-        ev = solver.evaluate(problem, choice) if choice is not None else None
-        cost = ev.cost if ev is not None and ev.feasible else None
+    if choice is not None:
+        ev = solver.evaluate(problem, choice)
+        cost = ev.cost if ev.feasible else None
     return cost, bound, time.perf_counter() - t0
 
 

@@ -363,6 +363,29 @@ def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int 
     return h
 
 
+def solve_model(model: ArrayModel, n: int, seconds: float, mip_gap: float, start: np.ndarray | None = None
+                ) -> tuple[np.ndarray | None, float | None, bool]:
+    """HiGHS on ``model`` (of a problem with ``n`` nodes) for ``seconds``, from ``start`` when
+    given: (choice or None, proven lower bound or None, proved optimal)."""
+    import highspy
+
+    if model.cost.size == 0:  # the reductions fixed every node
+        return extract(model, np.zeros(0), n), model.const, True
+    h = to_highs(model, seconds, mip_gap)
+    if start is not None:
+        sol = highspy.HighsSolution()
+        sol.col_value = start_vector(model, start).tolist()
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+    info = h.getInfo()
+    lower = float(info.mip_dual_bound) + model.const if math.isfinite(info.mip_dual_bound) else None
+    choice = None
+    if info.primal_solution_status >= 2:
+        choice = extract(model, np.asarray(h.getSolution().col_value), n)
+    return choice, lower, h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+
+
 def start_vector(model: ArrayModel, choice: np.ndarray) -> np.ndarray:
     x = np.zeros(model.cost.size)
     for v, cols in enumerate(model.node_cols):

@@ -13,7 +13,6 @@ re-run an unguarded ``__main__``.
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import subprocess
@@ -48,8 +47,6 @@ def without_edges(problem: Problem) -> Problem:
 
 def run(problem: Problem, reduced, start, seconds: float, mip_gap: float, max_nonzeros: float) -> MilpAnswer:
     """Build and solve the MILP (memory rows included) within ``seconds``."""
-    import highspy
-
     t0 = time.perf_counter()
     try:
         model = highs_model.build(problem, max_nonzeros=max_nonzeros, memory=True, reduced=reduced)
@@ -57,22 +54,8 @@ def run(problem: Problem, reduced, start, seconds: float, mip_gap: float, max_no
         return MilpAnswer(None, None, False, {}, too_large=str(exc))
     except ValueError as exc:  # the reductions proved it infeasible, as in solve's own MILP path
         return MilpAnswer(None, None, False, {}, infeasible=str(exc))
-    if model.cost.size == 0:
-        return MilpAnswer(highs_model.extract(model, np.zeros(0), problem.num_nodes), model.const, True, model.stats)
-    deadline = t0 + seconds
-    h = highs_model.to_highs(model, deadline - time.perf_counter(), mip_gap)
-    if start is not None:
-        sol = highspy.HighsSolution()
-        sol.col_value = highs_model.start_vector(model, start).tolist()
-        sol.value_valid = True
-        h.setSolution(sol)
-    h.run()
-    info = h.getInfo()
-    lower = float(info.mip_dual_bound) + model.const if math.isfinite(info.mip_dual_bound) else None
-    choice = None
-    if info.primal_solution_status >= 2:
-        choice = highs_model.extract(model, np.asarray(h.getSolution().col_value), problem.num_nodes)
-    optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    choice, lower, optimal = highs_model.solve_model(model, problem.num_nodes, t0 + seconds - time.perf_counter(),
+                                                     mip_gap, start)
     return MilpAnswer(choice, lower, optimal, model.stats)
 
 

@@ -110,25 +110,8 @@ def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say, memory=
         f"({model.stats['edge_variables']} edge, {model.stats['dominated_strategies']} dominated strategies "
         f"dropped), {model.stats['constraints']} rows, {model.stats['nonzeros']} nonzeros "
         f"after {time.perf_counter() - t0:.2f}s")
-    if model.cost.size == 0:  # the reductions fixed every node
-        return highs_model.extract(model, np.zeros(0), problem.num_nodes), model.const, True, model.stats
-    h = highs_model.to_highs(model, deadline - time.perf_counter(), mip_gap)
-    if start is not None:
-        import highspy
-
-        sol = highspy.HighsSolution()
-        sol.col_value = highs_model.start_vector(model, start).tolist()
-        sol.value_valid = True
-        h.setSolution(sol)
-    h.run()
-    info = h.getInfo()
-    lower = float(info.mip_dual_bound) + model.const if math.isfinite(info.mip_dual_bound) else None
-    import highspy
-
-    optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
-    choice = None
-    if info.primal_solution_status >= 2:
-        choice = highs_model.extract(model, np.asarray(h.getSolution().col_value), problem.num_nodes)
+    choice, lower, optimal = highs_model.solve_model(model, problem.num_nodes, deadline - time.perf_counter(),
+                                                     mip_gap, start)
     return choice, lower, optimal, model.stats
 
 

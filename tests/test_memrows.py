@@ -5,7 +5,6 @@ import itertools
 import numpy as np
 import pytest
 
-import solver
 from solver import Problem, evaluate, solve
 from solver.exact import solve_exact
 from solver.highs_model import reduce
