@@ -162,6 +162,17 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def second_core_free() -> bool:
+    """Whether a second search would get a core of its own: two or more cores and a load
+    average that leaves one beside this process. toulbar2's time limit counts CPU time, so on
+    a loaded machine two searches sharing a core overran a 57 s budget to 78-105 s wall."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available: trust the core count
+        load = 1.0
+    return cores() >= 2 and load <= cores() - 1 + 0.5
+
+
 def _exact_model(problem, reference, say):
     """The exact network (:mod:`solver.exact`), or None when its rows are too many."""
     try:
@@ -318,7 +329,7 @@ def solve(
         return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, say,
                                 relaxed_bound, finish)
     milp = None
-    if cores() >= 2 and backend == "highs" and _milp_fits(model, max_nonzeros):
+    if backend == "highs" and second_core_free() and _milp_fits(model, max_nonzeros):
         # Two searches at once: the MILP in a child (killed once toulbar2 proves), toulbar2 here.
         milp = MilpChild(problem, model.reduced, inc.choice if inc.feasible else None,
                          t0 + time_limit - time.perf_counter() - 1.0, mip_gap, max_nonzeros)
