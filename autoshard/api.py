@@ -146,11 +146,11 @@ class _Session:
         """Each hand-written plan solved under its pins (the user's pins, where given, win):
         name -> :class:`_Seed`, or the error message when it breaks the budget."""
         out: dict[str, _Seed | str] = {}
+        mine = resolve_pins(user_pins or {}, self.tg.param_fqns + self.tg.buffer_fqns, self.names)
         for name in names:
             pins, inputs = baseline_pins(name, self.model, len(tuple(self.mesh.shape)))
             inputs = inputs * len(self.tg.input_nodes())
-            if user_pins:
-                pins = {**pins, **resolve_pins(user_pins, self.tg.param_fqns + self.tg.buffer_fqns, self.names)}
+            pins = {**pins, **mine}
             try:
                 plan, choice = self.solve_with_choice(pins, inputs, time_limit, backend)
             except AutoshardError as exc:

@@ -30,7 +30,7 @@ import numpy as np
 
 from solver import cfn
 from solver.core import cost_scale
-from solver.evaluate import evaluate
+from solver.evaluate import Evaluation, evaluate
 from solver.highs_model import Reduced, reduce
 from solver.memrows import RowsTooLarge, memory_rows
 from solver.problem import Problem
@@ -48,6 +48,8 @@ class ExactResult:
     lower_bound: float | None
     """A proven lower bound on the optimum (None when the rows were rounded)."""
     stats: dict
+    evaluation: Evaluation | None = None
+    """``choice`` evaluated on the whole problem."""
 
 
 @dataclass
@@ -102,9 +104,9 @@ def finish(problem: Problem, model: ExactModel, picked, proved: bool, gap: float
     if picked is None:
         return ExactResult(None, False, None, model.stats)
     choice = model.choice(picked)
-    cost = evaluate(problem, choice).cost
-    lower = cost - gap if model.exact and np.isfinite(gap) else None
-    return ExactResult(choice, proved and model.exact, lower, model.stats)
+    ev = evaluate(problem, choice)
+    lower = ev.cost - gap if model.exact and np.isfinite(gap) else None
+    return ExactResult(choice, proved and model.exact, lower, model.stats, ev)
 
 
 def solve_exact(problem: Problem, seconds: float, upper: float | None = None,

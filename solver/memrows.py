@@ -75,8 +75,7 @@ class MemoryRows:
     """Sum over rows and groups of the allowed strategy counts."""
 
 
-def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray,
-                    max_entries: float = np.inf, strategies: np.ndarray | None = None, count_only: bool = False):
+def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray, max_entries: float = np.inf):
     """The memory rows that are not implied by others: ``[(live varying nodes, base usage)]``.
 
     Time splits into segments between interval endpoints; on segment k the
@@ -117,17 +116,14 @@ def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarra
             t_right = gfirst[g + 1]
             if not vend[t_right] and gbase[g] <= gbase[g + 1]:
                 keep[g] = False  # only starts at the right boundary: S_g is inside S_(g+1)
-    # Entries of the kept rows, from live counts alone, before any set is built.
-    k_of = strategies if strategies is not None else np.ones(problem.num_nodes)
+    # Live-node entries of the kept rows, from live counts alone, before any set is built.
     w_start = np.zeros(times.size)
-    np.add.at(w_start, np.searchsorted(times, iv[vn, 0]), k_of[vn])
-    np.add.at(w_start, np.searchsorted(times, iv[vn, 1]), -k_of[vn])
+    np.add.at(w_start, np.searchsorted(times, iv[vn, 0]), 1.0)
+    np.add.at(w_start, np.searchsorted(times, iv[vn, 1]), -1.0)
     entries = float(np.cumsum(w_start)[gfirst][keep].sum())
     if entries > max_entries:
-        raise RowsTooLarge(f"{int(keep.sum())} memory rows with ~{entries:.3g} entries exceed the budget "
-                            f"of {max_entries:.3g}")
-    if count_only:
-        return []
+        raise RowsTooLarge(f"{int(keep.sum())} memory rows with ~{entries:.3g} live-node entries exceed the "
+                           f"budget of {max_entries:.3g}")
     # Sweep once more, materializing the kept sets.
     starts = {}
     ends = {}
@@ -224,8 +220,7 @@ def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
         return MemoryRows([], 0, 0)
     limit = float(problem.usage_limit)
     low, varying = least_usage(problem, allowed)
-    memory_segments(problem, varying, low, MAX_NODE_ENTRIES, count_only=True)
-    segments = memory_segments(problem, varying, low)
+    segments = memory_segments(problem, varying, low, MAX_NODE_ENTRIES)
     cls, first = _classes(problem, rep)
     distinct = _distinct(segments, cls, limit)
     keep = _undominated(distinct)

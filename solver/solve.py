@@ -51,7 +51,7 @@ class Solution:
     backend: str = ""
     stats: dict = field(default_factory=dict)
     source: str = ""
-    """The stage whose answer this is: ``start`` (a given start), ``heuristic``, ``pairwise``
+    """The stage whose answer this is: ``start:<name>`` (a given start), ``heuristic``, ``pairwise``
     (memory-free optimum that fits), ``exact`` (toulbar2 with memory rows), ``milp``,
     ``weights`` (per-node penalty search), ``lns`` or ``polish`` (local search at the end)."""
 
@@ -86,10 +86,9 @@ def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, say, rel
     and on planner graphs the limit often does not bind: the memory rows (thousands of
     them, half the nonzeros) then cost nothing. Otherwise its bound still holds and the
     full MILP gets the remaining time."""
-    if problem.usage_limit is not None:
+    if problem.usage_limit is not None and relaxed_bound is None:
         # Never spend half the time on a relaxation whose full model cannot be built.
         highs_model.check_memory_rows(problem, max_nonzeros)
-    if problem.usage_limit is not None and relaxed_bound is None:
         deadline = t0 + 0.5 * time_limit
         choice, lower, optimal, stats = _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say,
                                                    memory=False)
@@ -182,10 +181,10 @@ def _exact_model(problem, reference, say):
         return None
 
 
-def _exact_said(problem, res, t_start, say, where=""):
+def _exact_said(res, t_start, say):
     st = res.stats
-    found = "nothing better" if res.choice is None else f"cost {evaluate(problem, res.choice).cost:.6g}"
-    say(f"exact{where} (toulbar2, {st['groups']} tie groups, {st['memory_rows']} memory rows of "
+    found = "nothing better" if res.choice is None else f"cost {res.evaluation.cost:.6g}"
+    say(f"exact (toulbar2, {st['groups']} tie groups, {st['memory_rows']} memory rows of "
         f"{st['memory_segments']} segments): {found}, {'proved optimal' if res.proved else 'not proved'}, "
         f"bound {res.lower_bound}, {time.perf_counter() - t_start:.2f}s")
 
@@ -291,7 +290,7 @@ def solve(
     say(f"incumbent: cost {inc.ev.cost:.6g} (feasible={inc.feasible}, {inc.source}) "
         f"after {time.perf_counter() - t0:.2f}s")
     stats = dict(problem.stats())
-    status, lower, relaxed_bound = "heuristic", None, None
+    relaxed_bound = None
 
     def finish(status, lower):
         if not inc.feasible:
@@ -342,9 +341,9 @@ def solve(
             upper = inc.cost if inc.feasible else None
             res = exact_answer(problem, model, *cfn.solve_tables(model.costs, model.tables, seconds, model.scale,
                                                                 upper, model.rows))
-            _exact_said(problem, res, t_start, say)
+            _exact_said(res, t_start, say)
             stats["exact"] = dict(res.stats, proved=res.proved, seconds=round(time.perf_counter() - t0, 3))
-            inc.offer(res.choice, "exact")
+            inc.offer(res.choice, "exact", res.evaluation)
             if res.lower_bound is not None:
                 relaxed_bound = max(relaxed_bound if relaxed_bound is not None else -math.inf, res.lower_bound)
             if res.proved:

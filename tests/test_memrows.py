@@ -55,12 +55,11 @@ def layered_problem(rng, layers=6, per_layer=3, k=3, tight=0.5):
 
 
 def rows_hold(rows, choice) -> bool:
-    return all(sum(c[choice[h]] for h, c in zip(r.groups.tolist(), r.coefs_by_strategy)) <= r.rhs + 1e-9
-               for r in rows)
+    return all(sum(c[choice[h]] for h, c in zip(groups, coefs)) <= rhs + 1e-9 for groups, coefs, rhs in rows)
 
 
 def _by_strategy(problem, red, mr):
-    """Each row's coefficients indexed by strategy (not by allowed position)."""
+    """Each row as (groups, coefficients indexed by strategy rather than allowed position, rhs)."""
     out = []
     for r in mr.rows:
         full = []
@@ -68,7 +67,7 @@ def _by_strategy(problem, red, mr):
             x = np.full(problem.num_strategies(h), np.inf)
             x[red.allowed[h]] = c
             full.append(x)
-        out.append(type("R", (), {"groups": r.groups, "coefs_by_strategy": full, "rhs": r.rhs}))
+        out.append((r.groups.tolist(), full, r.rhs))
     return out
 
 
