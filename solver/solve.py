@@ -304,8 +304,8 @@ def solve(
         if status == "optimal":
             # Proved within mip_gap: no weaker bound carried from an earlier stage (CI once saw the
             # memory-free relaxation's 97 beside a proved 194, the MILP's own bound not finite).
-            proved = inc.cost - mip_gap * abs(inc.cost)
-            lower = proved if lower is None else max(lower, proved)
+            if lower is None or lower < inc.cost - mip_gap * abs(inc.cost):
+                lower = inc.cost
         if lower is not None and lower > inc.cost:
             lower = inc.cost
         seconds = time.perf_counter() - t0
