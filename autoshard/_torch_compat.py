@@ -30,6 +30,17 @@ def node_meta_custom() -> dict:
     return fx_traceback.current_meta.setdefault("custom", {})
 
 
+def traced_node(t: torch.Tensor):
+    """The FX node ``make_fx`` is recording for ``t`` (None outside tracing or for an untraced tensor)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return None
+    slot = get_proxy_slot(t, mode.tracer, None)
+    return None if slot is None else slot.proxy.node
+
+
 def is_persistent_buffer(module, name: str) -> bool:
     """Whether ``module``'s buffer ``name`` is part of its state dict (nn.Module's private set)."""
     return name not in module._non_persistent_buffers_set
@@ -132,3 +143,144 @@ def _op_strategy(op, schema: OpSchema, mesh, out_meta):
 def has_rule(op) -> bool:
     prop = sharding_propagator()
     return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs
+
+
+_COORDINATES: dict = {}
+
+
+def _coordinate_of(mesh, rank: int) -> list[int]:
+    key = (id(mesh), rank)
+    found = _COORDINATES.get(key)
+    if found is not None and found[0] is mesh:
+        return found[1]
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # The same computation as LocalTensorMode's: the mesh's rank tensor holds one copy of the
+    # mesh per replica of a sub-mesh; rank appears once, after the leading replica index. It
+    # is called while tracing: neither recorded nor run on fake tensors, and memoized (DTensor
+    # asks for coordinates tens of thousands of times per program).
+    with _disable_current_modes():
+        ranks = mesh._layout.remap_to_tensor(mesh._rank_map.clone())
+        hits = (ranks == rank).nonzero().tolist()
+    if len(hits) != 1:
+        raise ValueError(f"rank {rank} is not in the mesh {mesh}")
+    _COORDINATES[key] = (mesh, hits[0][1:])
+    return hits[0][1:]
+
+
+def as_rank(rank: int):
+    """A context in which every DeviceMesh answers as global rank ``rank`` (its coordinates and
+    local ranks), so that DTensor code traced inside it is rank ``rank``'s program. DTensor reads
+    the rank through these DeviceMesh methods only (LocalTensorMode patches the same ones)."""
+    import contextlib
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def get_coordinate(self):
+        return _coordinate_of(self, rank)
+
+    def get_local_rank(self, mesh_dim=None):
+        if mesh_dim is None:
+            mesh_dim = 0
+        if isinstance(mesh_dim, str):
+            mesh_dim = self.mesh_dim_names.index(mesh_dim)
+        return _coordinate_of(self, rank)[mesh_dim]
+
+    patches = {
+        "get_coordinate": get_coordinate,
+        "_sym_get_coordinate": lambda self, index: _coordinate_of(self, rank)[index],
+        "get_rank": lambda self: rank,
+        "get_local_rank": get_local_rank,
+        "_is_current_rank_part_of_mesh": lambda self: True,
+    }
+
+    @contextlib.contextmanager
+    def patched():
+        saved = {name: getattr(DeviceMesh, name) for name in patches}
+        try:
+            for name, fn in patches.items():
+                setattr(DeviceMesh, name, fn)
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(DeviceMesh, name, fn)
+
+    return patched()
+
+
+def local_shape(shape, mesh, placements) -> tuple[int, ...]:
+    """This rank's shard shape of a tensor of global ``shape`` (DTensor's own computation)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(tuple(shape), mesh, tuple(placements))[0])
+
+
+def local_tensor_ranks() -> list[int] | None:
+    """The ranks of the active LocalTensorMode (all ranks run in this process), else None."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:
+        return None
+    mode = enabled_local_tensor_mode()
+    return None if mode is None else sorted(mode.ranks)
+
+
+def rank_parts(t: torch.Tensor, ranks: list[int]) -> dict[int, torch.Tensor]:
+    """Each rank's tensor of a LocalTensor; a plain tensor is every rank's."""
+    parts = getattr(t, "_local_tensors", None)
+    return dict(parts) if parts is not None else {r: t for r in ranks}
+
+
+def from_rank_parts(parts: dict[int, torch.Tensor]) -> torch.Tensor:
+    """One LocalTensor holding each rank's tensor."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor({r: t.detach() for r, t in parts.items()})
+
+
+def group_ranks(group_name: str) -> list[int]:
+    """The global ranks of a process group, by the name functional collectives carry."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_process_group_ranks(_resolve_process_group(group_name))
+
+
+def quiet_tracing():
+    """A context with no ambient dispatch mode (LocalTensorMode, CommDebugMode ...) and no global
+    module hook: a trace taken inside a user's forward must see the model alone, as planned."""
+    import contextlib
+
+    from torch.nn.modules import module as _module
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    names = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+             "_global_backward_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")
+
+    @contextlib.contextmanager
+    def quiet():
+        saved = {n: dict(getattr(_module, n)) for n in names if hasattr(_module, n)}
+        try:
+            for n in saved:
+                getattr(_module, n).clear()
+            with outside_local_tensor_mode(), _disable_current_modes():
+                yield
+        finally:
+            for n, d in saved.items():
+                getattr(_module, n).update(d)
+
+    return quiet()
+
+
+def fresh_namespace():
+    """An empty FX name allocator (FX's private ``_Namespace``): ``create_name(candidate, None)``
+    returns the name FX would give a node asking for ``candidate``."""
+    from torch.fx.graph import _Namespace
+
+    return _Namespace()
+
+
+def rename_node(node, name: str) -> None:
+    """Set an FX node's name (the caller keeps names unique)."""
+    node.name = name
+    node.graph._graph_namespace._rename_object(node, name)

@@ -283,6 +283,18 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
                 "gap": None if sol.gap is None else round(sol.gap, 6), "seconds": round(sol.seconds, 3),
                 "source": sol.source,
                 "variables": sol.stats.get("variables"), "constraints": sol.stats.get("constraints")},
-        profile={"name": prof.name, "device": prof.device},
+        profile=_profile_entry(prof),
         model={"class": type(model).__name__, "fingerprint": Plan.fingerprint(shapes)},
     )
+
+
+def _profile_entry(prof) -> dict:
+    """The plan's record of its profile: the name of a shipped one, or the whole profile (a
+    calibrated or custom one), so that the plan can be lowered where that file is absent (the
+    profile decides each redistribute's steps)."""
+    from costmodel import builtin_profiles, load_profile
+
+    entry = {"name": prof.name, "device": prof.device}
+    if prof.name not in builtin_profiles() or load_profile(prof.name).to_json() != prof.to_json():
+        entry["data"] = prof.to_json()
+    return entry

@@ -12,12 +12,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autoshard._torch_compat import from_placements, is_persistent_buffer, placements_for
+from autoshard._torch_compat import from_placements, is_persistent_buffer, placements_for, quiet_tracing
 from autoshard.errors import MeshError, PlanError
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.plan import Plan
 from costmodel import execute_plan, local_plan
 from costmodel.spec import Spec
+from autoshard.runtime import _Step
 
 
 def distribute(tensor: torch.Tensor, mesh, spec: Spec, src_data_rank: int | None = 0) -> DTensor:
@@ -104,8 +105,47 @@ def _to_placements_hook(mesh, placements):
     return hook
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dict: dict | None = None
-                ) -> nn.Module:
+class _PlannedForward:
+    """The model's ``forward`` once parallelized: the plan's lowered forward and backward
+    programs (one per input signature, lowered on first use)."""
+
+    def __init__(self, model: nn.Module, template: nn.Module, plan: Plan, mesh, loss_fn, profile):
+        self.model, self.template, self.plan, self.mesh = model, template, plan, mesh
+        self.loss_fn, self.profile = loss_fn, profile
+        self.input_specs = [Spec.parse(s) for s in plan.inputs]
+        self.programs: dict[tuple, object] = {}
+
+    def program(self, inputs: list[torch.Tensor]):
+        from autoshard.runtime import PlannedProgram
+        from autoshard.trace import trace
+
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key not in self.programs:
+            with quiet_tracing():
+                with torch.device("meta"):
+                    shapes = [torch.empty(x.shape, dtype=x.dtype) for x in inputs]
+                tg = trace(self.template, shapes, self.loss_fn)
+            self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile)
+        return self.programs[key]
+
+    def __call__(self, *args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(tensors) != len(self.input_specs) or len(tensors) != len(args):
+            raise PlanError(f"forward got {len(args)} arguments ({len(tensors)} tensors), the plan was made for "
+                            f"{len(self.input_specs)} tensor inputs")
+        dist_inputs = [a if isinstance(a, DTensor) else distribute(a, self.mesh, spec, src_data_rank=None)
+                       for a, spec in zip(args, self.input_specs)]
+        program = self.program(dist_inputs)
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        flat = [params[f] for f in program.tg.param_fqns] + [buffers[f] for f in program.tg.buffer_fqns]
+        outs = iter(_Step.apply(program, *flat, *dist_inputs))
+        leaves = [next(outs) if isinstance(v, torch.fx.Node) else v for v in program.tg.outputs]
+        return torch.utils._pytree.tree_unflatten(leaves, program.tg.output_tree)
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dict: dict | None = None,
+                loss_fn=None, profile=None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
 
     Parameters and buffers become DTensors with the planned placements; each
@@ -122,6 +162,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     """
     check_mesh(mesh)
     check_plan_matches(model, plan, mesh)
+    from autoshard.replay import _unsharded_meta_copy
+
+    template = _unsharded_meta_copy(model)
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -171,6 +214,6 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
             init_fn(model)
     if full_state_dict is not None:
         load_full_state_dict(model, full_state_dict)
-    model.register_forward_pre_hook(distribute_inputs)
+    model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile)
     model._autoshard_plan = plan
     return model

@@ -15,9 +15,14 @@ import torch
 import torch.fx as fx
 from torch.func import functional_call
 
+from autoshard import _torch_compat as tc
 from autoshard._torch_compat import FakeTensorMode, make_fx
 from autoshard.errors import TraceError
 from autoshard.layers import layer_groups, tag_layers
+
+
+PHASE = "autoshard_phase"
+"""``node.meta["custom"]`` key of the step's phase that created the node."""
 
 
 def default_loss(out):
@@ -54,6 +59,19 @@ class TracedGraph:
     """Parameter FQN -> the node producing its gradient (absent when unused)."""
     layer_groups: list[list[str]] = field(default_factory=list)
     """Repeated layers whose traced nodes are tagged (see :mod:`autoshard.layers`)."""
+    outputs: list = field(default_factory=list)
+    """The model's output leaves (its pytree flattened): the node of each tensor leaf, the
+    value itself for any other leaf."""
+    output_tree: object = None
+    """The pytree spec that rebuilds the model's output from ``outputs``."""
+    output_grads: dict[int, fx.Node] = field(default_factory=dict)
+    """Output leaf index -> the node of the loss's gradient with respect to that output (the
+    backward pass of the model starts from these; absent for leaves the loss does not reach)."""
+
+    def phase(self, node: fx.Node) -> str | None:
+        """``forward`` (the model), ``loss`` (``loss_fn``) or ``backward`` for a traced op."""
+        custom = node.meta.get("custom")
+        return custom.get(PHASE) if isinstance(custom, dict) else None
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -63,12 +81,13 @@ class TracedGraph:
         return [n for n in self.placeholders if self.kinds[n.name] == "input"]
 
 
-def _drop_hook_residue(gm: fx.GraphModule) -> None:
+def _drop_hook_residue(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     """Undo what the layer-tagging hooks add to the graph: identity views (backward hooks
     wrap each layer's inputs and outputs) and the dead ``zeros`` they leave behind. Left in,
     each boundary view is one more node whose sharding rule can force a redistribute
     (measured: +3.4% predicted step on a 5-layer LLaMA)."""
     view = torch.ops.aten.view.default
+    replaced: dict[fx.Node, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is view and isinstance(node.args[0], fx.Node):
             src = node.args[0].meta.get("val")
@@ -76,8 +95,53 @@ def _drop_hook_residue(gm: fx.GraphModule) -> None:
             if isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape \
                     and src.stride() == out.stride():
                 node.replace_all_uses_with(node.args[0])
+                replaced[node] = node.args[0]
                 gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return replaced
+
+
+def _phase(node: fx.Node) -> str | None:
+    custom = node.meta.get("custom")
+    return custom.get(PHASE) if isinstance(custom, dict) else None
+
+
+def _loss_free_names(gm: fx.GraphModule, output_grads) -> None:
+    """Name the model's nodes as if the step had no loss, the loss's own nodes ``loss_*``.
+
+    FX numbers nodes per op name in creation order (``mul``, ``mul_1`` ...), so the loss's ops
+    would shift the numbers of every backward op after them: a plan made with one loss_fn
+    would name its backward nodes differently from a model traced with another. Renumbered
+    without the loss (its forward ops, and the backward ops that only compute the outputs'
+    gradients), the model's forward and backward keep their names whatever loss the caller
+    uses, and a plan can be applied with the loss left outside the model."""
+    import re
+
+    nodes = list(gm.graph.nodes)
+    loss_part = {n for n in nodes if _phase(n) == "loss"}
+    stack = list(output_grads)
+    while stack:
+        n = stack.pop()
+        if n in loss_part or _phase(n) != "backward":
+            continue
+        loss_part.add(n)
+        stack.extend(n.all_input_nodes)
+    ns = tc.fresh_namespace()
+    names = {}
+    for n in nodes:
+        if n in loss_part:
+            names[n] = f"loss_{n.name}"
+        elif n.op == "call_function":
+            m = re.match(r"^(.*)_(\d+)$", n.name)
+            names[n] = ns.create_name(m.group(1) if m else n.name, None)
+        else:
+            names[n] = ns.create_name(n.name, None)
+    if len(set(names.values())) != len(names):
+        return  # not expected; the original names stay (then the loss must be the plan's)
+    for n in nodes:
+        if names[n] != n.name:
+            tc.rename_node(n, names[n])
     gm.recompile()
 
 
@@ -118,23 +182,41 @@ def trace(
     finputs = [_to_fake(fm, x, device, requires_grad=False) for x in example_inputs]
     names_p, names_b = list(params), list(buffers)
     trainable = [i for i, p in enumerate(params.values()) if p.requires_grad]
+    seen: dict = {}
+
+    def grad_hook(k):
+        def hook(g):
+            seen["grads"][k] = tc.traced_node(g)
+        return hook
 
     def step(*flat):
         ps = flat[: len(names_p)]
         bs = flat[len(names_p): len(names_p) + len(names_b)]
         xs = flat[len(names_p) + len(names_b):]
         state = {**dict(zip(names_p, ps)), **dict(zip(names_b, bs))}
+        # The phase of each traced op is what lets a plan be split into the model's forward
+        # and backward programs, with the loss left to the caller (autoshard.lower).
+        tc.node_meta_custom()[PHASE] = "forward"
         out = functional_call(model, state, tuple(xs))
+        leaves, seen["tree"] = torch.utils._pytree.tree_flatten(out)
+        seen["leaves"] = [tc.traced_node(v) if isinstance(v, torch.Tensor) else v for v in leaves]
+        seen["grads"] = {}
+        for k, v in enumerate(leaves):
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                v.register_hook(grad_hook(k))
+        tc.node_meta_custom()[PHASE] = "loss"
         loss = loss_fn(out)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise TraceError(f"loss: expected a scalar tensor, found {getattr(loss, 'shape', type(loss))}")
+        tc.node_meta_custom()[PHASE] = "backward"
         grads = torch.autograd.grad(loss, [ps[i] for i in trainable], allow_unused=True)
+        tc.node_meta_custom().pop(PHASE, None)
         return (loss, *grads)
 
     groups = layer_groups(model) if tie_layers else []
     try:
         try:
-            with fm, tag_layers(model, groups):
+            with fm, tc.preserve_node_meta(), tag_layers(model, groups):
                 gm = make_fx(step, pre_dispatch=False)(*fparams, *fbuffers, *finputs)
         except TraceError:
             raise
@@ -143,8 +225,10 @@ def trace(
                 raise
             # Backward hooks can trip on unusual layer signatures: trace again untagged.
             groups = []
-            with fm:
+            with fm, tc.preserve_node_meta():
                 gm = make_fx(step, pre_dispatch=False)(*fparams, *fbuffers, *finputs)
+        finally:
+            tc.node_meta_custom().pop(PHASE, None)
     except TraceError:
         raise
     except Exception as exc:  # the model's own error, reported with the shapes it got
@@ -155,7 +239,17 @@ def trace(
         ) from exc
 
     if groups:
-        _drop_hook_residue(gm)
+        replaced = _drop_hook_residue(gm)
+
+        def alive(n):
+            while n in replaced:
+                n = replaced[n]
+            return n
+
+        seen["leaves"] = [alive(v) if isinstance(v, fx.Node) else v for v in seen.get("leaves", [])]
+        seen["grads"] = {k: alive(n) for k, n in seen.get("grads", {}).items() if n is not None}
+    seen["grads"] = {k: n for k, n in seen.get("grads", {}).items() if n is not None}
+    _loss_free_names(gm, seen["grads"].values())
     for node in gm.graph.nodes:
         if node.op == "get_attr" and "val" not in node.meta:
             # Constants lifted by make_fx (small tensors built inside forward): give them
@@ -164,7 +258,8 @@ def trace(
             if isinstance(const, torch.Tensor):
                 node.meta["val"] = fm.from_tensor(const)
     tg = TracedGraph(gm=gm, param_fqns=names_p, buffer_fqns=names_b, num_inputs=len(example_inputs),
-                     layer_groups=groups)
+                     layer_groups=groups, outputs=seen.get("leaves", []), output_tree=seen.get("tree"),
+                     output_grads=seen["grads"])
     ph = tg.placeholders
     for k, node in enumerate(ph):
         if k < len(names_p):

@@ -5,7 +5,7 @@ from costmodel.compute import compute_time_us
 from costmodel.profile import LinkModel, Profile, builtin_profiles, load_profile
 from costmodel.redistribute import (RedistributeError, RedistributePlan, RedistributePlanner, Step,
                                     local_plan, plan_redistribute, plan_steps, redistribute_cost_us)
-from costmodel.reference import execute_plan, price_path, start_step, torch_path
+from costmodel.reference import execute_plan, make_groups, price_path, start_step, torch_path
 from costmodel.spec import Spec
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "builtin_profiles",
     "collective_time_us",
     "execute_plan",
+    "make_groups",
     "local_plan",
     "start_step",
     "compute_time_us",

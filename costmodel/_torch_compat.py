@@ -60,6 +60,18 @@ def _group_mesh(mesh, axes):
     return mesh[tuple(names[a] for a in axes)]._flatten(), 0
 
 
+def make_groups(mesh) -> None:
+    """Create the flattened sub-mesh of every set of two or more axes now: a merged step
+    creates its group on first use, which must not happen while a program is traced."""
+    import itertools
+
+    if not mesh.mesh_dim_names:
+        return
+    for k in range(2, mesh.ndim + 1):
+        for axes in itertools.combinations(range(mesh.ndim), k):
+            _group_mesh(mesh, axes)
+
+
 def run_step(local: torch.Tensor, step: Step, mesh, shape) -> torch.Tensor:
     ndim = len(shape)
     codes, orders = encode(step.src, ndim, mesh.ndim)

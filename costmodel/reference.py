@@ -17,6 +17,11 @@ def execute_plan(local: torch.Tensor, plan: RedistributePlan, mesh, shape) -> to
     return tc.execute(local, plan, mesh, tuple(shape))
 
 
+def make_groups(mesh) -> None:
+    """Create every flattened axis group a merged step may use (before tracing programs)."""
+    tc.make_groups(mesh)
+
+
 def start_step(local: torch.Tensor, step, mesh, shape) -> torch.Tensor:
     """Start one step of a plan without waiting: a collective returns a tensor that
     waits on first use (or on ``.wait()``), so the caller can overlap it with work."""

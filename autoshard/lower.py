@@ -1,0 +1,257 @@
+"""Lower a plan into per-rank programs: the model's forward and backward as FX graphs of
+local aten ops and functional collectives.
+
+The plan names a spec for every input of every node of the joint graph it was made on.
+Lowering re-traces that graph (same nodes, same names), splits it into the model's
+forward and its backward (the loss is the caller's), and runs each part once on DTensors
+under ``make_fx``: before every op each tensor argument is moved to its planned spec by
+the planner's own steps (:func:`costmodel.execute_plan`, DTensor's placement methods on
+the planned mesh axes or flattened groups), then the op runs by DTensor's rule on
+operands that already match one of its strategies. ``make_fx`` records what DTensor does
+on the local shards: local aten ops and ``_c10d_functional`` collectives. The recorded
+graph is this rank's program; running it involves no DTensor dispatch.
+
+The split: the forward is every op the model's forward traced; the backward is what the
+parameters' gradients need, starting from the gradient of each model output (a tangent)
+and reading the forward's values it needs (the saved activations, explicit as graph
+outputs of the forward). What the loss computed is left out: the caller computes the loss
+on the outputs, and autograd hands back each output's gradient.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from autoshard import _torch_compat as tc
+from autoshard.errors import PlanError
+from autoshard.plan import Plan
+from autoshard.trace import TracedGraph
+from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, make_groups
+from costmodel.profile import Profile
+
+
+@dataclass
+class Split:
+    """The plan's joint graph cut into the model's forward and backward."""
+
+    forward: list[fx.Node]
+    """The model's forward ops, in graph order."""
+    backward: list[fx.Node]
+    """The ops the parameters' gradients need, given the tangents and the saved values."""
+    saved: list[fx.Node]
+    """Forward values (ops or placeholders) the backward reads."""
+    tangents: list[tuple[int, fx.Node]]
+    """(model output leaf index, the node of that output's gradient), one per backward input."""
+    grads: dict[str, fx.Node]
+    """Parameter FQN -> the node of its gradient (only parameters the loss reaches)."""
+
+
+class LowerError(PlanError):
+    """A plan that cannot be lowered to per-rank programs (names the node and the reason)."""
+
+
+def split(tg: TracedGraph) -> Split:
+    """Forward, backward, saved values and tangents of a traced step (see :class:`Split`)."""
+    nodes = list(tg.gm.graph.nodes)
+    forward = [n for n in nodes if n.op in ("call_function", "get_attr") and tg.phase(n) == "forward"]
+    fwd = set(forward)
+    tangent_of = {n: k for k, n in tg.output_grads.items()}
+    wanted: set[fx.Node] = set()
+    saved: dict[fx.Node, None] = {}
+    stack = [g for g in tg.grad_of.values()]
+    while stack:
+        n = stack.pop()
+        if n in wanted or n in saved or n in tangent_of:
+            continue
+        if n.op == "placeholder" or n in fwd:
+            saved[n] = None
+            continue
+        if n.op == "get_attr":
+            wanted.add(n)
+            continue
+        if tg.phase(n) != "backward":
+            raise LowerError(f"the gradients read {n.name} ({n.target}) of the loss other than through the "
+                             "model's outputs: the loss cannot be left to the caller")
+        wanted.add(n)
+        stack.extend(n.all_input_nodes)
+    backward = [n for n in nodes if n in wanted]
+    order = {n: i for i, n in enumerate(nodes)}
+    used = {a for n in backward for a in n.all_input_nodes} | set(tg.grad_of.values())
+    tangents = sorted(((k, n) for n, k in tangent_of.items() if n in used), key=lambda kn: kn[0])
+    return Split(forward=forward, backward=backward, saved=sorted(saved, key=order.__getitem__),
+                 tangents=tangents, grads=dict(tg.grad_of))
+
+
+@dataclass
+class RankProgram:
+    """One part (forward or backward) of one rank's program, and the specs at its boundary."""
+
+    gm: fx.GraphModule
+    """Local aten ops and functional collectives; inputs and outputs are local shards."""
+    in_specs: list[Spec]
+    """The spec each input's local shard is in."""
+    out_specs: list[Spec | None]
+    """The spec each output's local shard is in (None: a plain tensor, the same on every rank)."""
+    out_meta: list[tuple] = field(default_factory=list)
+    """(global shape, stride) of each output."""
+
+
+def _spec_of(t: DTensor) -> Spec:
+    spec = tc.from_placements(t.placements, t.device_mesh)
+    if spec is None:
+        raise LowerError(f"a value with placements {t.placements} has no spec the planner knows")
+    return spec
+
+
+class Lowering:
+    """Lowers the parts of one traced step, as planned, for one rank at a time."""
+
+    def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile: Profile | str | None = None, ops=None):
+        self.tg, self.plan, self.mesh = tg, plan, mesh
+        if isinstance(profile, Profile):
+            prof = profile
+        elif profile is None and plan.profile.get("data"):
+            prof = Profile.from_json(plan.profile["data"])
+        else:
+            prof = _load(profile or plan.profile.get("name") or "h100-sxm")
+        self.planner = RedistributePlanner(MeshTopology(tuple(mesh.shape), prof.devices_per_node), prof)
+        self.moves = 0
+        """Redistributes the last lowering emitted (each as the planner's steps)."""
+        self.off_plan: list[str] = []
+        """Ops whose output DTensor's rule put in another spec than the plan's (the next move
+        starts from the actual spec, so results are right; the plan's cost is not)."""
+        missing = [n.name for n in (tg.gm.graph.nodes if ops is None else ops)
+                   if n.op == "call_function" and n.target is not operator.getitem
+                   and plan.nodes.get(n.name, {}).get("op") != str(n.target)]
+        if missing and plan.nodes:
+            raise PlanError(f"the plan has no specs for graph nodes {missing[:5]} ({len(missing)} in all): it was "
+                            "made for another model, input shape or loss_fn")
+
+    def _move(self, t, want: Spec):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not isinstance(t, DTensor):
+            # A constant or a factory op's result: every rank holds the same full tensor,
+            # so taking the planned shard is local.
+            from autoshard.parallelize import distribute
+
+            return distribute(t, self.mesh, want, src_data_rank=None)
+        have = _spec_of(t)
+        if have == want:
+            return t
+        shape = tuple(t.shape)
+        steps = self.planner.plan(have, want, shape, t.element_size())
+        local = execute_plan(t.to_local(), steps, self.mesh, shape)
+        self.moves += 1
+        return DTensor.from_local(local, self.mesh, tc.placements_for(want, self.mesh), run_check=False,
+                                  shape=t.shape, stride=t.stride())
+
+    def _as_dtensor(self, v):
+        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+            return self._move(v, Spec(("R",) * self.mesh.ndim))
+        return v
+
+    def _run(self, ops: list[fx.Node], env: dict) -> None:
+        plan = self.plan
+        for n in ops:
+            if n.op == "get_attr":
+                env[n] = getattr(self.tg.gm, n.target)
+                continue
+            if n.target is operator.getitem:
+                env[n] = env[n.args[0]][n.args[1]]
+                continue
+            entry = plan.nodes.get(n.name)
+            if entry is None:
+                # A plan of parameter and input placements only (a hand-written one): DTensor's
+                # own propagation shards the ops, constants replicated.
+                entry = {}
+                def arg(a):
+                    return self._as_dtensor(env[a])
+            else:
+                it = iter([Spec.parse(s) for s in entry["in"]])
+
+                def arg(a, it=it):
+                    v = env[a]
+                    return self._move(v, next(it)) if isinstance(v, torch.Tensor) else v
+
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), arg)
+            out = n.target(*args, **kwargs)
+            if isinstance(out, DTensor) and "out" in entry and _spec_of(out) != Spec.parse(entry["out"]):
+                self.off_plan.append(n.name)
+            env[n] = out
+
+    def lower(self, inputs: list[fx.Node], in_specs: list[Spec], in_meta: list[tuple], ops: list[fx.Node],
+              outputs: list[fx.Node], out_specs: list[Spec | None], rank: int) -> RankProgram:
+        """Rank ``rank``'s program computing ``outputs`` from ``inputs`` by ``ops``.
+
+        ``in_meta``: (global shape, stride, dtype) of each input. ``out_specs``: the spec to deliver
+        each output in (None: as computed)."""
+        mesh = self.mesh
+        placements = [tc.placements_for(s, mesh) for s in in_specs]
+        delivered: list[Spec | None] = []
+        meta: list[tuple] = []
+        self.moves, self.off_plan = 0, []
+
+        def program(*locals_):
+            env = {}
+            for node, local, pl, (shape, stride, _) in zip(inputs, locals_, placements, in_meta):
+                env[node] = DTensor.from_local(local, mesh, pl, run_check=False, shape=shape, stride=stride)
+            self._run(ops, env)
+            result = []
+            delivered.clear()
+            meta.clear()
+            for node, want in zip(outputs, out_specs):
+                v = env[node]
+                if isinstance(v, DTensor):
+                    v = self._move(v, want) if want is not None else v
+                    delivered.append(_spec_of(v))
+                    meta.append((tuple(v.shape), tuple(v.stride())))
+                    v = v.to_local()
+                else:
+                    delivered.append(None)
+                    meta.append((tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor) else None)
+                result.append(v)
+            return result
+
+        make_groups(mesh)
+        device = torch.device(mesh.device_type)
+        fm = tc.FakeTensorMode(allow_non_fake_inputs=True)
+        with tc.quiet_tracing(), tc.as_rank(rank):
+            shapes = [tc.local_shape(shape, mesh, pl) for pl, (shape, _, _) in zip(placements, in_meta)]
+            with fm:
+                examples = [torch.empty_strided(s, _contiguous_stride(s), dtype=dtype, device=device)
+                            for s, (_, _, dtype) in zip(shapes, in_meta)]
+            with fm:
+                gm = tc.make_fx(program, pre_dispatch=False)(*examples)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return RankProgram(gm=gm, in_specs=list(in_specs), out_specs=list(delivered), out_meta=list(meta))
+
+
+def _load(name) -> Profile:
+    try:
+        return load_profile(name)
+    except FileNotFoundError as exc:
+        raise PlanError(f"the plan was made with profile {name!r}, which is neither shipped nor a file here: pass "
+                        "that profile (the profile decides each redistribute's steps)") from exc
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def collectives(gm: fx.GraphModule) -> list[fx.Node]:
+    """The collective nodes of a per-rank program, in order."""
+    from autoshard.spmd import collective_ops
+
+    ops = collective_ops()
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]

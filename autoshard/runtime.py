@@ -1,0 +1,201 @@
+"""Run a lowered plan as the model's forward and backward.
+
+:class:`PlannedProgram` owns the per-rank programs of one (plan, mesh, input signature)
+(:mod:`autoshard.lower`): the forward maps the local shards of the parameters, buffers and
+inputs to the model's outputs and the saved activations; the backward maps the saved
+activations and the outputs' gradients to the parameters' gradients, each in its
+parameter's planned spec. :class:`_Step` makes the pair one autograd function, so
+``loss.backward()`` on any loss computed from the outputs runs the planned backward.
+
+On real processes a rank lowers and runs its own program. Under LocalTensorMode every
+rank's program is lowered and all run side by side (:func:`autoshard.spmd.run_ranks`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from autoshard import _torch_compat as tc
+from autoshard.errors import PlanError
+from autoshard.lower import Lowering, RankProgram, split
+from autoshard.plan import Plan
+from autoshard.spmd import run_ranks
+from autoshard.trace import TracedGraph
+from costmodel import Spec
+
+
+def _meta(node: fx.Node) -> tuple:
+    v = node.meta["val"]
+    return tuple(v.shape), tuple(v.stride()), v.dtype
+
+
+def _tensor_args(node: fx.Node) -> list:
+    """A node's tensor arguments in the order the plan lists their specs."""
+    out: list = []
+    fx.node.map_arg((node.args, node.kwargs),
+                    lambda a: out.append(a) if isinstance(a.meta.get("val"), torch.Tensor) else None)
+    return out
+
+
+class PlannedProgram:
+    """The lowered forward and backward of one traced step, per rank, built on first use."""
+
+    def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile=None):
+        self.tg, self.plan, self.mesh = tg, plan, mesh
+        self.split = split(tg)
+        self.lowering = Lowering(tg, plan, mesh, profile, ops=self.split.forward + self.split.backward)
+        ph = tg.placeholders
+        self.inputs = ph
+        specs = []
+        k = 0
+        for n in ph:
+            kind = tg.kinds[n.name]
+            if kind in ("param", "buffer"):
+                specs.append(plan.param_spec(tg.fqn_of[n.name]))
+            else:
+                specs.append(Spec.parse(plan.inputs[k]))
+                k += 1
+        self.in_specs = specs
+        self.outputs = [v for v in tg.outputs if isinstance(v, fx.Node)]
+        self.trainable = [f for f in tg.param_fqns if f in self.split.grads]
+        self._forward: dict[int, RankProgram] = {}
+        self._backward: dict[int, RankProgram] = {}
+
+    def forward_program(self, rank: int) -> RankProgram:
+        if rank not in self._forward:
+            s = self.split
+            self._forward[rank] = self.lowering.lower(
+                self.inputs, self.in_specs, [_meta(n) for n in self.inputs], s.forward,
+                self.outputs + s.saved, [None] * (len(self.outputs) + len(s.saved)), rank)
+        return self._forward[rank]
+
+    def backward_program(self, rank: int) -> RankProgram:
+        if rank not in self._backward:
+            s, fwd = self.split, self.forward_program(rank)
+            saved_specs = fwd.out_specs[len(self.outputs):]
+            if any(sp is None for sp in saved_specs):
+                plain = [n.name for n, sp in zip(s.saved, saved_specs) if sp is None]
+                raise PlanError(f"saved values {plain[:3]} are plain tensors, not sharded: not lowered yet")
+            tangent_specs = [self._tangent_spec(k, d, fwd) for k, d in s.tangents]
+            grads = [s.grads[f] for f in self.trainable]
+            self._backward[rank] = self.lowering.lower(
+                s.saved + [d for _, d in s.tangents], list(saved_specs) + tangent_specs,
+                [_meta(n) for n in s.saved] + [_meta(d) for _, d in s.tangents], s.backward, grads,
+                [self.plan.param_spec(f) for f in self.trainable], rank)
+        return self._backward[rank]
+
+    def _tangent_spec(self, k: int, d: fx.Node, fwd: RankProgram) -> Spec:
+        """The spec an output's gradient enters the backward in: the one its first consumer in the
+        model's backward is planned to read (the gradient node itself belongs to the loss, which
+        the caller computes); the output's own spec when nothing plans it."""
+        wanted = set(self.split.backward)
+        for user in d.users:
+            entry = self.plan.nodes.get(user.name)
+            if user in wanted and entry:
+                flat = _tensor_args(user)
+                if d in flat:
+                    return Spec.parse(entry["in"][flat.index(d)])
+        return fwd.out_specs[self.outputs.index(self.tg.outputs[k])]
+
+    def collective_counts(self, rank: int | None = None) -> dict[str, int]:
+        """Collectives per kind (``all_reduce`` ...) in one rank's lowered forward and backward."""
+        from autoshard.lower import collectives
+
+        rank = self._any_rank() if rank is None else rank
+        counts: dict[str, int] = {}
+        for prog in (self.forward_program(rank), self.backward_program(rank)):
+            for n in collectives(prog.gm):
+                kind = n.target._opname
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def tangent_specs(self) -> list[Spec]:
+        return self.backward_program(self._any_rank()).in_specs[len(self.split.saved):]
+
+    def _any_rank(self) -> int:
+        ranks = tc.local_tensor_ranks()
+        return ranks[0] if ranks else (dist.get_rank() if dist.is_initialized() else 0)
+
+    def run(self, which: str, locals_: list) -> list:
+        """Run every local rank's ``forward`` or ``backward`` program on its shards."""
+        get = self.forward_program if which == "forward" else self.backward_program
+        ranks = tc.local_tensor_ranks()
+        if ranks is None:
+            return list(get(dist.get_rank()).gm(*locals_))
+        programs = {r: get(r).gm for r in ranks}
+        args = {r: [] for r in ranks}
+        for t in locals_:
+            for r, part in tc.rank_parts(t, ranks).items():
+                args[r].append(part)
+        with tc.outside_local_tensor_mode():
+            outs = run_ranks(programs, args, self.mesh)
+        n = len(outs[ranks[0]])
+        return [tc.from_rank_parts({r: outs[r][i] for r in ranks}) for i in range(n)]
+
+
+class _Step(torch.autograd.Function):
+    """Forward and backward of the model as the lowered programs: one autograd node."""
+
+    @staticmethod
+    def forward(ctx, program: PlannedProgram, *flat):
+        ctx.program = program
+        ctx.set_materialize_grads(False)
+        locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in flat]
+        rank = program._any_rank()
+        fwd = program.forward_program(rank)
+        results = program.run("forward", locals_)
+        n = len(program.outputs)
+        ctx.saved = results[n:]
+        outs = []
+        for local, spec, meta in zip(results[:n], fwd.out_specs[:n], fwd.out_meta[:n]):
+            if spec is None:
+                outs.append(local)
+                continue
+            outs.append(DTensor.from_local(local, program.mesh, tc.placements_for(spec, program.mesh),
+                                           run_check=False, shape=meta[0], stride=meta[1]))
+        ctx.n_flat = len(flat)
+        non_diff = [o for o in outs if not o.is_floating_point()]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        program: PlannedProgram = ctx.program
+        s = program.split
+        tangents = []
+        specs = program.tangent_specs()
+        reached = {k for k, _ in s.tangents}
+        leaf_index = [k for k, v in enumerate(program.tg.outputs) if isinstance(v, fx.Node)]
+        by_leaf = dict(zip(leaf_index, grad_outs))
+        for k, g in by_leaf.items():
+            if g is not None and k not in reached:
+                raise PlanError(f"the loss reaches model output {k}, which the plan's loss_fn did not: plan with "
+                                "a loss_fn that uses every output the training loss uses")
+        bwd = program.backward_program(program._any_rank())
+        n_saved = len(s.saved)
+        for (k, _), spec in zip(s.tangents, specs):
+            g = by_leaf.get(k)
+            shape, stride, dtype = bwd_meta = _meta(s.tangents[[kk for kk, _ in s.tangents].index(k)][1])
+            if g is None:
+                local_shape = tc.local_shape(shape, program.mesh, tc.placements_for(spec, program.mesh))
+                g = torch.zeros(local_shape, dtype=dtype)
+                g = DTensor.from_local(g, program.mesh, tc.placements_for(spec, program.mesh), run_check=False,
+                                       shape=shape, stride=stride)
+            if not isinstance(g, DTensor):
+                g = DTensor.from_local(g, program.mesh, tc.placements_for(Spec(("R",) * program.mesh.ndim),
+                                                                          program.mesh), run_check=False)
+            del bwd_meta
+            tangents.append(program.lowering._move(g, spec).to_local().contiguous())
+        grads = program.run("backward", list(ctx.saved) + tangents)
+        del ctx.saved
+        out = [None] * ctx.n_flat
+        index = {f: i for i, f in enumerate(program.tg.param_fqns)}
+        for f, local, spec, meta in zip(program.trainable, grads, bwd.out_specs, bwd.out_meta):
+            out[index[f]] = DTensor.from_local(local, program.mesh, tc.placements_for(spec, program.mesh),
+                                               run_check=False, shape=meta[0], stride=meta[1])
+        assert n_saved == len(s.saved)
+        return (None, *out)
