@@ -164,7 +164,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     check_plan_matches(model, plan, mesh)
     from autoshard.replay import _unsharded_meta_copy
 
-    template = _unsharded_meta_copy(model)
+    with quiet_tracing():
+        template = _unsharded_meta_copy(model)
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""

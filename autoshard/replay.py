@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from autoshard._torch_compat import from_placements, outside_local_tensor_mode, placements_for
+from autoshard._torch_compat import from_placements, placements_for, quiet_tracing
 from autoshard.errors import PlanError
 from autoshard.parallelize import distribute
 from autoshard.plan import Plan
@@ -62,7 +62,7 @@ class PlannedStep:
             raise ValueError(f"bucket_bytes must be >= 0, found {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
         self.model, self.plan, self.mesh = model, plan, mesh
-        with outside_local_tensor_mode():
+        with quiet_tracing():
             with torch.device("meta"):
                 shapes = [torch.empty(x.shape, dtype=x.dtype) for x in example_inputs]
             local = _unsharded_meta_copy(model)
@@ -270,6 +270,9 @@ def _unsharded_meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The model's structure with meta tensors of the global shapes (for re-tracing)."""
     import copy
 
+    template = getattr(model.__dict__.get("forward"), "template", None)
+    if template is not None:  # parallelized: the unsharded structure was kept
+        return template
     clone = copy.deepcopy(model)
     for mod in clone.modules():
         for name, p in list(mod.named_parameters(recurse=False)):

@@ -5,10 +5,10 @@
 A small LLaMA-style model (dim 256, 2 layers, 8 heads / 4 KV heads, vocab 2048,
 batch 16 x 128) trains with AdamW on the same batches three ways on a 4-rank
 ``dp`` mesh: our plan (planned on rank 0 with the measured ``cpu-gloo`` profile,
-applied with ``autoshard.parallelize`` and run as planned by ``autoshard.PlannedStep``,
-gradient all-reduces bucketed and overlapped; ``no buckets``: one collective per gradient;
-``autoshard (module)`` is the same parallelized model called as a module, where
-DTensor's dispatcher picks the redistributes), ``DistributedDataParallel`` and FSDP2
+applied with ``autoshard.parallelize``: the model's forward and ``loss.backward()`` run the
+plan's lowered per-rank programs, one collective per planned step; ``autoshard (replay)``:
+the reference interpreter ``autoshard.PlannedStep``, op by op through DTensor, gradient
+all-reduces bucketed and overlapped), ``DistributedDataParallel`` and FSDP2
 (``fully_shard`` per block and at the root). Per method: median step time over
 the timed steps and bytes handed to collectives per step (a dispatch mode that
 sums the tensors of every c10d / functional collective). Last line: our step time
@@ -123,14 +123,18 @@ def worker() -> None:
         box[0] = plan.to_json()
     dist.broadcast_object_list(box, src=0)
     plan = Plan.from_json(box[0])
+    t0 = time.perf_counter()
     ours = autoshard.parallelize(build(), plan, mesh)
-    step = autoshard.PlannedStep(ours, plan, mesh, (batches[0],), loss_fn, profile="cpu-gloo")
-    results["autoshard"] = run(ours, batches, lambda t: t, planned=step)
-    unbucketed = autoshard.parallelize(build(), plan, mesh)
-    step0 = autoshard.PlannedStep(unbucketed, plan, mesh, (batches[0],), loss_fn, profile="cpu-gloo", bucket_bytes=0)
-    results["autoshard (no buckets)"] = run(unbucketed, batches, lambda t: t, planned=step0)
-    module_path = autoshard.parallelize(build(), plan, mesh)
-    results["autoshard (module)"] = run(module_path, batches, lambda t: t)
+    ours(batches[0])  # lowers the forward; the first step below lowers the backward (warm-up)
+    if rank == 0:
+        program = next(iter(ours.forward.programs.values()))
+        fwd, bwd = program.forward_program(rank).gm, program.backward_program(rank).gm
+        print(f"lowered in {time.perf_counter() - t0:.1f}s: forward {len(fwd.graph.nodes)} nodes, backward "
+              f"{len(bwd.graph.nodes)} nodes; collectives {program.collective_counts(rank)}", flush=True)
+    results["autoshard"] = run(ours, batches, lambda t: t)
+    replayed = autoshard.parallelize(build(), plan, mesh)
+    step = autoshard.PlannedStep(replayed, plan, mesh, (batches[0],), loss_fn, profile="cpu-gloo")
+    results["autoshard (replay)"] = run(replayed, batches, lambda t: t, planned=step)
 
     ddp = DistributedDataParallel(build())
     results["ddp"] = run(ddp, batches, lambda t: t[rank * shard:(rank + 1) * shard])

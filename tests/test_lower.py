@@ -1,0 +1,112 @@
+"""Lowered plans: per-rank programs of local ops and functional collectives, the plan's steps
+exactly, the loss left to the caller."""
+
+import copy
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.lower import collectives
+from autoshard.models import llama
+from autoshard.trace import trace
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, reference_step
+
+COLLECTIVE_STEPS = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all"}
+
+
+def lm_loss(out):
+    return out.float().pow(2).mean()
+
+
+def other_loss(out):
+    # Another loss than the plan's: the lowered programs must not depend on it.
+    return (out.float() * 3).sin().sum()
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = llama("tiny", n_layers=2, max_seq_len=16)
+    x = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    return model, x
+
+
+def test_node_names_do_not_depend_on_the_loss():
+    model, x = tiny()
+    a, b = trace(model, (x,), lm_loss), trace(model, (x,), other_loss)
+
+    def model_nodes(tg):
+        return [(n.name, str(n.target)) for n in tg.gm.graph.nodes if not n.name.startswith("loss_")]
+
+    assert model_nodes(a) == model_nodes(b)
+    assert any(n.name.startswith("loss_") for n in b.gm.graph.nodes)
+    assert a.output_grads and set(a.output_grads) == {0}
+
+
+@pytest.mark.parametrize("shape, names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
+def test_lowered_collectives_are_the_plans_steps(world, shape, names):
+    """Every collective in rank 0's programs is a step of a planned redistribute between two
+    of the model's nodes, and every such step is there (the outputs' gradients arrive in the
+    planned spec, so the moves the plan puts after the loss run outside the programs)."""
+    world(int(torch.tensor(shape).prod()))
+    model, x = tiny()
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh(shape, names), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None)
+    with LocalTensorMode(int(torch.tensor(shape).prod())):
+        mesh = local_mesh(shape, names)
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
+        lm_loss(sharded(x)).backward()
+        program = next(iter(sharded.forward.programs.values()))
+    tg = program.tg
+    by_name = {n.name: n for n in tg.gm.graph.nodes}
+    loss_part = {n.name for n in tg.gm.graph.nodes if n.name.startswith("loss_")}
+    expected = 0
+    for r in plan.redistributes:
+        if r["arg"] == "grad":
+            expected += sum(s.split("(")[0] in COLLECTIVE_STEPS for s in r["steps"])
+            continue
+        node = by_name[r["node"]]
+        if node.name in loss_part:
+            continue
+        producer = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)][r["arg"]]
+        if producer.name in loss_part:
+            continue
+        expected += sum(s.split("(")[0] in COLLECTIVE_STEPS for s in r["steps"])
+    got = len(collectives(program.forward_program(0).gm)) + len(collectives(program.backward_program(0).gm))
+    assert expected > 0
+    assert got == expected, (got, expected, program.collective_counts(0))
+    assert program.lowering.off_plan == []
+
+
+def test_loss_outside_the_module_is_any_loss(world):
+    """Planned with one loss, trained with another: gradients equal single-device ones."""
+    world(4)
+    model, x = tiny()
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None)
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), other_loss)
+    with LocalTensorMode(4):
+        mesh = local_mesh((2, 2), ("dp", "tp"))
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
+        out = sharded(x)
+        assert tuple(out.shape) == (8, 16, 256)
+        loss = other_loss(out)
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-4)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+
+
+def test_a_plan_without_its_profile_says_so(world):
+    from autoshard.errors import PlanError
+
+    world(4)
+    model, x = tiny()
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((4,), ("dp",)), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None)
+    assert plan.profile["data"]["name"] == SHARDING_PROFILE.name  # a custom profile travels with the plan
+    plan.profile.pop("data")
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((4,), ("dp",)))
+        with pytest.raises(PlanError, match="test-slow-compute.*pass that profile"):
+            sharded(x)
