@@ -93,8 +93,8 @@ class RankProgram:
 
     gm: fx.GraphModule
     """Local aten ops and functional collectives; inputs and outputs are local shards."""
-    in_specs: list[Spec]
-    """The spec each input's local shard is in."""
+    in_specs: list[Spec | None]
+    """The spec each input's local shard is in (None: a plain tensor, the same on every rank)."""
     out_specs: list[Spec | None]
     """The spec each output's local shard is in (None: a plain tensor, the same on every rank)."""
     out_meta: list[tuple] = field(default_factory=list)
@@ -166,6 +166,12 @@ class Lowering:
                 env[n] = env[n.args[0]][n.args[1]]
                 continue
             entry = plan.nodes.get(n.name)
+            if not any(isinstance(v, DTensor) for v in map(env.get, n.all_input_nodes)):
+                # Only constants in (tensors built inside forward): every rank computes the same
+                # full value; a consumer takes its planned shard of it locally.
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                env[n] = n.target(*args, **kwargs)
+                continue
             if entry is None:
                 # A plan of parameter and input placements only (a hand-written one): DTensor's
                 # own propagation shards the ops, constants replicated.
@@ -192,7 +198,9 @@ class Lowering:
         ``in_meta``: (global shape, stride, dtype) of each input. ``out_specs``: the spec to deliver
         each output in (None: as computed)."""
         mesh = self.mesh
-        placements = [tc.placements_for(s, mesh) for s in in_specs]
+        # An input of spec None is a plain tensor, the same full value on every rank (a constant
+        # the forward built and the backward reads).
+        placements = [None if s is None else tc.placements_for(s, mesh) for s in in_specs]
         delivered: list[Spec | None] = []
         meta: list[tuple] = []
         self.moves, self.off_plan = 0, []
@@ -200,7 +208,8 @@ class Lowering:
         def program(*locals_):
             env = {}
             for node, local, pl, (shape, stride, _) in zip(inputs, locals_, placements, in_meta):
-                env[node] = DTensor.from_local(local, mesh, pl, run_check=False, shape=shape, stride=stride)
+                env[node] = local if pl is None else DTensor.from_local(local, mesh, pl, run_check=False,
+                                                                        shape=shape, stride=stride)
             self._run(ops, env)
             result = []
             delivered.clear()
@@ -222,7 +231,8 @@ class Lowering:
         device = torch.device(mesh.device_type)
         fm = tc.FakeTensorMode(allow_non_fake_inputs=True)
         with tc.quiet_tracing(), tc.as_rank(rank):
-            shapes = [tc.local_shape(shape, mesh, pl) for pl, (shape, _, _) in zip(placements, in_meta)]
+            shapes = [tuple(shape) if pl is None else tc.local_shape(shape, mesh, pl)
+                      for pl, (shape, _, _) in zip(placements, in_meta)]
             with fm:
                 examples = [torch.empty_strided(s, _contiguous_stride(s), dtype=dtype, device=device)
                             for s, (_, _, dtype) in zip(shapes, in_meta)]

@@ -167,9 +167,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     with quiet_tracing():
         template = _unsharded_meta_copy(model)
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
-    for mod_name, mod in model.named_modules():
+    done: dict[int, nn.Parameter] = {}  # a tied parameter is one DTensor, under each of its names
+    done_buffers: dict[int, DTensor] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
         for name, p in list(mod.named_parameters(recurse=False)):
+            if id(p) in done:
+                mod.register_parameter(name, done[id(p)])
+                continue
             spec = plan.param_spec(prefix + name)
             placements = placements_for(spec, mesh)
             dt = distribute(p.detach(), mesh, spec)
@@ -179,29 +184,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
                 # FSDP's reduce-scatter); without this DTensor would leave it Partial.
                 param.register_hook(_to_placements_hook(mesh, placements))
             mod.register_parameter(name, param)
+            done[id(p)] = done[id(param)] = param
         for name, b in list(mod.named_buffers(recurse=False)):
             if b is None:
                 continue
-            mod.register_buffer(name, distribute(b, mesh, plan.param_spec(prefix + name)),
-                                persistent=is_persistent_buffer(mod, name))
-
-    input_specs = [Spec.parse(s) for s in plan.inputs]
-
-    def distribute_inputs(_mod, args):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if len(tensors) != len(input_specs):
-            raise PlanError(
-                f"forward got {len(tensors)} tensor inputs, the plan was made for {len(input_specs)}"
-            )
-        it = iter(input_specs)
-        out = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                spec = next(it)
-                if not isinstance(a, DTensor):
-                    a = distribute(a, mesh, spec)
-            out.append(a)
-        return tuple(out)
+            if id(b) not in done_buffers:
+                shard = distribute(b, mesh, plan.param_spec(prefix + name))
+                done_buffers[id(b)] = done_buffers[id(shard)] = shard
+            mod.register_buffer(name, done_buffers[id(b)], persistent=is_persistent_buffer(mod, name))
 
     if on_meta:
         model.to_empty(device=mesh.device_type)

@@ -274,13 +274,18 @@ def _unsharded_meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     if template is not None:  # parallelized: the unsharded structure was kept
         return template
     clone = copy.deepcopy(model)
+    made: dict[int, torch.Tensor] = {}  # tied tensors stay tied (one placeholder, as planned)
     for mod in clone.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                            requires_grad=p.requires_grad))
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                 requires_grad=p.requires_grad)
+            mod.register_parameter(name, made[id(p)])
         for name, b in list(mod.named_buffers(recurse=False)):
             if b is not None:
-                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+                if id(b) not in made:
+                    made[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+                mod._buffers[name] = made[id(b)]
     for h in list(clone._forward_pre_hooks):
         clone._forward_pre_hooks.pop(h)
     return clone

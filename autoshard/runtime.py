@@ -76,9 +76,6 @@ class PlannedProgram:
         if rank not in self._backward:
             s, fwd = self.split, self.forward_program(rank)
             saved_specs = fwd.out_specs[len(self.outputs):]
-            if any(sp is None for sp in saved_specs):
-                plain = [n.name for n, sp in zip(s.saved, saved_specs) if sp is None]
-                raise PlanError(f"saved values {plain[:3]} are plain tensors, not sharded: not lowered yet")
             tangent_specs = [self._tangent_spec(k, d, fwd) for k, d in s.tangents]
             grads = [s.grads[f] for f in self.trainable]
             self._backward[rank] = self.lowering.lower(

@@ -10,7 +10,7 @@ import torch.nn as nn
 import autoshard
 from autoshard.models import gpt2, llama
 from costmodel import LinkModel
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw, reference_step
 
 MESHES = [((4,), ("dp",)), ((2, 2), ("dp", "tp")), ((2, 2, 2), ("rep", "dp", "tp"))]
 
@@ -225,3 +225,45 @@ def test_meta_device_model_is_sharded_at_load(world, how):
             torch.testing.assert_close(full(lm_loss(model(x))), lm_loss(real(x)), rtol=1e-5, atol=1e-6)
         sharded = [p for p in model.parameters() if any(pl.is_shard() for pl in p.placements)]
         assert sharded, "the plan under test shards nothing"
+
+
+def _hf_model(arch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                       max_position_embeddings=64)
+        cfg._attn_implementation = "eager"
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, attn_pdrop=0.0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hugging_face_models_run_as_planned(world, arch):
+    """Rotary tables and positions built inside forward, a ModelOutput, and (GPT-2) an LM head
+    tied to the embedding: parallelize + loss.backward() give the single-device gradients, and the
+    tied weight is one DTensor with one gradient."""
+    world(4)
+    model, x = _hf_model(arch), tokens()
+
+    def loss_fn(out):
+        return out["logits"].float().pow(2).mean()
+
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=loss_fn, memory_budget=None)
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), loss_fn)
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "tp")))
+        out = sharded(x)
+        assert type(out).__name__.startswith("CausalLMOutput")
+        loss = loss_fn(out)
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+        if arch == "gpt2":
+            assert sharded.lm_head.weight is sharded.transformer.wte.weight
