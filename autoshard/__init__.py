@@ -2,13 +2,14 @@
 
     plan = autoshard.plan(model, example_inputs, mesh)      # ILP over DTensor strategies
     plan.save("plan.json")
-    model = autoshard.parallelize(model, plan, mesh)        # DTensor executes it
+    model = autoshard.parallelize(model, plan, mesh)        # runs the plan's lowered per-rank programs
+    model = autoshard.auto_parallel(model, example_inputs, mesh)  # both in one call
 """
 
 from autoshard.api import compare, plan
 from autoshard.errors import AutoshardError, MeshError, PlanError, TraceError
 from autoshard.mesh import fake_mesh, parse_mesh
-from autoshard.parallelize import parallelize
+from autoshard.parallelize import auto_parallel, parallelize
 from autoshard.plan import PLAN_VERSION, ParamPlacement, Plan
 from autoshard.replay import PlannedStep
 from autoshard.trace import trace
@@ -24,6 +25,7 @@ __all__ = [
     "PlanError",
     "PlannedStep",
     "TraceError",
+    "auto_parallel",
     "fake_mesh",
     "compare",
     "parallelize",

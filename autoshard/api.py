@@ -128,7 +128,10 @@ class _Session:
         self.budget = budget
         t0 = time.perf_counter()
         self.phases = {}
-        self.tg = tg = trace(model, example_inputs, loss_fn, tie_layers=tie_layers)
+        from autoshard._torch_compat import quiet_tracing
+
+        with quiet_tracing():  # called inside LocalTensorMode or CommDebugMode, the trace is the model's alone
+            self.tg = tg = trace(model, example_inputs, loss_fn, tie_layers=tie_layers)
         self.phases["trace_s"] = time.perf_counter() - t0
         self.say(f"traced {len(tg.gm.graph.nodes)} graph nodes in {self.phases['trace_s']:.2f}s"
                  + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"

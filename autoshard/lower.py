@@ -130,7 +130,7 @@ class Lowering:
                    and plan.nodes.get(n.name, {}).get("op") != str(n.target)]
         if missing and plan.nodes:
             raise PlanError(f"the plan has no specs for graph nodes {missing[:5]} ({len(missing)} in all): it was "
-                            "made for another model, input shape or loss_fn")
+                            "made for another model or input shape")
 
     def _move(self, t, want: Spec):
         if not isinstance(t, torch.Tensor):

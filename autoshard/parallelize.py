@@ -208,3 +208,27 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile)
     model._autoshard_plan = plan
     return model
+
+
+def auto_parallel(model: nn.Module, example_inputs, mesh, loss_fn=None, **plan_options) -> nn.Module:
+    """Plan ``model`` for ``mesh`` and parallelize it with that plan: one call.
+
+    On several real processes rank 0 plans and broadcasts the plan (a time-limited solve
+    could differ between ranks); ``plan_options`` go to :func:`autoshard.plan`. The plan
+    is kept as ``model._autoshard_plan`` (save it to apply it later without planning)."""
+    import torch.distributed as dist
+
+    from autoshard._torch_compat import local_tensor_ranks
+    from autoshard.api import plan as make_plan
+
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    shared = dist.is_initialized() and dist.get_world_size() > 1 and local_tensor_ranks() is None \
+        and dist.get_backend() != "fake"
+    box = [None]
+    if not shared or dist.get_rank() == 0:
+        box[0] = make_plan(model, example_inputs, mesh, loss_fn=loss_fn, **plan_options).to_json()
+    if shared:
+        dist.broadcast_object_list(box, src=0)
+    # The plan carries its profile (by name when shipped, whole otherwise).
+    return parallelize(model, Plan.from_json(box[0]), mesh, loss_fn=loss_fn)

@@ -110,3 +110,19 @@ def test_a_plan_without_its_profile_says_so(world):
         sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((4,), ("dp",)))
         with pytest.raises(PlanError, match="test-slow-compute.*pass that profile"):
             sharded(x)
+
+
+def test_auto_parallel_plans_and_applies_in_one_call(world):
+    world(4)
+    model, x = tiny()
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), lm_loss)
+    with LocalTensorMode(4):
+        mesh = local_mesh((2, 2), ("dp", "tp"))
+        sharded = autoshard.auto_parallel(copy.deepcopy(model), (x,), mesh, loss_fn=lm_loss,
+                                          profile=SHARDING_PROFILE, memory_budget=None)
+        loss = lm_loss(sharded(x))
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    assert any("S(" in str(sharded._autoshard_plan.param_spec(f)) for f in sharded._autoshard_plan.params)
