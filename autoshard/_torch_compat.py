@@ -284,3 +284,12 @@ def rename_node(node, name: str) -> None:
     """Set an FX node's name (the caller keeps names unique)."""
     node.name = name
     node.graph._graph_namespace._rename_object(node, name)
+
+
+def bucket_all_reduces(gm, cap_mb: float) -> None:
+    """Merge independent all-reduces of one group, reduce op and dtype into buckets of up to
+    ``cap_mb`` MiB, one flat collective each (Inductor's own FX pass)."""
+    from torch._inductor.fx_passes.bucketing import bucket_all_reduce
+
+    bucket_all_reduce(gm, lambda _bucket: float(cap_mb))
+    gm.recompile()

@@ -109,8 +109,9 @@ class _PlannedForward:
     """The model's ``forward`` once parallelized: the plan's lowered forward and backward
     programs (one per input signature, lowered on first use)."""
 
-    def __init__(self, model: nn.Module, template: nn.Module, plan: Plan, mesh, loss_fn, profile):
+    def __init__(self, model: nn.Module, template: nn.Module, plan: Plan, mesh, loss_fn, profile, bucket_mb):
         self.model, self.template, self.plan, self.mesh = model, template, plan, mesh
+        self.bucket_mb = bucket_mb
         self.loss_fn, self.profile = loss_fn, profile
         self.input_specs = [Spec.parse(s) for s in plan.inputs]
         self.programs: dict[tuple, object] = {}
@@ -125,7 +126,7 @@ class _PlannedForward:
                 with torch.device("meta"):
                     shapes = [torch.empty(x.shape, dtype=x.dtype) for x in inputs]
                 tg = trace(self.template, shapes, self.loss_fn)
-            self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile)
+            self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile, self.bucket_mb)
         return self.programs[key]
 
     def __call__(self, *args):
@@ -145,12 +146,22 @@ class _PlannedForward:
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dict: dict | None = None,
-                loss_fn=None, profile=None) -> nn.Module:
+                loss_fn=None, profile=None, bucket_mb: float = 25.0) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
 
-    Parameters and buffers become DTensors with the planned placements; each
-    tensor argument of ``forward`` is distributed with its planned spec (from the
-    full tensor given on every rank). Outputs are DTensors.
+    Parameters and buffers become DTensors with the planned placements (a tied parameter
+    stays one DTensor); each tensor argument of ``forward`` is distributed with its planned
+    spec (from the full tensor given on every rank). ``forward`` runs the plan's lowered
+    forward program (:mod:`autoshard.lower`, lowered on first call per input shape) and
+    returns the model's outputs as DTensors in their planned placements; ``backward`` on any
+    loss of them runs the lowered backward program and leaves each gradient in its
+    parameter's placement.
+
+    ``loss_fn``: the loss the plan was made with, only needed where it reads a model output
+    in a way the plan must know (default: the mean of the output). ``profile``: the plan's
+    profile where the plan names one that is neither shipped nor carried in the plan.
+    ``bucket_mb``: gradient all-reduces are merged into buckets of up to this many MiB
+    (torch's bucketing pass on the lowered backward; 0: exactly one collective per planned step).
 
     A model on the meta device is never materialized whole: its parameters become
     meta DTensors, then ``to_empty`` allocates each rank's shards only, and either
@@ -205,7 +216,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
             init_fn(model)
     if full_state_dict is not None:
         load_full_state_dict(model, full_state_dict)
-    model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile)
+    if bucket_mb < 0:
+        raise ValueError(f"bucket_mb must be >= 0 (0: one collective per planned step), found {bucket_mb}")
+    model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile, bucket_mb)
     model._autoshard_plan = plan
     return model
 

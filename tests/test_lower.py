@@ -54,9 +54,12 @@ def test_lowered_collectives_are_the_plans_steps(world, shape, names):
                           loss_fn=lm_loss, memory_budget=None)
     with LocalTensorMode(int(torch.tensor(shape).prod())):
         mesh = local_mesh(shape, names)
-        sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh, bucket_mb=0)
         lm_loss(sharded(x)).backward()
         program = next(iter(sharded.forward.programs.values()))
+        bucketed = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
+        lm_loss(bucketed(x)).backward()
+        merged = next(iter(bucketed.forward.programs.values()))
     tg = program.tg
     by_name = {n.name: n for n in tg.gm.graph.nodes}
     loss_part = {n.name for n in tg.gm.graph.nodes if n.name.startswith("loss_")}
@@ -76,6 +79,14 @@ def test_lowered_collectives_are_the_plans_steps(world, shape, names):
     assert expected > 0
     assert got == expected, (got, expected, program.collective_counts(0))
     assert program.lowering.off_plan == []
+    # Bucketed: fewer all-reduces, the same bytes reduced.
+    def reduced_bytes(gm):
+        return sum(n.args[0].meta["val"].numel() * n.args[0].meta["val"].element_size()
+                   for n in collectives(gm) if "all_reduce" in str(n.target))
+
+    plain, fused = program.backward_program(0).gm, merged.backward_program(0).gm
+    assert reduced_bytes(fused) == reduced_bytes(plain) > 0
+    assert merged.collective_counts(0).get("all_reduce", 0) < program.collective_counts(0).get("all_reduce", 0)
 
 
 def test_loss_outside_the_module_is_any_loss(world):
