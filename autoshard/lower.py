@@ -108,6 +108,25 @@ def _spec_of(t: DTensor) -> Spec:
     return spec
 
 
+def move(t, want: Spec, planner: RedistributePlanner, mesh):
+    """``t`` in spec ``want`` by the planner's own steps (DTensor's placement methods on the
+    planned axes or flattened groups); a plain tensor (a constant or a factory op's result, the
+    same full value on every rank) by taking this rank's planned shard locally."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if not isinstance(t, DTensor):
+        from autoshard.parallelize import distribute
+
+        return distribute(t, mesh, want, src_data_rank=None)
+    have = _spec_of(t)
+    if have == want:
+        return t
+    shape = tuple(t.shape)
+    local = execute_plan(t.to_local(), planner.plan(have, want, shape, t.element_size()), mesh, shape)
+    return DTensor.from_local(local, mesh, tc.placements_for(want, mesh), run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
 class Lowering:
     """Lowers the parts of one traced step, as planned, for one rank at a time."""
 
@@ -133,23 +152,9 @@ class Lowering:
                             "made for another model or input shape")
 
     def _move(self, t, want: Spec):
-        if not isinstance(t, torch.Tensor):
-            return t
-        if not isinstance(t, DTensor):
-            # A constant or a factory op's result: every rank holds the same full tensor,
-            # so taking the planned shard is local.
-            from autoshard.parallelize import distribute
-
-            return distribute(t, self.mesh, want, src_data_rank=None)
-        have = _spec_of(t)
-        if have == want:
-            return t
-        shape = tuple(t.shape)
-        steps = self.planner.plan(have, want, shape, t.element_size())
-        local = execute_plan(t.to_local(), steps, self.mesh, shape)
-        self.moves += 1
-        return DTensor.from_local(local, self.mesh, tc.placements_for(want, self.mesh), run_check=False,
-                                  shape=t.shape, stride=t.stride())
+        out = move(t, want, self.planner, self.mesh)
+        self.moves += out is not t and isinstance(t, DTensor)
+        return out
 
     def _as_dtensor(self, v):
         if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):

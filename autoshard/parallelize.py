@@ -1,9 +1,9 @@
-"""Apply a plan: parameters become DTensors, inputs are distributed on entry.
+"""Apply a plan: parameters become DTensors, the model's forward and backward run the plan.
 
-Used as a module (``model(x)``), redistributes between ops are chosen by DTensor's
-dispatcher, starting from the planned parameter and input specs. To run every op
-with its planned input specs and the planner's own collectives, wrap the result in
-:class:`autoshard.replay.PlannedStep`.
+``parallelize`` shards the parameters and buffers as planned and replaces the model's
+``forward`` with the plan's lowered per-rank programs (:mod:`autoshard.lower`,
+:mod:`autoshard.runtime`): every redistribute is the planner's own steps, and
+``loss.backward()`` on any loss of the outputs runs the lowered backward.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from autoshard.errors import PlanError
 from autoshard.parallelize import distribute
 from autoshard.plan import Plan
 from autoshard.trace import trace
-from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, start_step
+from costmodel import MeshTopology, RedistributePlanner, Spec, load_profile, start_step
 from costmodel.profile import Profile
 
 
@@ -92,21 +92,11 @@ class PlannedStep:
         self._sunk = self._sinkable_views() if bucket_bytes else set()
 
     def _move(self, t, want: Spec):
-        if not isinstance(t, torch.Tensor):
-            return t
-        if not isinstance(t, DTensor):
-            # A constant or a factory op's result: every rank holds the same full tensor,
-            # so taking the planned shard is local.
-            return distribute(t, self.mesh, want, src_data_rank=None)
-        have = spec_of(t)
-        if have == want:
-            return t
-        shape = tuple(t.shape)
-        steps = self.planner.plan(have, want, shape, t.element_size())
-        local = execute_plan(t.to_local(), steps, self.mesh, shape)
-        self.moves += 1
-        return DTensor.from_local(local, self.mesh, placements_for(want, self.mesh), run_check=False, shape=t.shape,
-                                  stride=t.stride())
+        from autoshard.lower import move
+
+        out = move(t, want, self.planner, self.mesh)
+        self.moves += out is not t and isinstance(t, DTensor)
+        return out
 
     def _sinkable_views(self) -> set[fx.Node]:
         """View ops between a partial weight gradient and the output whose planned input is that

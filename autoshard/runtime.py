@@ -168,7 +168,6 @@ class _Step(torch.autograd.Function):
         program: PlannedProgram = ctx.program
         s = program.split
         tangents = []
-        specs = program.tangent_specs()
         reached = {k for k, _ in s.tangents}
         leaf_index = [k for k, v in enumerate(program.tg.outputs) if isinstance(v, fx.Node)]
         by_leaf = dict(zip(leaf_index, grad_outs))
@@ -177,19 +176,12 @@ class _Step(torch.autograd.Function):
                 raise PlanError(f"the loss reaches model output {k}, which the plan's loss_fn did not: plan with "
                                 "a loss_fn that uses every output the training loss uses")
         bwd = program.backward_program(program._any_rank())
-        n_saved = len(s.saved)
-        for (k, _), spec in zip(s.tangents, specs):
+        for (k, d), spec in zip(s.tangents, program.tangent_specs()):
             g = by_leaf.get(k)
-            shape, stride, dtype = bwd_meta = _meta(s.tangents[[kk for kk, _ in s.tangents].index(k)][1])
-            if g is None:
-                local_shape = tc.local_shape(shape, program.mesh, tc.placements_for(spec, program.mesh))
-                g = torch.zeros(local_shape, dtype=dtype)
-                g = DTensor.from_local(g, program.mesh, tc.placements_for(spec, program.mesh), run_check=False,
-                                       shape=shape, stride=stride)
-            if not isinstance(g, DTensor):
-                g = DTensor.from_local(g, program.mesh, tc.placements_for(Spec(("R",) * program.mesh.ndim),
-                                                                          program.mesh), run_check=False)
-            del bwd_meta
+            if g is None:  # the caller's loss does not reach this output: a zero gradient
+                val = d.meta["val"]
+                g = torch.zeros(val.shape, dtype=val.dtype, device=program.mesh.device_type)
+            # A plain gradient (of an output the plan left unsharded) is the same on every rank.
             tangents.append(program.lowering._move(g, spec).to_local().contiguous())
         grads = program.run("backward", list(ctx.saved) + tangents)
         del ctx.saved
@@ -198,5 +190,4 @@ class _Step(torch.autograd.Function):
         for f, local, spec, meta in zip(program.trainable, grads, bwd.out_specs, bwd.out_meta):
             out[index[f]] = DTensor.from_local(local, program.mesh, tc.placements_for(spec, program.mesh),
                                                run_check=False, shape=meta[0], stride=meta[1])
-        assert n_saved == len(s.saved)
         return (None, *out)

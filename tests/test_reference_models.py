@@ -174,19 +174,8 @@ def test_bad_pins_are_reported(world):
 @pytest.mark.parametrize("shape, names", MESHES)
 def test_hugging_face_models_plan(world, arch, shape, names):
     """Real code nobody here wrote, built from config classes with no download."""
-    transformers = pytest.importorskip("transformers")
     world(int(torch.tensor(shape).prod()))
-    torch.manual_seed(0)
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                       max_position_embeddings=64)
-        cfg._attn_implementation = "eager"
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
-        cfg._attn_implementation = "eager"
-        model = transformers.GPT2LMHeadModel(cfg)
+    model = _hf_model(arch, dropout=0.1)  # train mode: dropout ops planned too
     mesh = autoshard.fake_mesh(shape, names)
     x = tokens()
     plan = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
@@ -227,7 +216,7 @@ def test_meta_device_model_is_sharded_at_load(world, how):
         assert sharded, "the plan under test shards nothing"
 
 
-def _hf_model(arch):
+def _hf_model(arch, dropout=0.0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if arch == "llama":
@@ -236,8 +225,8 @@ def _hf_model(arch):
                                        max_position_embeddings=64)
         cfg._attn_implementation = "eager"
         return transformers.LlamaForCausalLM(cfg)
-    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, attn_pdrop=0.0,
-                                  resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, attn_pdrop=dropout,
+                                  resid_pdrop=dropout, embd_pdrop=dropout)
     cfg._attn_implementation = "eager"
     return transformers.GPT2LMHeadModel(cfg)
 
