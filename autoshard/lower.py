@@ -239,7 +239,7 @@ class Lowering:
             shapes = [tuple(shape) if pl is None else tc.local_shape(shape, mesh, pl)
                       for pl, (shape, _, _) in zip(placements, in_meta)]
             with fm:
-                examples = [torch.empty_strided(s, _contiguous_stride(s), dtype=dtype, device=device)
+                examples = [torch.empty(s, dtype=dtype, device=device)
                             for s, (_, _, dtype) in zip(shapes, in_meta)]
             with fm:
                 gm = tc.make_fx(program, pre_dispatch=False)(*examples)
@@ -254,14 +254,6 @@ def _load(name) -> Profile:
     except FileNotFoundError as exc:
         raise PlanError(f"the plan was made with profile {name!r}, which is neither shipped nor a file here: pass "
                         "that profile (the profile decides each redistribute's steps)") from exc
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
 
 
 def collectives(gm: fx.GraphModule) -> list[fx.Node]:

@@ -70,8 +70,7 @@ class TracedGraph:
 
     def phase(self, node: fx.Node) -> str | None:
         """``forward`` (the model), ``loss`` (``loss_fn``) or ``backward`` for a traced op."""
-        custom = node.meta.get("custom")
-        return custom.get(PHASE) if isinstance(custom, dict) else None
+        return _phase(node)
 
     @property
     def placeholders(self) -> list[fx.Node]:
