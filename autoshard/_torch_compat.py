@@ -286,10 +286,38 @@ def rename_node(node, name: str) -> None:
     node.graph._graph_namespace._rename_object(node, name)
 
 
-def bucket_all_reduces(gm, cap_mb: float) -> None:
-    """Merge independent all-reduces of one group, reduce op and dtype into buckets of up to
-    ``cap_mb`` MiB, one flat collective each (Inductor's own FX pass)."""
-    from torch._inductor.fx_passes.bucketing import bucket_all_reduce
+def bucket_collectives(gm, cap_mb: float) -> None:
+    """Merge independent all-reduces, all-gathers and reduce-scatters (each of one group, reduce op
+    and dtype) into buckets of up to ``cap_mb`` MiB, one flat collective each (Inductor's own FX
+    passes)."""
+    from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
 
-    bucket_all_reduce(gm, lambda _bucket: float(cap_mb))
+    cap = lambda _bucket: float(cap_mb)  # noqa: E731 (one cap for every bucket)
+    bucket_all_reduce(gm, cap)
+    bucket_all_gather(gm, cap)
+    bucket_reduce_scatter(gm, cap)
     gm.recompile()
+
+
+def schedule_overlap(gm, estimate_ms, bucketing: bool = True):
+    """Inductor's overlap scheduler on ``gm`` with every runtime from ``estimate_ms(node,
+    override_bytes)`` (its own roofline needs Triton and a GPU; its benchmarks a GPU; ours is the
+    plan's cost model and the same on every rank, so no rank has to agree with another)."""
+    import contextlib
+
+    from torch._inductor.fx_passes import overlap_scheduling as osched
+
+    @contextlib.contextmanager
+    def patched():
+        saved = osched.estimate_roofline_runtime_ms
+        osched.estimate_roofline_runtime_ms = lambda node: estimate_ms(node, None)
+        try:
+            yield
+        finally:
+            osched.estimate_roofline_runtime_ms = saved
+
+    with patched():
+        return osched.schedule_overlap_bucketing(
+            gm, collective_bucketing=bucketing, custom_runtime_estimation=estimate_ms,
+            collective_estimator="analytical", compute_estimator="analytical",
+            pre_bucketing_fsdp_collectives=False)

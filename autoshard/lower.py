@@ -46,7 +46,8 @@ class Split:
     saved: list[fx.Node]
     """Forward values (ops or placeholders) the backward reads."""
     tangents: list[tuple[int, fx.Node]]
-    """(model output leaf index, the node of that output's gradient), one per backward input."""
+    """(model output leaf index, the node of that output's gradient), one per backward input;
+    with the loss lowered, (0, the loss's gradient)."""
     grads: dict[str, fx.Node]
     """Parameter FQN -> the node of its gradient (only parameters the loss reaches)."""
 
@@ -55,12 +56,26 @@ class LowerError(PlanError):
     """A plan that cannot be lowered to per-rank programs (names the node and the reason)."""
 
 
-def split(tg: TracedGraph) -> Split:
-    """Forward, backward, saved values and tangents of a traced step (see :class:`Split`)."""
+def loss_seed(tg: TracedGraph) -> fx.Node:
+    """The node autograd seeded the backward pass with: ``ones_like(loss)``, the loss's gradient."""
+    seeds = [u for u in tg.loss_node.users
+             if u.target is torch.ops.aten.ones_like.default and tg.phase(u) == "backward"]
+    if len(seeds) != 1:
+        raise LowerError(f"the traced step has {len(seeds)} seeds of the loss's gradient (ones_like(loss)), "
+                         "expected one: the loss cannot be lowered with the model")
+    return seeds[0]
+
+
+def split(tg: TracedGraph, with_loss: bool = False) -> Split:
+    """Forward, backward, saved values and tangents of a traced step (see :class:`Split`).
+
+    ``with_loss``: the forward ends at the loss (``loss_fn`` of the outputs, as planned) and the
+    backward starts from the loss's gradient; else at the model's outputs and their gradients."""
     nodes = list(tg.gm.graph.nodes)
-    forward = [n for n in nodes if n.op in ("call_function", "get_attr") and tg.phase(n) == "forward"]
+    phases = ("forward", "loss") if with_loss else ("forward",)
+    forward = [n for n in nodes if n.op in ("call_function", "get_attr") and tg.phase(n) in phases]
     fwd = set(forward)
-    tangent_of = {n: k for k, n in tg.output_grads.items()}
+    tangent_of = {loss_seed(tg): 0} if with_loss else {n: k for k, n in tg.output_grads.items()}
     wanted: set[fx.Node] = set()
     saved: dict[fx.Node, None] = {}
     stack = [g for g in tg.grad_of.values()]
@@ -138,6 +153,7 @@ class Lowering:
             prof = Profile.from_json(plan.profile["data"])
         else:
             prof = _load(profile or plan.profile.get("name") or "h100-sxm")
+        self.profile = prof
         self.planner = RedistributePlanner(MeshTopology(tuple(mesh.shape), prof.devices_per_node), prof)
         self.moves = 0
         """Redistributes the last lowering emitted (each as the planner's steps)."""

@@ -96,22 +96,14 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict) -> None:
                 t.copy_(src)
 
 
-def _to_placements_hook(mesh, placements):
-    def hook(grad):
-        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
-            return grad.redistribute(mesh, placements)
-        return grad
-
-    return hook
-
-
 class _PlannedForward:
     """The model's ``forward`` once parallelized: the plan's lowered forward and backward
     programs (one per input signature, lowered on first use)."""
 
-    def __init__(self, model: nn.Module, template: nn.Module, plan: Plan, mesh, loss_fn, profile, bucket_mb):
+    def __init__(self, model: nn.Module, template: nn.Module, plan: Plan, mesh, loss_fn, profile, bucket_mb,
+                 overlap, compute_loss):
         self.model, self.template, self.plan, self.mesh = model, template, plan, mesh
-        self.bucket_mb = bucket_mb
+        self.bucket_mb, self.overlap, self.compute_loss = bucket_mb, overlap, compute_loss
         self.loss_fn, self.profile = loss_fn, profile
         self.input_specs = [Spec.parse(s) for s in plan.inputs]
         self.programs: dict[tuple, object] = {}
@@ -126,7 +118,8 @@ class _PlannedForward:
                 with torch.device("meta"):
                     shapes = [torch.empty(x.shape, dtype=x.dtype) for x in inputs]
                 tg = trace(self.template, shapes, self.loss_fn)
-            self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile, self.bucket_mb)
+            self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile, self.bucket_mb,
+                                                 self.overlap, self.compute_loss)
         return self.programs[key]
 
     def __call__(self, *args):
@@ -141,12 +134,15 @@ class _PlannedForward:
         buffers = dict(self.model.named_buffers())
         flat = [params[f] for f in program.tg.param_fqns] + [buffers[f] for f in program.tg.buffer_fqns]
         outs = iter(_Step.apply(program, *flat, *dist_inputs))
+        if self.compute_loss:
+            return next(outs)
         leaves = [next(outs) if isinstance(v, torch.fx.Node) else v for v in program.tg.outputs]
         return torch.utils._pytree.tree_unflatten(leaves, program.tg.output_tree)
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dict: dict | None = None,
-                loss_fn=None, profile=None, bucket_mb: float = 25.0) -> nn.Module:
+                loss_fn=None, profile=None, bucket_mb: float = 25.0, overlap: bool = True,
+                compute_loss: bool = False) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
 
     Parameters and buffers become DTensors with the planned placements (a tied parameter
@@ -160,8 +156,17 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     ``loss_fn``: the loss the plan was made with, only needed where it reads a model output
     in a way the plan must know (default: the mean of the output). ``profile``: the plan's
     profile where the plan names one that is neither shipped nor carried in the plan.
-    ``bucket_mb``: gradient all-reduces are merged into buckets of up to this many MiB
-    (torch's bucketing pass on the lowered backward; 0: exactly one collective per planned step).
+    ``bucket_mb``: independent collectives of one kind and group (gradient all-reduces and
+    reduce-scatters, parameter all-gathers) are merged into buckets of up to this many MiB
+    (torch's bucketing passes on the lowered programs; 0 with ``overlap=False``: exactly one
+    collective per planned step). ``overlap``: torch's overlap scheduler starts each collective
+    early and waits late, costed by the plan's profile (:mod:`autoshard.passes`).
+    ``compute_loss``: ``forward`` returns ``loss_fn(outputs)`` (the plan's loss; default the mean
+    of the output), a replicated scalar DTensor, and the loss and its backward run as planned
+    inside the lowered programs. The fast path for training: a loss computed outside the model
+    runs by DTensor's eager rules instead (correct, but e.g. ``mean``'s backward then builds its
+    full-size gradient on every rank). ``loss_fn`` sees the outputs only: targets that change
+    per step must be model inputs, or the loss computed outside.
 
     A model on the meta device is never materialized whole: its parameters become
     meta DTensors, then ``to_empty`` allocates each rank's shards only, and either
@@ -187,13 +192,11 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
                 mod.register_parameter(name, done[id(p)])
                 continue
             spec = plan.param_spec(prefix + name)
-            placements = placements_for(spec, mesh)
             dt = distribute(p.detach(), mesh, spec)
+            # No gradient hook: the lowered backward delivers each gradient in its parameter's
+            # spec (DDP's all-reduce, FSDP's reduce-scatter as planned), and a hook per parameter
+            # cost 0.2 ms a step each.
             param = nn.Parameter(dt, requires_grad=p.requires_grad)
-            if param.requires_grad:
-                # The plan costs the gradient's move to the parameter's spec (DDP's all-reduce,
-                # FSDP's reduce-scatter); without this DTensor would leave it Partial.
-                param.register_hook(_to_placements_hook(mesh, placements))
             mod.register_parameter(name, param)
             done[id(p)] = done[id(param)] = param
         for name, b in list(mod.named_buffers(recurse=False)):
@@ -218,17 +221,19 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
         load_full_state_dict(model, full_state_dict)
     if bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0 (0: one collective per planned step), found {bucket_mb}")
-    model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile, bucket_mb)
+    model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile, bucket_mb, overlap, compute_loss)
     model._autoshard_plan = plan
     return model
 
 
-def auto_parallel(model: nn.Module, example_inputs, mesh, loss_fn=None, **plan_options) -> nn.Module:
+def auto_parallel(model: nn.Module, example_inputs, mesh, loss_fn=None, compute_loss: bool = False,
+                  **plan_options) -> nn.Module:
     """Plan ``model`` for ``mesh`` and parallelize it with that plan: one call.
 
     On several real processes rank 0 plans and broadcasts the plan (a time-limited solve
     could differ between ranks); ``plan_options`` go to :func:`autoshard.plan`. The plan
-    is kept as ``model._autoshard_plan`` (save it to apply it later without planning)."""
+    is kept as ``model._autoshard_plan`` (save it to apply it later without planning).
+    ``compute_loss``: ``forward`` returns the loss, lowered with the model (see :func:`parallelize`)."""
     import torch.distributed as dist
 
     from autoshard._torch_compat import local_tensor_ranks
@@ -244,4 +249,4 @@ def auto_parallel(model: nn.Module, example_inputs, mesh, loss_fn=None, **plan_o
     if shared:
         dist.broadcast_object_list(box, src=0)
     # The plan carries its profile (by name when shipped, whole otherwise).
-    return parallelize(model, Plan.from_json(box[0]), mesh, loss_fn=loss_fn)
+    return parallelize(model, Plan.from_json(box[0]), mesh, loss_fn=loss_fn, compute_loss=compute_loss)

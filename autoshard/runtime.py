@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from autoshard import _torch_compat as tc
 from autoshard.errors import PlanError
 from autoshard.lower import Lowering, RankProgram, split
+from autoshard.passes import optimize
 from autoshard.plan import Plan
 from autoshard.spmd import run_ranks
 from autoshard.trace import TracedGraph
@@ -43,10 +44,11 @@ def _tensor_args(node: fx.Node) -> list:
 class PlannedProgram:
     """The lowered forward and backward of one traced step, per rank, built on first use."""
 
-    def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile=None, bucket_mb: float = 25.0):
+    def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile=None, bucket_mb: float = 25.0,
+                 overlap: bool = True, with_loss: bool = False):
         self.tg, self.plan, self.mesh = tg, plan, mesh
-        self.bucket_mb = bucket_mb
-        self.split = split(tg)
+        self.bucket_mb, self.overlap, self.with_loss = bucket_mb, overlap, with_loss
+        self.split = split(tg, with_loss)
         self.lowering = Lowering(tg, plan, mesh, profile, ops=self.split.forward + self.split.backward)
         ph = tg.placeholders
         self.inputs = ph
@@ -60,7 +62,10 @@ class PlannedProgram:
                 specs.append(Spec.parse(plan.inputs[k]))
                 k += 1
         self.in_specs = specs
-        self.outputs = [v for v in tg.outputs if isinstance(v, fx.Node)]
+        self.leaves = [(0, tg.loss_node)] if with_loss else \
+            [(k, v) for k, v in enumerate(tg.outputs) if isinstance(v, fx.Node)]
+        """(output leaf index, node) of each tensor the forward returns: the model's outputs, or the loss."""
+        self.outputs = [v for _, v in self.leaves]
         self.trainable = [f for f in tg.param_fqns if f in self.split.grads]
         self._forward: dict[int, RankProgram] = {}
         self._backward: dict[int, RankProgram] = {}
@@ -68,9 +73,13 @@ class PlannedProgram:
     def forward_program(self, rank: int) -> RankProgram:
         if rank not in self._forward:
             s = self.split
+            # The loss comes out replicated (the plan costs that all-reduce before its backward
+            # seed), so `loss.backward()` seeds the gradient in the spec the backward reads.
+            out_specs = [Spec(("R",) * self.mesh.ndim)] if self.with_loss else [None] * len(self.outputs)
             self._forward[rank] = self.lowering.lower(
                 self.inputs, self.in_specs, [_meta(n) for n in self.inputs], s.forward,
-                self.outputs + s.saved, [None] * (len(self.outputs) + len(s.saved)), rank)
+                self.outputs + s.saved, out_specs + [None] * len(s.saved), rank)
+            self._optimize(self._forward[rank])
         return self._forward[rank]
 
     def backward_program(self, rank: int) -> RankProgram:
@@ -83,10 +92,14 @@ class PlannedProgram:
                 s.saved + [d for _, d in s.tangents], list(saved_specs) + tangent_specs,
                 [_meta(n) for n in s.saved] + [_meta(d) for _, d in s.tangents], s.backward, grads,
                 [self.plan.param_spec(f) for f in self.trainable], rank)
-            if self.bucket_mb > 0:
-                # Gradient all-reduces (DDP's) in buckets: the same bytes in fewer collectives.
-                tc.bucket_all_reduces(self._backward[rank].gm, self.bucket_mb)
+            self._optimize(self._backward[rank])
         return self._backward[rank]
+
+    def _optimize(self, program: RankProgram) -> None:
+        """Bucket and overlap the program's collectives (:mod:`autoshard.passes`): the same bytes
+        in fewer collectives (DDP's gradient buckets, FSDP's per-layer gathers), each started
+        early and waited for late."""
+        program.gm = optimize(program.gm, self.lowering.profile, self.bucket_mb, self.overlap)
 
     def _tangent_spec(self, k: int, d: fx.Node, fwd: RankProgram) -> Spec:
         """The spec an output's gradient enters the backward in: the one its first consumer in the
@@ -99,7 +112,7 @@ class PlannedProgram:
                 flat = _tensor_args(user)
                 if d in flat:
                     return Spec.parse(entry["in"][flat.index(d)])
-        return fwd.out_specs[self.outputs.index(self.tg.outputs[k])]
+        return fwd.out_specs[[j for j, _ in self.leaves].index(k)]
 
     def collective_counts(self, rank: int | None = None) -> dict[str, int]:
         """Collectives per kind (``all_reduce`` ...) in one rank's lowered forward and backward."""
@@ -109,7 +122,7 @@ class PlannedProgram:
         counts: dict[str, int] = {}
         for prog in (self.forward_program(rank), self.backward_program(rank)):
             for n in collectives(prog.gm):
-                kind = n.target._opname
+                kind = n.target._opname.removesuffix("_out")  # a bucket's flat-buffer variant
                 counts[kind] = counts.get(kind, 0) + 1
         return counts
 
@@ -169,8 +182,7 @@ class _Step(torch.autograd.Function):
         s = program.split
         tangents = []
         reached = {k for k, _ in s.tangents}
-        leaf_index = [k for k, v in enumerate(program.tg.outputs) if isinstance(v, fx.Node)]
-        by_leaf = dict(zip(leaf_index, grad_outs))
+        by_leaf = dict(zip([k for k, _ in program.leaves], grad_outs))
         for k, g in by_leaf.items():
             if g is not None and k not in reached:
                 raise PlanError(f"the loss reaches model output {k}, which the plan's loss_fn did not: plan with "

@@ -90,9 +90,15 @@ _COLLECTIVES = {
 }
 
 
+_OUT_VARIANTS = {
+    # Bucketing writes a merged all-gather into a preallocated flat buffer (``out=``).
+    _F.all_gather_into_tensor_out.default: _F.all_gather_into_tensor.default,
+}
+
+
 def collective_ops() -> frozenset:
     """The functional collectives a per-rank program may contain (besides ``wait_tensor``)."""
-    return frozenset(_COLLECTIVES)
+    return frozenset(_COLLECTIVES) | frozenset(_OUT_VARIANTS)
 
 
 def _program(gm: fx.GraphModule, args: list) -> Iterator:
@@ -119,6 +125,9 @@ def _program(gm: fx.GraphModule, args: list) -> Iterator:
             raise SpmdError(f"node {n.name}: {n.op} nodes are not simulated")
         if n.target in _COLLECTIVES:
             env[n] = yield n.target, a
+        elif n.target in _OUT_VARIANTS:
+            result = yield _OUT_VARIANTS[n.target], a
+            env[n] = kw["out"].copy_(result)
         elif n.target is _WAIT:
             env[n] = a[0]
         elif n.target is operator.getitem:

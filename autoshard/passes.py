@@ -1,0 +1,121 @@
+"""Bucketing and overlap on a lowered per-rank program, costed by the plan's profile.
+
+A lowered program (:mod:`autoshard.lower`) issues each collective where DTensor's
+redistribution put it and waits for it right away. Two of torch's own FX passes then
+reorder it, with the same cost model the planner used as their runtime estimator:
+
+- **bucketing** (``bucket_mb``): independent collectives of one kind, group, reduce op and
+  dtype are merged into flat collectives of up to ``bucket_mb`` MiB (Inductor's
+  ``bucket_all_reduce`` / ``bucket_all_gather`` / ``bucket_reduce_scatter``): the same bytes,
+  one latency per bucket;
+- **overlap** (``overlap=True``): Inductor's overlap scheduler
+  (``schedule_overlap_bucketing``) starts each collective as early as its inputs allow and
+  waits for it as late as its first user allows, so the gradient all-reduces (DDP's),
+  reduce-scatters and parameter all-gathers (FSDP's) run beside independent compute; it
+  buckets collectives itself where that keeps them hidden.
+
+Estimates (microseconds in, milliseconds out, as the scheduler wants them):
+
+    compute(node)    = max(FLOPs / (peak * efficiency), bytes / bandwidth, launch)   (views: 0)
+    collective(node) = the profile's fit for (kind, group size, link class) at the full
+                       buffer's bytes (nccl-tests' convention: the gathered / reduced size)
+
+Both depend only on shapes and group sizes, so every rank orders its program the same
+way and the members of a group issue its collectives in one order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoshard import _torch_compat as tc
+from costmodel import compute_time_us
+from costmodel.profile import Profile
+
+_F = torch.ops._c10d_functional
+KIND = {
+    _F.all_reduce.default: "all_reduce",
+    _F.all_gather_into_tensor.default: "all_gather",
+    _F.all_gather_into_tensor_out.default: "all_gather",
+    _F.reduce_scatter_tensor.default: "reduce_scatter",
+    _F.all_to_all_single.default: "all_to_all",
+    _F.broadcast.default: "broadcast",
+}
+"""Functional collective -> the cost model's collective kind."""
+
+
+def _bytes(v) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _val(node) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+class Estimator:
+    """Runtime of a per-rank program's nodes by the plan's profile (see the module doc)."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self._flops: dict = {}
+
+    def flops(self, node: fx.Node) -> float:
+        vals = fx.node.map_arg((node.args, node.kwargs), _val)
+        tensors = [v for v in map(_val, node.all_input_nodes) if isinstance(v, torch.Tensor)]
+        fm = next((getattr(v, "fake_mode", None) for v in tensors if getattr(v, "fake_mode", None)), None)
+        if fm is None:
+            return 0.0
+        key = (node.target, tuple(tuple(v.shape) for v in tensors),
+               tuple(repr(a) for a in node.args if not isinstance(a, fx.Node)))
+        if key not in self._flops:
+            try:
+                with fm, FlopCounterMode(display=False) as fc:
+                    node.target(*vals[0], **vals[1])
+                self._flops[key] = float(fc.get_total_flops())
+            except (RuntimeError, TypeError, NotImplementedError):
+                # An op fake tensors cannot run (a custom op with no meta kernel): memory-bound.
+                self._flops[key] = 0.0
+        return self._flops[key]
+
+    def compute_us(self, node: fx.Node) -> float:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return 0.0
+        if getattr(node.target, "is_view", False):
+            return 0.0
+        nbytes = sum(_bytes(_val(a)) for a in node.all_input_nodes)
+        out = _val(node)
+        nbytes += sum(_bytes(o) for o in (out if isinstance(out, (list, tuple)) else [out]))
+        return compute_time_us(self.flops(node), nbytes, self.profile)
+
+    def collective_us(self, node: fx.Node, override_bytes: int | None = None) -> float:
+        kind = KIND[node.target]
+        inp, out = _bytes(_val(node.args[0])), _bytes(_val(node))
+        full = out if kind == "all_gather" else inp
+        if override_bytes is not None:
+            # The scheduler sizes a would-be bucket in its own unit (inputs + outputs).
+            full = override_bytes * full / max(1, inp + out)
+        ranks = tc.group_ranks(node.args[-1])
+        per_node = self.profile.devices_per_node
+        intra = min(ranks) // per_node == max(ranks) // per_node
+        return float(self.profile.collective_predictor(kind, len(ranks), intra)(full))
+
+    def ms(self, node: fx.Node, override_bytes: int | None = None) -> float:
+        if node.target in KIND:
+            return self.collective_us(node, override_bytes) / 1e3
+        return self.compute_us(node) / 1e3
+
+
+def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bool) -> fx.GraphModule:
+    """``gm`` with its collectives bucketed (``bucket_mb`` > 0) and overlapped (``overlap``)."""
+    # The passes trace their merge functions: an ambient LocalTensorMode would turn their
+    # constants into per-rank tensors the graph module does not own.
+    with tc.quiet_tracing():
+        if bucket_mb > 0:
+            tc.bucket_collectives(gm, bucket_mb)
+        if overlap:
+            gm = tc.schedule_overlap(gm, Estimator(profile).ms)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
