@@ -10,9 +10,9 @@ reorder it, with the same cost model the planner used as their runtime estimator
   one latency per bucket;
 - **overlap** (``overlap=True``): Inductor's overlap scheduler
   (``schedule_overlap_bucketing``) starts each collective as early as its inputs allow and
-  waits for it as late as its first user allows, so the gradient all-reduces (DDP's),
-  reduce-scatters and parameter all-gathers (FSDP's) run beside independent compute; it
-  buckets collectives itself where that keeps them hidden.
+  waits for it once the compute placed beside it covers its estimated time, so the gradient
+  all-reduces (DDP's), reduce-scatters and parameter all-gathers (FSDP's) run beside
+  independent compute.
 
 Estimates (microseconds in, milliseconds out, as the scheduler wants them):
 
@@ -115,7 +115,9 @@ def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bo
         if bucket_mb > 0:
             tc.bucket_collectives(gm, bucket_mb)
         if overlap:
-            gm = tc.schedule_overlap(gm, Estimator(profile).ms)
+            # Its own bucketing is off: Inductor's merge of all-reduces can hand a view a
+            # non-contiguous slice of the bucket (seen on Qwen2: "view size is not compatible").
+            gm = tc.schedule_overlap(gm, Estimator(profile).ms, bucketing=False)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -195,7 +195,10 @@ def run_ranks(programs: dict[int, fx.GraphModule], args: dict[int, list], mesh) 
                 op, a = pending[r]
                 fn, name_at = _COLLECTIVES[op]
                 members = groups.of(a[name_at], r)
-                if not all(m in pending and pending[m][0] is op for m in members):
+                # Every member must be at this collective on this group: a member waiting on
+                # the same kind of collective over another group is not there yet.
+                if not all(m in pending and pending[m][0] is op and groups.of(pending[m][1][name_at], m) == members
+                           for m in members):
                     continue
                 results = fn([pending[m][1][0] for m in members], [pending[m][1] for m in members]
                              if op is _F.all_to_all_single.default else a)

@@ -210,7 +210,7 @@ class StrategyEnumerator:
                         results.append(tc.op_strategy(op, self._schema(node, [[s]] + cands[1:]), self.mesh, out_meta))
                     except Exception:
                         continue
-        out = self._collect(results, node, targs)
+        out = [st for st in self._collect(results, node, targs) if executable(node, st)]
         if not self.partial_inputs:
             out = [st for st in out if not any("P(" in str(i) for i in st.ins)]
         return out
@@ -248,6 +248,44 @@ class StrategyEnumerator:
                     seen.add(strat)
                     out.append(strat)
         return out
+
+
+_CONV = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+
+def _multi_axis(spec: Spec | None) -> bool:
+    dims = [d for d in spec.shard_dims() if d is not None] if spec is not None else []
+    return len(dims) != len(set(dims))
+
+
+def _shards_beyond(spec: Spec | None, dim: int) -> bool:
+    return spec is not None and any(d is not None and d > dim for d in spec.shard_dims())
+
+
+def executable(node: fx.Node, st: Strategy) -> bool:
+    """Whether DTensor runs ``node`` under ``st`` as the rule says.
+
+    Most ops run by their rule. Convolutions run by a handler of their own
+    (``torch.distributed.tensor._tp_conv``) that reads each spec as one mesh axis per tensor
+    dim (a dim split by two axes is refused), exchanges halos along the width by the global
+    rank whenever padding is set and any non-batch dim is sharded (right only for a width split
+    on a 1-D mesh), and in the backward moves the output's gradient to the input's spec
+    whatever the plan says. Strategies outside what it runs correctly are dropped here.
+    """
+    if node.target not in _CONV:
+        return True
+    specs = list(st.ins) + list(st.outs)
+    if any(_multi_axis(s) for s in specs):
+        return False
+    backward = node.target is torch.ops.aten.convolution_backward.default
+    activation = st.ins[1] if backward else st.ins[0]  # the convolution's input
+    result = st.ins[1] if backward else st.outs[0]  # what the handler reads the sharding of
+    if backward and st.ins[0] != st.ins[1]:
+        return False  # the handler would move the gradient to the input's spec, unplanned
+    if _shards_beyond(activation, 1) or _shards_beyond(st.outs[0], 1):
+        return False  # spatial splits need the halo exchange
+    padding = node.args[5 if backward else 4]
+    return not padding or padding[-1] == 0 or not _shards_beyond(result, 0)
 
 
 def is_getitem(node: fx.Node) -> bool:
