@@ -45,6 +45,7 @@ def plan(
     input_specs: Sequence | None = None,
     seed_baselines: bool = True,
     export_problem: str | None = None,
+    example_kwargs: dict | None = None,
 ) -> Plan:
     """Choose a spec for every node of ``model``'s training step on ``mesh``.
 
@@ -62,8 +63,12 @@ def plan(
     of them. ``plan.solver["source"]`` names the stage or start the answer came from.
     ``export_problem``: also write the solver's problem (pins applied) to this path in the
     IOPDDL contest format (``.json`` or ``.json.gz``; ties and pins as extra keys).
+    ``example_kwargs``: keyword arguments of ``forward`` (``attention_mask``, ``labels`` ...);
+    tensors are planned inputs after the positional ones (``input_specs`` lists them in that
+    order), other values are constants of the plan.
     """
-    session = _Session(model, example_inputs, mesh, profile, memory_budget, loss_fn, tie_layers, log)
+    session = _Session(model, example_inputs, mesh, profile, memory_budget, loss_fn, tie_layers, log,
+                       example_kwargs)
     if export_problem is not None:
         solver.save_iopddl(session.problem(pins, input_specs), export_problem)
         session.say(f"wrote the solver problem to {export_problem}")
@@ -89,6 +94,7 @@ def compare(
     loss_fn: Callable | None = None,
     time_limit: float = 60.0,
     log: Callable[[str], None] | None = None,
+    example_kwargs: dict | None = None,
 ) -> dict[str, Plan | str]:
     """Our plan and each hand-written baseline (``ddp``, ``fsdp``, ``tp``, ``fsdp_tp``), costed alike.
 
@@ -97,7 +103,7 @@ def compare(
     baseline that does not fit the memory budget maps to the error's message.
     Keys: ``"autoshard"`` and the baseline names.
     """
-    session = _Session(model, example_inputs, mesh, profile, memory_budget, loss_fn, True, log)
+    session = _Session(model, example_inputs, mesh, profile, memory_budget, loss_fn, True, log, example_kwargs)
     seeds = session.baselines(baselines, time_limit, "highs")
     out: dict[str, Plan | str] = {"autoshard": session.solve(None, None, time_limit, "highs", seeds=seeds)}
     for name in baselines:
@@ -117,7 +123,8 @@ class _Seed:
 class _Session:
     """One traced model and its problem on one mesh: solved once per set of pins."""
 
-    def __init__(self, model, example_inputs, mesh, profile, memory_budget, loss_fn, tie_layers, log):
+    def __init__(self, model, example_inputs, mesh, profile, memory_budget, loss_fn, tie_layers, log,
+                 example_kwargs=None):
         self.say = log or (lambda _m: None)
         check_mesh(mesh)
         self.model, self.mesh = model, mesh
@@ -131,7 +138,7 @@ class _Session:
         from autoshard._torch_compat import quiet_tracing
 
         with quiet_tracing():  # called inside LocalTensorMode or CommDebugMode, the trace is the model's alone
-            self.tg = tg = trace(model, example_inputs, loss_fn, tie_layers=tie_layers)
+            self.tg = tg = trace(model, example_inputs, loss_fn, tie_layers=tie_layers, example_kwargs=example_kwargs)
         self.phases["trace_s"] = time.perf_counter() - t0
         self.say(f"traced {len(tg.gm.graph.nodes)} graph nodes in {self.phases['trace_s']:.2f}s"
                  + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"
@@ -216,7 +223,7 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
     choice = sol.choice
     chosen = [gp.strategies[v][choice[v]] for v in range(len(gp.nodes))]
 
-    params, inputs, nodes = {}, [], {}
+    params, inputs, input_names, nodes = {}, [], [], {}
     for v, n in enumerate(gp.nodes):
         s = chosen[v]
         if n.op == "placeholder":
@@ -230,6 +237,7 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
                 )
             else:
                 inputs.append(str(spec))
+                input_names.append(tg.fqn_of[n.name])
         else:
             nodes[n.name] = {
                 "op": str(n.target),
@@ -278,6 +286,7 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
         axis_names=names,
         params=params,
         inputs=inputs,
+        input_names=input_names,
         nodes=nodes,
         redistributes=redistributes,
         summary=summary,

@@ -58,12 +58,31 @@ class LowerError(PlanError):
 
 def loss_seed(tg: TracedGraph) -> fx.Node:
     """The node autograd seeded the backward pass with: ``ones_like(loss)``, the loss's gradient."""
-    seeds = [u for u in tg.loss_node.users
-             if u.target is torch.ops.aten.ones_like.default and tg.phase(u) == "backward"]
-    if len(seeds) != 1:
-        raise LowerError(f"the traced step has {len(seeds)} seeds of the loss's gradient (ones_like(loss)), "
-                         "expected one: the loss cannot be lowered with the model")
-    return seeds[0]
+    seed = tg.loss_seed()
+    if seed is None:
+        raise LowerError("the traced step has no single seed of the loss's gradient (ones_like(loss)): the loss "
+                         "cannot be lowered with the model")
+    return seed
+
+
+def _frontier(tg: TracedGraph, tangent_of: dict) -> dict:
+    """The output gradients the backward starts from: those not computed from another one (a
+    model that returns its loss and the logits it was computed from: the logits' gradient is
+    the loss's backward, inside the model's backward, not an input of it)."""
+    roots = {}
+    for t, k in tangent_of.items():
+        seen, stack = set(), list(t.all_input_nodes)
+        derived = False
+        while stack and not derived:
+            n = stack.pop()
+            if n in seen or tg.phase(n) != "backward":
+                continue
+            seen.add(n)
+            derived = n in tangent_of
+            stack.extend(n.all_input_nodes)
+        if not derived:
+            roots[t] = k
+    return roots
 
 
 def split(tg: TracedGraph, with_loss: bool = False) -> Split:
@@ -75,7 +94,7 @@ def split(tg: TracedGraph, with_loss: bool = False) -> Split:
     phases = ("forward", "loss") if with_loss else ("forward",)
     forward = [n for n in nodes if n.op in ("call_function", "get_attr") and tg.phase(n) in phases]
     fwd = set(forward)
-    tangent_of = {loss_seed(tg): 0} if with_loss else {n: k for k, n in tg.output_grads.items()}
+    tangent_of = {loss_seed(tg): 0} if with_loss else _frontier(tg, {n: k for k, n in tg.output_grads.items()})
     wanted: set[fx.Node] = set()
     saved: dict[fx.Node, None] = {}
     stack = [g for g in tg.grad_of.values()]

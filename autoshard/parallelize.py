@@ -108,28 +108,38 @@ class _PlannedForward:
         self.input_specs = [Spec.parse(s) for s in plan.inputs]
         self.programs: dict[tuple, object] = {}
 
-    def program(self, inputs: list[torch.Tensor]):
+    def program(self, inputs: list[torch.Tensor], constants: dict):
         from autoshard.runtime import PlannedProgram
         from autoshard.trace import trace
 
-        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        names = self.plan.keyword_inputs
+        key = (tuple((tuple(x.shape), x.dtype) for x in inputs), repr(sorted(constants.items())))
         if key not in self.programs:
             with quiet_tracing():
                 with torch.device("meta"):
                     shapes = [torch.empty(x.shape, dtype=x.dtype) for x in inputs]
-                tg = trace(self.template, shapes, self.loss_fn)
+                positional = shapes[: len(shapes) - len(names)]
+                keywords = {**constants, **dict(zip(names, shapes[len(positional):]))}
+                tg = trace(self.template, positional, self.loss_fn, example_kwargs=keywords)
             self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile, self.bucket_mb,
                                                  self.overlap, self.compute_loss)
         return self.programs[key]
 
-    def __call__(self, *args):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if len(tensors) != len(self.input_specs) or len(tensors) != len(args):
-            raise PlanError(f"forward got {len(args)} arguments ({len(tensors)} tensors), the plan was made for "
-                            f"{len(self.input_specs)} tensor inputs")
+    def __call__(self, *args, **kwargs):
+        names = self.plan.keyword_inputs
+        positional = len(self.input_specs) - len(names)
+        tensor_kw = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        if len(args) != positional or any(not isinstance(a, torch.Tensor) for a in args):
+            raise PlanError(f"forward got {len(args)} positional arguments of types {[type(a).__name__ for a in args]}, "
+                            f"the plan was made for {positional} tensors")
+        if set(tensor_kw) != set(names):
+            raise PlanError(f"forward got tensor keyword inputs {sorted(tensor_kw)}, the plan was made for "
+                            f"{sorted(names)}")
+        inputs = list(args) + [tensor_kw[k] for k in names]
         dist_inputs = [a if isinstance(a, DTensor) else distribute(a, self.mesh, spec, src_data_rank=None)
-                       for a, spec in zip(args, self.input_specs)]
-        program = self.program(dist_inputs)
+                       for a, spec in zip(inputs, self.input_specs)]
+        program = self.program(dist_inputs, constants)
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         flat = [params[f] for f in program.tg.param_fqns] + [buffers[f] for f in program.tg.buffer_fqns]
@@ -146,8 +156,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     """Shard ``model`` in place as ``plan`` says and return it.
 
     Parameters and buffers become DTensors with the planned placements (a tied parameter
-    stays one DTensor); each tensor argument of ``forward`` is distributed with its planned
-    spec (from the full tensor given on every rank). ``forward`` runs the plan's lowered
+    stays one DTensor); each tensor argument of ``forward``, positional or keyword (as planned
+    with ``example_kwargs``), is distributed with its planned spec (from the full tensor given
+    on every rank; other keyword values must be those planned with). ``forward`` runs the plan's lowered
     forward program (:mod:`autoshard.lower`, lowered on first call per input shape) and
     returns the model's outputs as DTensors in their planned placements; ``backward`` on any
     loss of them runs the lowered backward program and leaves each gradient in its
@@ -227,7 +238,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
 
 
 def auto_parallel(model: nn.Module, example_inputs, mesh, loss_fn=None, compute_loss: bool = False,
-                  **plan_options) -> nn.Module:
+                  example_kwargs: dict | None = None, **plan_options) -> nn.Module:
     """Plan ``model`` for ``mesh`` and parallelize it with that plan: one call.
 
     On several real processes rank 0 plans and broadcasts the plan (a time-limited solve
@@ -245,7 +256,8 @@ def auto_parallel(model: nn.Module, example_inputs, mesh, loss_fn=None, compute_
         and dist.get_backend() != "fake"
     box = [None]
     if not shared or dist.get_rank() == 0:
-        box[0] = make_plan(model, example_inputs, mesh, loss_fn=loss_fn, **plan_options).to_json()
+        box[0] = make_plan(model, example_inputs, mesh, loss_fn=loss_fn, example_kwargs=example_kwargs,
+                           **plan_options).to_json()
     if shared:
         dist.broadcast_object_list(box, src=0)
     # The plan carries its profile (by name when shipped, whole otherwise).

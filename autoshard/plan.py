@@ -45,7 +45,7 @@ class Plan:
     params: dict[str, ParamPlacement]
     """Parameter and buffer FQN -> placement."""
     inputs: list[str]
-    """Spec of each example input, in order."""
+    """Spec of each example input, in order (positional, then tensor keyword inputs)."""
     nodes: dict[str, dict] = field(default_factory=dict)
     """Graph node name -> {"op", "out", "in"} specs."""
     redistributes: list[dict] = field(default_factory=list)
@@ -56,7 +56,15 @@ class Plan:
     profile: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
     """``{"class": name, "fingerprint": sha256 of FQNs and shapes}``."""
+    input_names: list[str] = field(default_factory=list)
+    """Name of each input: ``input{k}`` for positional input k, else the keyword (empty in plans
+    written before keyword inputs: all positional)."""
     version: int = PLAN_VERSION
+
+    @property
+    def keyword_inputs(self) -> list[str]:
+        """The keyword inputs' names, in the order of their specs after the positional ones."""
+        return [n for n in self.input_names if not (n.startswith("input") and n[5:].isdigit())]
 
     # ---- model identity -------------------------------------------------
     @staticmethod
@@ -76,6 +84,7 @@ class Plan:
             "model": self.model,
             "params": {k: asdict(v) for k, v in self.params.items()},
             "inputs": self.inputs,
+            "input_names": self.input_names,
             "nodes": self.nodes,
             "redistributes": self.redistributes,
             "summary": self.summary,
@@ -101,6 +110,7 @@ class Plan:
                 axis_names=list(mesh["axis_names"]),
                 params=params,
                 inputs=list(data["inputs"]),
+                input_names=list(data.get("input_names", [])),
                 nodes=data.get("nodes", {}),
                 redistributes=data.get("redistributes", []),
                 summary=data.get("summary", {}),
@@ -115,6 +125,8 @@ class Plan:
                 f"plan mesh: {len(plan.mesh_shape)} sizes {plan.mesh_shape} but "
                 f"{len(plan.axis_names)} axis names {plan.axis_names}"
             )
+        if plan.input_names and len(plan.input_names) != len(plan.inputs):
+            raise PlanError(f"plan: {len(plan.inputs)} input specs but {len(plan.input_names)} input names")
         try:
             for fqn in plan.params:
                 plan.param_spec(fqn)

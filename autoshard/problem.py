@@ -208,7 +208,7 @@ def build_problem(
             src = a.args[0] if is_getitem(a) else a
             last[src] = max(last.get(src, -1), pos[n])
     grad_producers = {resolve(g)[0] for g in tg.grad_of.values()}
-    loss_idx = resolve(tg.loss_node)[0] if tg.loss_node is not None else None
+    loss_idx, loss_out = resolve(tg.loss_node) if tg.loss_node is not None else (None, 0)
 
     flop_memo: dict = {}
     node_memo: dict = {}
@@ -242,8 +242,11 @@ def build_problem(
         compute.append(c.copy())
 
         if v == loss_idx:
+            # The loss is read replicated (logged, and the seed of its gradient); a multi-output
+            # op (nll_loss_forward: loss, total weight) gives it as one of its outputs.
             r = Spec(("R",) * len(mesh_shape))
-            c = c + np.array([redist.cost(s.outs[0], r, val) for s in strats])
+            lv = val[loss_out] if isinstance(val, (tuple, list)) else val
+            c = c + np.array([redist.cost(s.outs[loss_out], r, lv) for s in strats])
         costs.append(c)
         usages.append(usage)
         intervals.append((lo, hi))

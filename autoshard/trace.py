@@ -49,11 +49,12 @@ class TracedGraph:
     buffer_fqns: list[str]
     """Buffer FQNs, in placeholder order after the parameters."""
     num_inputs: int
-    """Number of tensor example inputs (placeholders after the buffers)."""
+    """Number of tensor example inputs (placeholders after the buffers), keyword ones included."""
     kinds: dict[str, str] = field(default_factory=dict)
     """Placeholder node name -> ``param`` / ``buffer`` / ``input``."""
     fqn_of: dict[str, str] = field(default_factory=dict)
-    """Placeholder node name -> parameter or buffer FQN, or ``input{k}``."""
+    """Placeholder node name -> parameter or buffer FQN, ``input{k}`` (positional input k) or the
+    keyword's name (a tensor keyword input)."""
     loss_node: fx.Node | None = None
     grad_of: dict[str, fx.Node] = field(default_factory=dict)
     """Parameter FQN -> the node producing its gradient (absent when unused)."""
@@ -71,6 +72,12 @@ class TracedGraph:
     def phase(self, node: fx.Node) -> str | None:
         """``forward`` (the model), ``loss`` (``loss_fn``) or ``backward`` for a traced op."""
         return _phase(node)
+
+    def loss_seed(self) -> fx.Node | None:
+        """The node autograd seeded the backward with: ``ones_like(loss)``, the loss's gradient."""
+        seeds = [u for u in self.loss_node.users
+                 if u.target is torch.ops.aten.ones_like.default and _phase(u) == "backward"]
+        return seeds[0] if len(seeds) == 1 else None
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -157,9 +164,12 @@ def trace(
     example_inputs: Sequence[torch.Tensor],
     loss_fn: Callable | None = None,
     tie_layers: bool = True,
+    example_kwargs: dict | None = None,
 ) -> TracedGraph:
     """Trace one training step of ``model`` on ``example_inputs`` (real, fake or meta tensors).
 
+    ``example_kwargs``: keyword arguments of ``forward``; tensors become inputs of the step
+    (after the positional ones, in the dict's order), anything else is a constant of the trace.
     With ``tie_layers``, the nodes of repeated layers are tagged so that the
     planner can tie them.
     """
@@ -169,6 +179,11 @@ def trace(
     bad = [type(x).__name__ for x in example_inputs if not isinstance(x, torch.Tensor)]
     if bad:
         raise TraceError(f"example_inputs: expected a sequence of tensors, found element types {bad}")
+    example_kwargs = dict(example_kwargs or {})
+    kw_names = [k for k, v in example_kwargs.items() if isinstance(v, torch.Tensor)]
+    constants = {k: v for k, v in example_kwargs.items() if not isinstance(v, torch.Tensor)}
+    input_names = [f"input{k}" for k in range(len(example_inputs))] + kw_names
+    example_inputs = example_inputs + tuple(example_kwargs[k] for k in kw_names)
     loss_fn = loss_fn or default_loss
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -192,11 +207,13 @@ def trace(
         ps = flat[: len(names_p)]
         bs = flat[len(names_p): len(names_p) + len(names_b)]
         xs = flat[len(names_p) + len(names_b):]
+        positional = xs[: len(xs) - len(kw_names)]
+        kwargs = {**constants, **dict(zip(kw_names, xs[len(positional):]))}
         state = {**dict(zip(names_p, ps)), **dict(zip(names_b, bs))}
         # The phase of each traced op is what lets a plan be split into the model's forward
         # and backward programs, with the loss left to the caller (autoshard.lower).
         tc.node_meta_custom()[PHASE] = "forward"
-        out = functional_call(model, state, tuple(xs))
+        out = functional_call(model, state, tuple(positional), kwargs)
         leaves, seen["tree"] = torch.utils._pytree.tree_flatten(out)
         seen["leaves"] = [tc.traced_node(v) if isinstance(v, torch.Tensor) else v for v in leaves]
         seen["grads"] = {}
@@ -248,6 +265,18 @@ def trace(
         seen["leaves"] = [alive(v) if isinstance(v, fx.Node) else v for v in seen.get("leaves", [])]
         seen["grads"] = {k: alive(n) for k, n in seen.get("grads", {}).items() if n is not None}
     seen["grads"] = {k: n for k, n in seen.get("grads", {}).items() if n is not None}
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(fx.node.map_aggregate(out_node.args[0], lambda a: a))
+    flat = outs if not isinstance(outs[0], (list, tuple)) else list(outs[0])
+    loss_node = flat[0]
+    for k, leaf in enumerate(seen.get("leaves", [])):
+        if leaf is loss_node and k not in seen["grads"]:
+            # The model returns its own loss (HF models given labels): autograd seeds that
+            # output's gradient directly, and a tensor hook on the root never fires.
+            seed = [u for u in loss_node.users
+                    if u.target is torch.ops.aten.ones_like.default and _phase(u) == "backward"]
+            if len(seed) == 1:
+                seen["grads"][k] = seed[0]
     _loss_free_names(gm, seen["grads"].values())
     for node in gm.graph.nodes:
         if node.op == "get_attr" and "val" not in node.meta:
@@ -266,11 +295,8 @@ def trace(
         elif k < len(names_p) + len(names_b):
             tg.kinds[node.name], tg.fqn_of[node.name] = "buffer", names_b[k - len(names_p)]
         else:
-            tg.kinds[node.name], tg.fqn_of[node.name] = "input", f"input{k - len(names_p) - len(names_b)}"
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outs = list(fx.node.map_aggregate(out_node.args[0], lambda a: a))
-    flat = outs if not isinstance(outs[0], (list, tuple)) else list(outs[0])
-    tg.loss_node = flat[0]
+            tg.kinds[node.name], tg.fqn_of[node.name] = "input", input_names[k - len(names_p) - len(names_b)]
+    tg.loss_node = loss_node
     for idx, g in zip(trainable, flat[1:]):
         if isinstance(g, fx.Node):
             tg.grad_of[names_p[idx]] = g

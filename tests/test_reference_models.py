@@ -286,3 +286,41 @@ def test_hugging_face_models_run_as_planned(world, arch):
             torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
         if arch == "gpt2":
             assert sharded.lm_head.weight is sharded.transformer.wte.weight
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_hugging_face_keyword_inputs_and_the_models_own_loss(world, arch):
+    """``model(input_ids, attention_mask=..., labels=...)`` with the loss computed by the model:
+    keyword tensors are planned inputs (named in the plan), the loss is the model's output, and
+    loss and gradients equal single-device ones, with the loss outside or lowered with the model."""
+    world(4)
+    model, x = _hf_model(arch), tokens()
+    mask = torch.ones_like(x)
+    mask[:, -3:] = 0  # padding: the mask changes the result
+    labels = torch.randint(0, 256, x.shape, generator=torch.Generator().manual_seed(2))
+    kw = {"attention_mask": mask, "labels": labels}
+
+    def loss_fn(out):
+        return out["loss"]
+
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=loss_fn, memory_budget=None, example_kwargs=kw)
+    assert plan.input_names == ["input0", "attention_mask", "labels"]
+    assert autoshard.Plan.from_json(plan.to_json()).keyword_inputs == ["attention_mask", "labels"]
+    ref = copy.deepcopy(model)
+    ref_loss = loss_fn(ref(x, **kw))
+    ref_loss.backward()
+    with LocalTensorMode(4):
+        mesh = local_mesh((2, 2), ("dp", "tp"))
+        for compute_loss in (False, True):
+            sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh, loss_fn=loss_fn,
+                                            compute_loss=compute_loss)
+            out = sharded(x, **kw)
+            loss = out if compute_loss else loss_fn(out)
+            loss.backward()
+            torch.testing.assert_close(full(loss), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+            for (fqn, p), (_, q) in zip(sharded.named_parameters(), ref.named_parameters()):
+                torch.testing.assert_close(full(p.grad), q.grad, rtol=1e-4, atol=1e-5, msg=fqn)
+        with pytest.raises(autoshard.PlanError, match=r"keyword inputs \['attention_mask'\], the plan was made for "
+                                                      r"\['attention_mask', 'labels'\]"):
+            sharded(x, attention_mask=mask)
