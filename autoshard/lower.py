@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
+from autoshard import rng
 from autoshard.errors import PlanError
 from autoshard.plan import Plan
 from autoshard.trace import TracedGraph
@@ -173,6 +174,7 @@ class Lowering:
         else:
             prof = _load(profile or plan.profile.get("name") or "h100-sxm")
         self.profile = prof
+        self.position = {n: i for i, n in enumerate(tg.gm.graph.nodes)}
         self.planner = RedistributePlanner(MeshTopology(tuple(mesh.shape), prof.devices_per_node), prof)
         self.moves = 0
         """Redistributes the last lowering emitted (each as the planner's steps)."""
@@ -206,6 +208,9 @@ class Lowering:
                 env[n] = env[n.args[0]][n.args[1]]
                 continue
             entry = plan.nodes.get(n.name)
+            if n.target in rng.RANDOM_OPS and isinstance(env.get(n.args[0]), DTensor):
+                env[n] = self._random(n, env, entry)
+                continue
             if not any(isinstance(v, DTensor) for v in map(env.get, n.all_input_nodes)):
                 # Only constants in (tensors built inside forward): every rank computes the same
                 # full value; a consumer takes its planned shard of it locally.
@@ -230,6 +235,26 @@ class Lowering:
             if isinstance(out, DTensor) and "out" in entry and _spec_of(out) != Spec.parse(entry["out"]):
                 self.off_plan.append(n.name)
             env[n] = out
+
+    def _random(self, n: fx.Node, env: dict, entry: dict | None):
+        """A random op on this rank's shard, keyed so that replicas draw alike (:mod:`autoshard.rng`)."""
+        x = env[n.args[0]]
+        if entry is not None:
+            x = self._move(x, Spec.parse(entry["in"][0]))
+        if any(p.is_partial() for p in x.placements):
+            x = self._move(x, Spec(tuple("R" if p.is_partial() else s
+                                         for p, s in zip(x.placements, _spec_of(x).placements)), _spec_of(x).shard_order))
+        args = fx.node.map_arg(n.args, lambda a: env[a])
+        key = rng.shard_key(self.position[n], x.placements, self.mesh.get_coordinate(), tuple(self.mesh.shape))
+        out = rng.run_local(n.target, x.to_local(), tuple(args), key)
+
+        def wrap(local):
+            return DTensor.from_local(local, self.mesh, x.placements, run_check=False, shape=x.shape,
+                                      stride=x.stride())
+
+        if isinstance(out, tuple):
+            return tuple(wrap(o) for o in out)
+        return x if out is not None and n.target._schema.is_mutable else wrap(out)
 
     def lower(self, inputs: list[fx.Node], in_specs: list[Spec], in_meta: list[tuple], ops: list[fx.Node],
               outputs: list[fx.Node], out_specs: list[Spec | None], rank: int) -> RankProgram:

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
+from autoshard import rng
 from autoshard.errors import PlanError
 from autoshard.lower import Lowering, RankProgram, split
 from autoshard.passes import optimize
@@ -68,6 +69,8 @@ class PlannedProgram:
         self.outputs = [v for _, v in self.leaves]
         self.trainable = [f for f in tg.param_fqns if f in self.split.grads]
         self._forward: dict[int, RankProgram] = {}
+        self._base_seed: int | None = None
+        self._runs = 0
         self._backward: dict[int, RankProgram] = {}
 
     def forward_program(self, rank: int) -> RankProgram:
@@ -133,9 +136,24 @@ class PlannedProgram:
         ranks = tc.local_tensor_ranks()
         return ranks[0] if ranks else (dist.get_rank() if dist.is_initialized() else 0)
 
+    def _next_seed(self) -> int:
+        """The run seed of the next forward (:mod:`autoshard.rng`): the same on every rank, rank 0's
+        initial seed plus the number of forwards run so far."""
+        if self._base_seed is None:
+            with tc.outside_local_tensor_mode():  # LocalTensorMode answers with a per-rank seed
+                box = [int(torch.initial_seed())]
+            if dist.is_initialized() and dist.get_world_size() > 1 and tc.local_tensor_ranks() is None \
+                    and dist.get_backend() != "fake":
+                dist.broadcast_object_list(box, src=0)
+            self._base_seed = int(box[0])
+        self._runs += 1
+        return self._base_seed + self._runs
+
     def run(self, which: str, locals_: list) -> list:
         """Run every local rank's ``forward`` or ``backward`` program on its shards."""
         get = self.forward_program if which == "forward" else self.backward_program
+        if which == "forward":
+            rng.next_run(self._next_seed())
         ranks = tc.local_tensor_ranks()
         if ranks is None:
             return list(get(dist.get_rank()).gm(*locals_))

@@ -324,3 +324,49 @@ def test_hugging_face_keyword_inputs_and_the_models_own_loss(world, arch):
         with pytest.raises(autoshard.PlanError, match=r"keyword inputs \['attention_mask'\], the plan was made for "
                                                       r"\['attention_mask', 'labels'\]"):
             sharded(x, attention_mask=mask)
+
+
+def _replicas_agree(t) -> bool:
+    """Whether every rank that holds the same shard of DTensor ``t`` holds the same values."""
+    mesh, parts = t.device_mesh, t._local_tensor._local_tensors
+    shard_axes = [a for a, p in enumerate(t.placements) if p.is_shard()]
+    groups: dict = {}
+    for rank, local in parts.items():
+        coord = tuple(int(c) for c in (mesh.mesh == rank).nonzero()[0])
+        groups.setdefault(tuple(coord[a] for a in shard_axes), []).append(local)
+    return all(torch.equal(g[0], other) for g in groups.values() for other in g[1:])
+
+
+def test_dropout_masks_agree_wherever_the_plan_replicates(world):
+    """GPT-2 in train mode (dropout 0.1) on (2, 2): a random op draws the same values on every rank
+    that holds the same shard (under LocalTensorMode all ranks share one generator, so without
+    the keyed draws replicas would differ), a new mask every step, and training stays finite."""
+    world(4)
+    model, x = _hf_model("gpt2", dropout=0.1), tokens()
+    model.train()
+
+    def loss_fn(out):
+        return out["logits"].float().pow(2).mean()
+
+    # A fast device: the tiny model is data-parallel on dp and replicated on tp.
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile="h100-sxm",
+                          loss_fn=loss_fn, memory_budget=None, input_specs=["S(0)R"])
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "tp")))
+        program = None
+        losses = []
+        for _ in range(2):
+            out = sharded(x)
+            assert not all(p.is_shard() for p in out["logits"].placements), "no replicas to compare"
+            assert _replicas_agree(out["logits"]), out["logits"].placements
+            loss = loss_fn(out)
+            loss.backward()
+            losses.append(full(loss).item())
+            for fqn, p in sharded.named_parameters():
+                assert _replicas_agree(p.grad), fqn
+            program = next(iter(sharded.forward.programs.values()))
+        keyed = [n for n in program.forward_program(0).gm.graph.nodes if "random_fill" in str(n.target)]
+        assert len(keyed) == 7  # every dropout of the model
+    model.eval()
+    eval_loss = loss_fn(model(x)).item()
+    assert losses[0] != losses[1] and eval_loss not in losses and all(torch.isfinite(torch.tensor(losses)))
