@@ -5,6 +5,7 @@
   autoshard show plan.json                          print a plan's summary
   autoshard explain plan.json                       per-layer table, the dearest redistributes
   autoshard diff a.json b.json                      what differs between two plans
+  autoshard lower MODULE:FACTORY --plan plan.json   one rank's lowered programs: collectives, code
   autoshard calibrate --mesh dp=2,tp=4 -o prof.json  measure collectives (under torchrun, or --nproc N)
   autoshard serve [--db plans.sqlite] [--port 8000]    the plan service (HTTP JSON API)
 """
@@ -124,6 +125,24 @@ def cmd_demo(args) -> int:
     return _run_plan(model, (tokens,), args)
 
 
+def _from_factory(factory: str):
+    """``(model, example_inputs)`` from ``MODULE:FUNCTION``."""
+    from autoshard.errors import AutoshardError
+
+    mod_name, _, fn_name = factory.partition(":")
+    if not fn_name:
+        raise AutoshardError(f"factory {factory!r}: expected MODULE:FUNCTION")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise AutoshardError(f"factory {factory!r}: cannot import: {exc}") from None
+    made = fn()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise AutoshardError(f"factory {factory!r}: expected it to return (model, example_inputs), "
+                             f"found {type(made).__name__}")
+    return made
+
+
 def cmd_plan(args) -> int:
     from autoshard.errors import AutoshardError
 
@@ -131,19 +150,44 @@ def cmd_plan(args) -> int:
         return _plan_on_server(args)
     if not args.factory:
         raise AutoshardError("plan: expected MODULE:FACTORY (or --server URL with --model)")
-    mod_name, _, fn_name = args.factory.partition(":")
-    if not fn_name:
-        raise AutoshardError(f"factory {args.factory!r}: expected MODULE:FUNCTION")
-    try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as exc:
-        raise AutoshardError(f"factory {args.factory!r}: cannot import: {exc}") from None
-    made = fn()
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise AutoshardError(f"factory {args.factory!r}: expected it to return (model, example_inputs), "
-                             f"found {type(made).__name__}")
-    model, inputs = made
+    model, inputs = _from_factory(args.factory)
     return _run_plan(model, inputs, args)
+
+
+def cmd_lower(args) -> int:
+    """Lower a plan for one rank on a fake process group (no GPU, no weights) and show it."""
+    from pathlib import Path
+
+    import torch
+
+    import autoshard
+    from autoshard._torch_compat import quiet_tracing
+    from autoshard.errors import AutoshardError
+    from autoshard.plan import Plan
+    from autoshard.runtime import PlannedProgram
+    from autoshard.trace import trace
+
+    plan = Plan.load(args.plan)
+    world = 1
+    for s in plan.mesh_shape:
+        world *= s
+    if not 0 <= args.rank < world:
+        raise AutoshardError(f"--rank {args.rank}: expected 0 <= rank < {world} (the plan's mesh {plan.mesh_shape})")
+    model, inputs = _from_factory(args.factory)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    mesh = autoshard.fake_mesh(tuple(plan.mesh_shape), tuple(plan.axis_names))
+    with quiet_tracing():
+        tg = trace(model, inputs)
+    program = PlannedProgram(tg, plan, mesh, bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
+    print(program.describe(args.rank))
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, prog in (("forward", program.forward_program(args.rank)),
+                           ("backward", program.backward_program(args.rank))):
+            (out / f"{name}.rank{args.rank}.py").write_text(prog.gm.code)
+        print(f"wrote {out}/forward.rank{args.rank}.py and backward.rank{args.rank}.py")
+    return 0
 
 
 def _read_token(path: str | None) -> str | None:
@@ -300,6 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("a")
     df.add_argument("b")
     df.set_defaults(func=cmd_diff)
+    lw = sub.add_parser("lower", help="lower a plan for one rank (fake process group) and print its collectives")
+    lw.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs), as planned")
+    lw.add_argument("--plan", required=True)
+    lw.add_argument("--rank", type=int, default=0)
+    lw.add_argument("--bucket-mb", type=float, default=25.0)
+    lw.add_argument("--no-overlap", action="store_true")
+    lw.add_argument("-o", "--output", default=None, help="write the programs' code to this folder")
+    lw.set_defaults(func=cmd_lower)
     s = sub.add_parser("show", help="print a plan file's summary")
     s.add_argument("plan")
     s.add_argument("--max-params", type=int, default=40)

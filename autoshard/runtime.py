@@ -129,6 +129,29 @@ class PlannedProgram:
                 counts[kind] = counts.get(kind, 0) + 1
         return counts
 
+    def describe(self, rank: int | None = None) -> str:
+        """One rank's programs in a few lines: sizes, then every collective in program order with
+        its group, bytes, and how many nodes run between it and its wait (the overlap window)."""
+        from autoshard.lower import collectives
+        from autoshard.passes import KIND
+
+        rank = self._any_rank() if rank is None else rank
+        lines = []
+        for name, prog in (("forward", self.forward_program(rank)), ("backward", self.backward_program(rank))):
+            nodes = list(prog.gm.graph.nodes)
+            at = {n: i for i, n in enumerate(nodes)}
+            colls = collectives(prog.gm)
+            lines.append(f"{name} (rank {rank}): {len(nodes)} nodes, {len(colls)} collectives")
+            for c in colls:
+                v = c.args[0].meta.get("val")
+                nbytes = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+                waits = [at[u] for u in c.users]
+                window = f", waited {min(waits) - at[c]} nodes later" if waits else ""
+                ranks = tc.group_ranks(c.args[-1])
+                lines.append(f"  {at[c]:5d} {KIND.get(c.target, c.target._opname):14s} group {ranks} "
+                             f"{nbytes / 2**20:9.3f} MiB{window}")
+        return "\n".join(lines)
+
     def tangent_specs(self) -> list[Spec]:
         return self.backward_program(self._any_rank()).in_specs[len(self.split.saved):]
 

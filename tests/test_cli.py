@@ -64,3 +64,33 @@ def test_demo_pins_and_compare(world, capsys):
     assert "expected FQN=SPEC" in capsys.readouterr().err
     assert main(small + ["--pin", "nothing.here=RR"]) == 2
     assert "matches no parameter" in capsys.readouterr().err
+
+
+def test_plan_then_lower_a_factory_model(world, tmp_path, monkeypatch, capsys):
+    """`autoshard plan MODULE:FACTORY` then `autoshard lower MODULE:FACTORY --plan`: one rank's
+    programs on a fake process group, each collective with its group, bytes and overlap window,
+    and the programs' code written out."""
+    world(4)
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n"
+        "from autoshard.models import llama\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return llama('tiny', n_layers=1, max_seq_len=16), torch.randint(0, 256, (8, 16))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from helpers import SHARDING_PROFILE
+
+    SHARDING_PROFILE.save(tmp_path / "slow.json")  # slow compute: the plan shards, so collectives run
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "mymodels:make", "--mesh", "dp=4", "--profile", str(tmp_path / "slow.json"),
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "programs"
+    assert main(["lower", "mymodels:make", "--plan", str(plan), "--rank", "3", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"backward \(rank 3\): \d+ nodes, [1-9]\d* collectives", text), text
+    assert re.search(r"all_reduce\s+group \[0, 1, 2, 3\]\s+[\d.]+ MiB, waited \d+ nodes later", text), text
+    code = (out / "backward.rank3.py").read_text()
+    assert "_c10d_functional.all_reduce" in code and "wait_tensor" in code
+    assert main(["lower", "mymodels:make", "--plan", str(plan), "--rank", "4"]) == 2
+    assert "expected 0 <= rank < 4" in capsys.readouterr().err
