@@ -6,6 +6,7 @@ A torch upgrade that moves one of these touches this file only.
 from __future__ import annotations
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
@@ -13,7 +14,6 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor._ops import utils as _op_utils
 from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 from torch.distributed.tensor.placement_types import _StridedShard
-import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
 
 from costmodel._torch_compat import placements_of as to_placements  # noqa: F401 (one converter)

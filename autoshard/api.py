@@ -9,11 +9,11 @@ from typing import Callable, Sequence
 import torch
 
 import solver
+from autoshard.baselines import BASELINES, baseline_pins
 from autoshard.errors import AutoshardError
 from autoshard.mesh import axis_names_of, check_mesh
-from autoshard.plan import ParamPlacement, Plan
 from autoshard.pins import resolve_pins, to_spec
-from autoshard.baselines import BASELINES, baseline_pins
+from autoshard.plan import ParamPlacement, Plan
 from autoshard.problem import build_problem, pin_indices
 from autoshard.trace import trace
 from costmodel import MeshTopology, Profile, load_profile, plan_steps

@@ -67,7 +67,6 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
 
 def _run_plan(model, inputs, args) -> int:
     import autoshard
-
     from autoshard.errors import AutoshardError
 
     shape, names = autoshard.parse_mesh(args.mesh)

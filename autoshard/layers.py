@@ -104,7 +104,7 @@ def layer_ties(gm: fx.GraphModule, groups: list[list[str]], fqn_of: dict[str, st
         head = group[0]
         # Parameters and buffers: layers.0.attn.wq.weight <-> layers.7.attn.wq.weight.
         prefix = re.escape(head) + r"\."
-        for fqn, name in by_fqn.items():
+        for fqn in by_fqn:
             if re.match(prefix, fqn):
                 rest = fqn[len(head) + 1:]
                 members = [by_fqn.get(f"{other}.{rest}") for other in group]

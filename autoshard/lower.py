@@ -242,8 +242,9 @@ class Lowering:
         if entry is not None:
             x = self._move(x, Spec.parse(entry["in"][0]))
         if any(p.is_partial() for p in x.placements):
-            x = self._move(x, Spec(tuple("R" if p.is_partial() else s
-                                         for p, s in zip(x.placements, _spec_of(x).placements)), _spec_of(x).shard_order))
+            have = _spec_of(x)
+            x = self._move(x, Spec(tuple("R" if p.is_partial() else s for p, s in zip(x.placements, have.placements)),
+                                   have.shard_order))
         args = fx.node.map_arg(n.args, lambda a: env[a])
         key = rng.shard_key(self.position[n], x.placements, self.mesh.get_coordinate(), tuple(self.mesh.shape))
         out = rng.run_local(n.target, x.to_local(), tuple(args), key)

@@ -16,9 +16,9 @@ from autoshard._torch_compat import from_placements, is_persistent_buffer, place
 from autoshard.errors import MeshError, PlanError
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.plan import Plan
+from autoshard.runtime import _Step
 from costmodel import execute_plan, local_plan
 from costmodel.spec import Spec
-from autoshard.runtime import _Step
 
 
 def distribute(tensor: torch.Tensor, mesh, spec: Spec, src_data_rank: int | None = 0) -> DTensor:
@@ -131,8 +131,9 @@ class _PlannedForward:
         tensor_kw = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         if len(args) != positional or any(not isinstance(a, torch.Tensor) for a in args):
-            raise PlanError(f"forward got {len(args)} positional arguments of types {[type(a).__name__ for a in args]}, "
-                            f"the plan was made for {positional} tensors")
+            types = [type(a).__name__ for a in args]
+            raise PlanError(f"forward got {len(args)} positional arguments of types {types}, the plan was made for "
+                            f"{positional} tensors")
         if set(tensor_kw) != set(names):
             raise PlanError(f"forward got tensor keyword inputs {sorted(tensor_kw)}, the plan was made for "
                             f"{sorted(names)}")

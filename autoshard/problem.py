@@ -28,12 +28,12 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
+import solver
 from autoshard.errors import AutoshardError
 from autoshard.layers import layer_ties
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.trace import TracedGraph
 from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
-import solver
 
 
 @dataclass
@@ -253,7 +253,7 @@ def build_problem(
 
     edges: list[ArgEdge] = []
     mats = []
-    for v, n in enumerate(nodes):
+    for v in range(len(nodes)):
         ns = per_node[v]
         if ns is None:
             continue

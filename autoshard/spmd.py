@@ -202,7 +202,7 @@ def run_ranks(programs: dict[int, fx.GraphModule], args: dict[int, list], mesh) 
                     continue
                 results = fn([pending[m][1][0] for m in members], [pending[m][1] for m in members]
                              if op is _F.all_to_all_single.default else a)
-                for m, value in zip(members, results):
+                for m in members:
                     del pending[m]
                 for m, value in zip(members, results):
                     advance(m, value)

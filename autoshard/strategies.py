@@ -148,7 +148,8 @@ class StrategyEnumerator:
     def _replicate(self, node, targs) -> Strategy:
         r = Spec(("R",) * len(self.mesh_shape))
         val = _val(node)
-        outs = tuple(r if isinstance(v, torch.Tensor) else None for v in val) if isinstance(val, (tuple, list)) else (r,)
+        multi = isinstance(val, (tuple, list))
+        outs = tuple(r if isinstance(v, torch.Tensor) else None for v in val) if multi else (r,)
         return Strategy(outs=outs, ins=tuple(r for _ in targs))
 
     def _schema(self, node: fx.Node, arg_specs):

@@ -20,7 +20,6 @@ from autoshard._torch_compat import FakeTensorMode, make_fx
 from autoshard.errors import TraceError
 from autoshard.layers import layer_groups, tag_layers
 
-
 PHASE = "autoshard_phase"
 """``node.meta["custom"]`` key of the step's phase that created the node."""
 

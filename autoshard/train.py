@@ -109,9 +109,10 @@ def main(argv=None) -> int:
         train(model, data, args.lr, report=True, start=args.start_step)
         return 0
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     import autoshard
     from autoshard.plan import Plan
-    from torch.distributed.device_mesh import init_device_mesh
 
     if "RANK" not in os.environ:
         print("error: run under torchrun (or pass --single)", file=sys.stderr)

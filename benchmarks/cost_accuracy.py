@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from costmodel.calibrate import CalibrationConfig, free_port, base_profile_for, build_profile, sweep  # noqa: E402
+from costmodel.calibrate import CalibrationConfig, base_profile_for, build_profile, free_port, sweep  # noqa: E402
 
 
 def _worker(rank, world, port, rounds, out_file):
@@ -101,7 +101,8 @@ def main() -> None:
           f"{np.median(floor):.3f}, p90 {np.quantile(floor, 0.9):.3f}")
     print(f"ours, all {ours_all.size} points: median {np.median(ours_all):.3f}, p90 {np.quantile(ours_all, 0.9):.3f}")
     print(f"on the {len(both)} points torch can price: ours median {np.median(ours_b):.3f} "
-          f"p90 {np.quantile(ours_b, 0.9):.3f}; torch median {np.median(torch_b):.3f} p90 {np.quantile(torch_b, 0.9):.3f}")
+          f"p90 {np.quantile(ours_b, 0.9):.3f}; torch median {np.median(torch_b):.3f} "
+          f"p90 {np.quantile(torch_b, 0.9):.3f}")
     print(f"ratio of median errors ours/torch: {np.median(ours_b) / np.median(torch_b):.3f}")
 
 

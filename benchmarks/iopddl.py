@@ -23,8 +23,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from solver import InfeasibleError, evaluate, load_iopddl, solve  # noqa: E402
-from solver import highs_model  # noqa: E402
+from solver import (  # noqa: E402
+    InfeasibleError,
+    evaluate,
+    highs_model,  # noqa: E402
+    load_iopddl,
+    solve,
+)
 
 #: Strongest known cost and contest time limit (s) per instance, from ../shared/iopddl/README.md.
 BEST = {

@@ -29,10 +29,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from redistribute_cases import all_specs  # noqa: E402
+
 from costmodel import MeshTopology, Spec, load_profile, price_path, torch_path  # noqa: E402
 from costmodel._torch_compat import dtensor_spec  # noqa: E402
 from costmodel.redistribute import RedistributePlanner, _mesh_costs  # noqa: E402
-from redistribute_cases import all_specs  # noqa: E402
 
 MESHES = [(8, 8), (4, 4, 4), (2, 2, 4, 4), (2, 2, 2, 2, 2)]
 SHAPE = (4096, 1024, 64)

@@ -154,10 +154,11 @@ def ours(plan, mesh, batches, **options) -> Trainer:
 
 
 def worker() -> None:
-    import autoshard
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
+
+    import autoshard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

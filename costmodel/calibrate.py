@@ -67,7 +67,8 @@ class CalibrationConfig:
             raise ValueError("iters and repeats must be >= 1 and warmup >= 0")
         bad = set(self.kinds) - set(DEFAULT_KINDS) - {"broadcast"}
         if bad:
-            raise ValueError(f"unknown collective kinds {sorted(bad)}; expected some of {DEFAULT_KINDS + ('broadcast',)}")
+            raise ValueError(f"unknown collective kinds {sorted(bad)}; expected some of "
+                             f"{DEFAULT_KINDS + ('broadcast',)}")
 
     def sizes(self) -> list[int]:
         out, b = [], self.min_bytes

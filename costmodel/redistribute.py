@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import combinations
 
-
 from costmodel.collectives import MeshTopology
 from costmodel.profile import Profile
 from costmodel.spec import Spec
@@ -292,7 +291,7 @@ class RedistributePlanner:
 
     @staticmethod
     def _free_reachable(codes, orders, dst_codes, dst_orders) -> bool:
-        for a, (c, t) in enumerate(zip(codes, dst_codes)):
+        for c, t in zip(codes, dst_codes):
             if c != t and c != R:
                 return False
         return all(dst_o[: len(o)] == o for o, dst_o in zip(orders, dst_orders))

@@ -277,7 +277,8 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True,
         _memory_rows(model, problem, rep, allowed, max_nonzeros - 3 * n_y)
     else:
         model.stats["memory_rows"] = 0
-    model.stats.update(dominated_strategies=dropped, tied_nodes=int((rep != np.arange(n)).sum()),variables=int(model.cost.size), edge_variables=int(ycol - ncol), constraints=model.n_rows,
+    model.stats.update(dominated_strategies=dropped, tied_nodes=int((rep != np.arange(n)).sum()),
+                       variables=int(model.cost.size), edge_variables=int(ycol - ncol), constraints=model.n_rows,
                        kept_edges=len(pairs), nonzeros=int(sum(r[0].size for r in model.row_index)))
     return model
 

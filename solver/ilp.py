@@ -125,9 +125,12 @@ def _add_edges(model: IlpModel, problem: Problem, allowed, linear) -> float:
         # Rank-one matrices m[i,j] = r[i] + s[j] split into node costs without y.
         r = m[:, 0] - m[0, 0]
         s = m[0, :]
-        if np.all(m < FORBIDDEN) and np.allclose(m, r[:, None] + s[None, :], rtol=0, atol=1e-9 * max(1.0, np.abs(m).max())):
-            ru = np.zeros(problem.num_strategies(u)); ru[allowed[u]] = r
-            sv = np.zeros(problem.num_strategies(v)); sv[allowed[v]] = s
+        tol = 1e-9 * max(1.0, np.abs(m).max())
+        if np.all(m < FORBIDDEN) and np.allclose(m, r[:, None] + s[None, :], rtol=0, atol=tol):
+            ru = np.zeros(problem.num_strategies(u))
+            ru[allowed[u]] = r
+            sv = np.zeros(problem.num_strategies(v))
+            sv[allowed[v]] = s
             linear[u] = linear[u] + ru
             linear[v] = linear[v] + sv
             continue

@@ -12,11 +12,11 @@ import numpy as np
 import pulp
 
 from solver import cfn, heuristic, highs_model, ilp, lns, weights
+from solver.evaluate import evaluate, memory_profile
 from solver.exact import build_exact
 from solver.exact import finish as exact_answer
 from solver.memrows import RowsTooLarge
 from solver.milp_child import MilpChild
-from solver.evaluate import evaluate, memory_profile
 from solver.problem import FORBIDDEN, Problem
 from solver.quotient import quotient, tie_heads
 

@@ -1,8 +1,17 @@
 import numpy as np
 import pytest
 
-from costmodel import (LinkModel, MeshTopology, Profile, Spec, builtin_profiles, collective_time_us,
-                       compute_time_us, load_profile, plan_steps)
+from costmodel import (
+    LinkModel,
+    MeshTopology,
+    Profile,
+    Spec,
+    builtin_profiles,
+    collective_time_us,
+    compute_time_us,
+    load_profile,
+    plan_steps,
+)
 
 
 @pytest.mark.parametrize("text", ["RR", "S(0)R", "P(sum)S(1)", "S(0)[1,0]S(0)", "RS(2)P(avg)"])

@@ -5,6 +5,7 @@ planned input specs, gives the planned output spec and the unsharded op's value.
 import pytest
 import torch
 import torch.fx as fx
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh
 from torch.distributed.tensor import DTensor
 
 import autoshard
@@ -13,7 +14,6 @@ from autoshard.lower import move
 from autoshard.models import gpt2, llama
 from autoshard.trace import trace
 from costmodel import MeshTopology, RedistributePlanner, Spec
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh
 
 # Random ops draw a different stream sharded than whole: checked by the training tests instead.
 RANDOM = ("native_dropout", "bernoulli", "rand")
@@ -46,7 +46,8 @@ def _cases(tg, plan) -> dict:
         entry = plan.nodes.get(n.name)
         if n.op != "call_function" or not entry or any(r in str(n.target) for r in RANDOM):
             continue
-        shapes = tuple(tuple(a.meta["val"].shape) for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+        shapes = tuple(tuple(a.meta["val"].shape) for a in n.all_input_nodes
+                       if isinstance(a.meta.get("val"), torch.Tensor))
         literal = repr([a for a in n.args if not isinstance(a, fx.Node)])
         key = (str(n.target), tuple(entry["in"]), str(entry["out"]), shapes, literal)
         cases.setdefault(key, n)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from helpers import SHARDING_PROFILE
 
 import autoshard
-from autoshard.export import tp_plan_to_pins, to_hf_tp_plan, to_parallelize_module_plan
+from autoshard.export import to_hf_tp_plan, to_parallelize_module_plan, tp_plan_to_pins
 from autoshard.models import llama
-from helpers import SHARDING_PROFILE
 
 MEGATRON = {
     "embed": "rowwise",

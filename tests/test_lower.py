@@ -5,12 +5,12 @@ import copy
 
 import pytest
 import torch
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, reference_step
 
 import autoshard
 from autoshard.lower import collectives
 from autoshard.models import llama
 from autoshard.trace import trace
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, reference_step
 
 COLLECTIVE_STEPS = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all"}
 

@@ -4,20 +4,20 @@ import itertools
 
 import numpy as np
 import pytest
+from test_solver import random_problem
 
 from solver import Problem, evaluate, solve
 from solver.exact import solve_exact
 from solver.highs_model import reduce
 from solver.memrows import memory_rows
 from solver.solve import memory_lower_bound
-from test_solver import random_problem
 
 
 def layered_problem(rng, layers=6, per_layer=3, k=3, tight=0.5):
     """``layers`` identical tied blocks over one time line: each block's nodes are live from
     their forward step until the matching backward step (saved activations), as in a training
-    graph, with a temporary in each layer's forward and backward step, plus one untied node. Memory binds: the limit sits ``tight`` of the way
-    from the least-usage peak to the largest-usage peak."""
+    graph, with a temporary in each layer's forward and backward step, plus one untied node. Memory
+    binds: the limit sits ``tight`` of the way from the least-usage peak to the largest-usage peak."""
     costs = [rng.integers(0, 30, size=k).astype(float) for _ in range(per_layer)]
     usages = [rng.integers(1, 10, size=k).astype(float) for _ in range(per_layer)]
     node_costs, node_usages, iv, ties = [], [], [], [[] for _ in range(per_layer)]

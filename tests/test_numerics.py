@@ -4,12 +4,12 @@ import copy
 
 import pytest
 import torch
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, reference_step
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autoshard
 from autoshard.models import MLP, TransformerBlock, TransformerConfig
 from autoshard.plan import ParamPlacement, Plan
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, reference_step
 
 MESHES = [((4,), ("dp",)), ((2, 2), ("dp", "tp"))]
 

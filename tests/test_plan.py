@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
+from helpers import SHARDING_PROFILE
 
 import autoshard
 from autoshard import MeshError, PlanError, TraceError
 from autoshard.models import MLP, Transformer, TransformerConfig
-from helpers import SHARDING_PROFILE
 
 
 @pytest.fixture
@@ -91,7 +91,8 @@ def test_plan_file_errors(tmp_path, mesh64):
     with pytest.raises(PlanError, match="model has fc1.weight"):
         autoshard.parallelize(MLP(dim=64, hidden=32), plan, mesh64)
     other = Transformer(TransformerConfig(dim=64, n_heads=4, n_layers=1, vocab_size=256))
-    with pytest.raises(PlanError, match=r"embed.weight: plan was made for shape \(128, 64\), the model has \(256, 64\)"):
+    with pytest.raises(PlanError,
+                       match=r"embed.weight: plan was made for shape \(128, 64\), the model has \(256, 64\)"):
         autoshard.parallelize(other, plan, mesh64)
 
 

@@ -6,16 +6,18 @@ from collections import Counter
 
 import pytest
 import torch
+from redistribute_cases import all_specs
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor._redistribute import (disable_redistribute_transform_optimization,
-                                                    redistribute_local_tensor)
+from torch.distributed.tensor._redistribute import (
+    disable_redistribute_transform_optimization,
+    redistribute_local_tensor,
+)
 from torch.distributed.tensor.debug import CommDebugMode
 
 from costmodel import MeshTopology, Spec, load_profile
 from costmodel._torch_compat import dtensor_spec, execute
 from costmodel.redistribute import RedistributeError, RedistributePlanner
-from redistribute_cases import all_specs
 
 PROFILE = load_profile("h100-sxm")
 # Op names CommDebugMode records for each kind (DTensor's all_to_all is its own shard_dim_alltoall op).
@@ -42,7 +44,8 @@ def check_pairs(world, mesh_shape, shape, pairs):
 
         def local_of(spec):
             if spec not in cache:
-                cache[spec] = redistribute_local_tensor(full, dtensor_spec(rep, mesh, shape), dtensor_spec(spec, mesh, shape))
+                cache[spec] = redistribute_local_tensor(full, dtensor_spec(rep, mesh, shape),
+                                                        dtensor_spec(spec, mesh, shape))
             return cache[spec]
 
         for src, dst in pairs:
@@ -54,7 +57,8 @@ def check_pairs(world, mesh_shape, shape, pairs):
                 # flattened-merge optimization gathers nested uneven shards wrongly (torch 2.13:
                 # S(1)S(1)R -> RRR of a size-5 dim on (2, 2, 2)), so the reference runs without it.
                 with disable_redistribute_transform_optimization():
-                    back = redistribute_local_tensor(out, dtensor_spec(dst, mesh, shape), dtensor_spec(rep, mesh, shape))
+                    back = redistribute_local_tensor(out, dtensor_spec(dst, mesh, shape),
+                                                     dtensor_spec(rep, mesh, shape))
                 for r, v in _rank_values(back).items():
                     torch.testing.assert_close(v, full, msg=f"{src} -> {dst} rank {r}: {plan.describe()}")
             else:

@@ -6,11 +6,19 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+from helpers import (
+    SHARDING_PROFILE,
+    LocalTensorMode,
+    full,
+    lift_replicated_locals,
+    local_mesh,
+    reference_adamw,
+    reference_step,
+)
 
 import autoshard
 from autoshard.models import gpt2, llama
 from costmodel import LinkModel
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw, reference_step
 
 MESHES = [((4,), ("dp",)), ((2, 2), ("dp", "tp")), ((2, 2, 2), ("rep", "dp", "tp"))]
 

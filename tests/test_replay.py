@@ -4,12 +4,12 @@ import copy
 
 import pytest
 import torch
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw
+from test_reference_models import lm_loss, plan_tiny, tiny
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autoshard
 from autoshard.replay import PlannedStep
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw
-from test_reference_models import lm_loss, plan_tiny, tiny
 
 MESHES = [((2, 2), ("dp", "tp")), ((2, 2, 2), ("rep", "dp", "tp"))]
 

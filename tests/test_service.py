@@ -11,9 +11,10 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from helpers import SHARDING_PROFILE  # noqa: E402
+
 from autoshard.client import PlanClient, ServiceError  # noqa: E402
 from autoshard.serve.process import ServerProcess  # noqa: E402
-from helpers import SHARDING_PROFILE  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 

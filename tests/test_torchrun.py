@@ -7,7 +7,6 @@ import sys
 import warnings
 
 import pytest
-
 from helpers import SHARDING_PROFILE
 
 
@@ -51,7 +50,7 @@ def test_torchrun_training_matches_single_process(tmp_path):
             # Once in about a hundred runs a gloo worker aborts natively ("terminate called
             # without an active exception", SIGABRT) with no Python error. One rerun, loudly;
             # any Python error, or a second abort, fails the test.
-            warnings.warn(f"torchrun worker killed by a signal, rerunning once:\n{done.stderr[-4000:]}")
+            warnings.warn(f"torchrun worker killed by a signal, rerunning once:\n{done.stderr[-4000:]}", stacklevel=2)
             done = launch(args)
         return done
 

@@ -37,7 +37,8 @@ class ServerProcess:
                 return self
             except ServiceError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"autoshard serve exited: {self.proc.stdout.read().decode()[-3000:]}")
+                    raise RuntimeError(
+                        f"autoshard serve exited: {self.proc.stdout.read().decode()[-3000:]}") from None
                 time.sleep(0.2)
         raise RuntimeError(f"autoshard serve did not answer on {self.url} within {timeout:g} s")
 

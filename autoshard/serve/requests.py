@@ -96,19 +96,16 @@ def build_model(spec: ModelSpec, batch: int, seq: int):
             overrides = dict(spec.overrides)
             overrides.setdefault("max_seq_len", seq)
             model = llama(spec.preset, **overrides)
-            vocab = model.cfg.vocab_size
         elif spec.reference == "gpt2":
             from autoshard.models import gpt2
 
             model = gpt2(spec.preset, **spec.overrides)
-            vocab = model.cfg.vocab_size
         else:
             import transformers
 
             cfg = getattr(transformers, spec.hf_config)(**spec.config)
             cfg._attn_implementation = "eager"  # the fused CPU kernel has no sharding rule
             model = getattr(transformers, HF_CONFIGS[spec.hf_config])(cfg)
-            vocab = cfg.vocab_size
     return model, (torch.empty(batch, seq, dtype=torch.long, device="meta"),)
 
 

@@ -109,7 +109,8 @@ class Store:
         with self._lock:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                self.db.execute("INSERT OR REPLACE INTO plans (key, kind, body, summary, created) VALUES (?, ?, ?, ?, ?)",
+                self.db.execute("INSERT OR REPLACE INTO plans (key, kind, body, summary, created) "
+                                "VALUES (?, ?, ?, ?, ?)",
                                 (key, kind, json.dumps(body), json.dumps(summary), now))
                 self.db.execute("UPDATE jobs SET status = 'done', phase = 'done', error = NULL, updated = ? "
                                 "WHERE key = ? AND status IN ('queued', 'running')", (now, key))
