@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from solver.memrows import RowsTooLarge, memory_rows
-from solver.problem import FORBIDDEN, Problem
+from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 
 
 class ModelTooLarge(RuntimeError):
@@ -80,7 +80,7 @@ def _tie_map(problem: Problem, allowed: list[np.ndarray]) -> np.ndarray:
         for w in group:
             common = np.intersect1d(common, allowed[w])
         if common.size == 0:
-            raise ValueError(f"tie {sorted(group)[:5]}...: no strategy is allowed for every tied node")
+            raise ProvedInfeasible(f"tie {sorted(group)[:5]}...: no strategy is allowed for every tied node")
         for w in group:
             allowed[w] = common
     return rep
@@ -161,7 +161,7 @@ def reduce(problem: Problem, memory: bool = True) -> Reduced:
     allowed = _allowed(problem)
     for v, a in enumerate(allowed):
         if a.size == 0:
-            raise ValueError(f"node {problem._label(v)} has no allowed strategy (all forbidden or pinned away)")
+            raise ProvedInfeasible(f"node {problem._label(v)} has no allowed strategy (all forbidden or pinned away)")
     rep = _tie_map(problem, allowed)
     linear = [problem.node_costs[v].copy() for v in range(n)]
     for v in np.nonzero(rep != np.arange(n))[0].tolist():
@@ -226,7 +226,7 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True,
         if v in fixed:
             c = float(linear[v][fixed[v]])
             if c >= FORBIDDEN:
-                raise ValueError(f"node {problem._label(v)}: its only allowed strategy meets a forbidden edge")
+                raise ProvedInfeasible(f"node {problem._label(v)}: its only allowed strategy meets a forbidden edge")
             const += c
             continue
         a = allowed[v]
@@ -234,7 +234,7 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True,
         cost_parts.append(linear[v][a])
         ncol += a.size
     if const >= FORBIDDEN:
-        raise ValueError("the nodes with a single allowed strategy form a forbidden pair")
+        raise ProvedInfeasible("the nodes with a single allowed strategy form a forbidden pair")
     for v in np.nonzero(rep != np.arange(n))[0].tolist():
         node_cols[v] = node_cols[rep[v]]
     x_cost = np.concatenate(cost_parts) if cost_parts else np.zeros(0)

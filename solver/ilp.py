@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from solver.problem import FORBIDDEN, Problem
+from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 
 
 @dataclass
@@ -73,7 +73,7 @@ def build(problem: Problem) -> IlpModel:
     allowed = [np.nonzero(problem.allowed(v))[0] for v in range(problem.num_nodes)]
     for v, a in enumerate(allowed):
         if a.size == 0:
-            raise ValueError(f"node {problem._label(v)} has no allowed strategy (all forbidden or pinned away)")
+            raise ProvedInfeasible(f"node {problem._label(v)} has no allowed strategy (all forbidden or pinned away)")
     model = IlpModel(lp=lp, x=[{} for _ in range(problem.num_nodes)], fixed={}, stats={})
     linear = [problem.node_costs[v].copy() for v in range(problem.num_nodes)]
     const = _add_nodes(model, problem, allowed)
@@ -157,7 +157,7 @@ def _add_objective(model: IlpModel, problem: Problem, allowed, linear, const: fl
         if v in model.fixed:
             c = float(linear[v][model.fixed[v]])
             if c >= FORBIDDEN:
-                raise ValueError(f"node {problem._label(v)}: its only allowed strategy meets a forbidden edge")
+                raise ProvedInfeasible(f"node {problem._label(v)}: its only allowed strategy meets a forbidden edge")
             const += c
             continue
         for i in a:

@@ -34,7 +34,7 @@ import numpy as np
 
 from solver import heuristic, highs_model
 from solver.evaluate import evaluate
-from solver.problem import FORBIDDEN, Problem
+from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 
 
 def subproblem(problem: Problem, adj: heuristic._Adjacency, mem: heuristic._Memory, choice: np.ndarray,
@@ -220,7 +220,7 @@ def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: f
             break
         try:
             found = _solve_window(sub, start, seconds)
-        except ValueError:
+        except ProvedInfeasible:  # the window's fixed surroundings leave it no feasible choice
             continue
         if found is None:
             continue

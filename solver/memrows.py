@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.evaluate import memory_profile
-from solver.problem import Problem
+from solver.problem import Problem, ProvedInfeasible
 
 #: Largest number of live-node entries (summed over segments) materialized before
 #: aggregation; the industrial IOPDDL instances (untied, ~1e8) stop here.
@@ -45,7 +45,7 @@ class RowsTooLarge(Exception):
     """The memory rows would pass the entry budget."""
 
 
-class MemoryInfeasible(ValueError):
+class MemoryInfeasible(ProvedInfeasible):
     """Some segment's least usage alone is above the limit."""
 
     def __init__(self, base: float, limit: float):

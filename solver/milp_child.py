@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from solver import highs_model
-from solver.problem import Problem
+from solver.problem import Problem, ProvedInfeasible
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class MilpAnswer:
     too_large: str = ""
     """Why the model was not built (it would pass the nonzero budget); empty when it was."""
     infeasible: str = ""
-    """The builder's proof that nothing is feasible (as :func:`solver.solve` reads its ValueError)."""
+    """The builder's proof that nothing is feasible (:class:`solver.problem.ProvedInfeasible`)."""
 
 
 def without_edges(problem: Problem) -> Problem:
@@ -52,7 +52,7 @@ def run(problem: Problem, reduced, start, seconds: float, mip_gap: float, max_no
         model = highs_model.build(problem, max_nonzeros=max_nonzeros, memory=True, reduced=reduced)
     except highs_model.ModelTooLarge as exc:
         return MilpAnswer(None, None, False, {}, too_large=str(exc))
-    except ValueError as exc:  # the reductions proved it infeasible, as in solve's own MILP path
+    except ProvedInfeasible as exc:
         return MilpAnswer(None, None, False, {}, infeasible=str(exc))
     choice, lower, optimal = highs_model.solve_model(model, problem.num_nodes, t0 + seconds - time.perf_counter(),
                                                      mip_gap, start)

@@ -27,6 +27,12 @@ class ProblemError(ValueError):
     """A problem whose arrays are inconsistent with each other."""
 
 
+class ProvedInfeasible(Exception):
+    """A reduction proved that no choice of strategies is feasible (every strategy of a node is
+    forbidden, forced choices meet a forbidden pair, a segment's least usage breaks the limit).
+    Raised only by the code that proves it, so that any other error surfaces as itself."""
+
+
 @dataclass
 class Problem:
     """A strategy graph with memory liveness, pins and ties.

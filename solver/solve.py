@@ -17,7 +17,7 @@ from solver.exact import build_exact
 from solver.exact import finish as exact_answer
 from solver.memrows import RowsTooLarge
 from solver.milp_child import MilpChild
-from solver.problem import FORBIDDEN, Problem
+from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 from solver.quotient import quotient, tie_heads
 
 BACKENDS = ("highs", "cbc")
@@ -421,6 +421,6 @@ def _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_
                 break
         if not np.array_equal(more, inc.choice):
             inc.offer(more, "polish")
-    except ValueError as exc:  # the reductions proved it infeasible
+    except ProvedInfeasible as exc:
         say(f"milp: {exc}")
     return finish(status, lower)

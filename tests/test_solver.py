@@ -401,3 +401,35 @@ def test_lns_keeps_ties(seed):
     ev = evaluate(p, found)
     assert ev.feasible and len({int(found[v]) for v in g}) == 1
     assert ev.cost == pytest.approx(brute_force(p))
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyError, RuntimeError])
+def test_a_bug_in_the_milp_path_surfaces_as_itself(monkeypatch, error):
+    """Only a proof of infeasibility (ProvedInfeasible) turns the MILP path into a heuristic answer;
+    any other error from the builder is a bug and reaches the caller unchanged."""
+    from solver import highs_model
+
+    rng = np.random.default_rng(3)
+    p = random_problem(rng, limit=False)
+
+    def broken(*args, **kwargs):
+        raise error("injected")
+
+    monkeypatch.setattr(highs_model, "build", broken)
+    with pytest.raises(error, match="injected"):
+        solve(p, time_limit=5, pairwise=False, exact=False)
+
+
+def test_a_proof_of_infeasibility_in_the_milp_path_is_not_an_error(monkeypatch):
+    from solver import highs_model
+    from solver.problem import ProvedInfeasible
+
+    rng = np.random.default_rng(3)
+    p = random_problem(rng, limit=False)
+
+    def proves(*args, **kwargs):
+        raise ProvedInfeasible("injected proof")
+
+    monkeypatch.setattr(highs_model, "build", proves)
+    sol = solve(p, time_limit=5, pairwise=False, exact=False)  # the heuristic's answer stands
+    assert evaluate(p, sol.choice).feasible and sol.status != "optimal"
