@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 
@@ -131,6 +132,9 @@ def _from_factory(factory: str):
     mod_name, _, fn_name = factory.partition(":")
     if not fn_name:
         raise AutoshardError(f"factory {factory!r}: expected MODULE:FUNCTION")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # As `python -m` and `uvicorn app:app` do: a module in the current folder is found.
+        sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as exc:
@@ -281,9 +285,19 @@ def cmd_show(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autoshard")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoshard", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
+    ap.add_argument("--version", action="version", version=f"autoshard {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="plan a small GPT on a fake 64-rank mesh and print the plan")
     _common(d, "dp=8,tp=8")

@@ -94,3 +94,16 @@ def test_plan_then_lower_a_factory_model(world, tmp_path, monkeypatch, capsys):
     assert "_c10d_functional.all_reduce" in code and "wait_tensor" in code
     assert main(["lower", "mymodels:make", "--plan", str(plan), "--rank", "4"]) == 2
     assert "expected 0 <= rank < 4" in capsys.readouterr().err
+
+
+def test_version_and_a_factory_in_the_current_folder(tmp_path, monkeypatch, capsys):
+    """`autoshard --version`; `autoshard plan mymodels:make` finds mymodels.py in the current
+    folder, as `python -m` does (the console script's sys.path does not hold it)."""
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and re.match(r"autoshard \d+\.\d+", capsys.readouterr().out)
+    (tmp_path / "cwdmodels.py").write_text("def make():\n    raise RuntimeError('found me')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    with pytest.raises(RuntimeError, match="found me"):
+        main(["plan", "cwdmodels:make", "--mesh", "dp=2"])
