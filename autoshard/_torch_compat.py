@@ -305,16 +305,19 @@ def schedule_overlap(gm, estimate_ms, bucketing: bool = True):
     plan's cost model and the same on every rank, so no rank has to agree with another)."""
     import contextlib
 
+    from torch._inductor.fx_passes import node_runtime_estimation as nre
     from torch._inductor.fx_passes import overlap_scheduling as osched
 
     @contextlib.contextmanager
     def patched():
-        saved = osched.estimate_roofline_runtime_ms
+        saved = osched.estimate_roofline_runtime_ms, nre._log_compute_estimations
         osched.estimate_roofline_runtime_ms = lambda node: estimate_ms(node, None)
+        # It counts every node's FLOPs again only to log them: half the pass's time.
+        nre._log_compute_estimations = lambda *args, **kwargs: None
         try:
             yield
         finally:
-            osched.estimate_roofline_runtime_ms = saved
+            osched.estimate_roofline_runtime_ms, nre._log_compute_estimations = saved
 
     with patched():
         return osched.schedule_overlap_bucketing(
