@@ -255,7 +255,10 @@ class Lowering:
 
         if isinstance(out, tuple):
             return tuple(wrap(o) for o in out)
-        return x if out is not None and n.target._schema.is_mutable else wrap(out)
+        if n.target._schema.is_mutable:
+            env[n.args[0]] = x  # in place: later readers of the input see the draw, as planned
+            return x
+        return wrap(out)
 
     def lower(self, inputs: list[fx.Node], in_specs: list[Spec], in_meta: list[tuple], ops: list[fx.Node],
               outputs: list[fx.Node], out_specs: list[Spec | None], rank: int) -> RankProgram:
