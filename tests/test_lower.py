@@ -92,6 +92,16 @@ def test_lowered_collectives_are_the_plans_steps(world, shape, names):
     assert sent_bytes(merged) == sent_bytes(program) and sum(sent_bytes(program).values()) > 0
     assert sum(merged.collective_counts(0).values()) < sum(program.collective_counts(0).values())
 
+    # Overlapped: collectives wait later than they start (independent compute placed between).
+    def window(prog):
+        total = 0
+        for gm in (prog.forward_program(0).gm, prog.backward_program(0).gm):
+            at = {n: i for i, n in enumerate(gm.graph.nodes)}
+            total += sum(min(at[u] for u in c.users) - at[c] - 1 for c in collectives(gm))
+        return total
+
+    assert window(program) == 0 < window(merged)
+
 
 def test_loss_outside_the_module_is_any_loss(world):
     """Planned with one loss, trained with another: gradients equal single-device ones."""
