@@ -299,10 +299,12 @@ def bucket_collectives(gm, cap_mb: float) -> None:
     gm.recompile()
 
 
-def schedule_overlap(gm, estimate_ms, bucketing: bool = True):
+def schedule_overlap(gm, estimate_ms):
     """Inductor's overlap scheduler on ``gm`` with every runtime from ``estimate_ms(node,
     override_bytes)`` (its own roofline needs Triton and a GPU; its benchmarks a GPU; ours is the
-    plan's cost model and the same on every rank, so no rank has to agree with another)."""
+    plan's cost model and the same on every rank, so no rank has to agree with another). Its own
+    bucketing stays off: its merge of all-reduces can hand a view a non-contiguous slice of the
+    bucket (seen on Qwen2: "view size is not compatible"); :func:`bucket_collectives` does not."""
     import contextlib
 
     from torch._inductor.fx_passes import node_runtime_estimation as nre
@@ -321,6 +323,6 @@ def schedule_overlap(gm, estimate_ms, bucketing: bool = True):
 
     with patched():
         return osched.schedule_overlap_bucketing(
-            gm, collective_bucketing=bucketing, custom_runtime_estimation=estimate_ms,
+            gm, collective_bucketing=False, custom_runtime_estimation=estimate_ms,
             collective_estimator="analytical", compute_estimator="analytical",
             pre_bucketing_fsdp_collectives=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 import time
@@ -171,9 +172,7 @@ def cmd_lower(args) -> int:
     from autoshard.trace import trace
 
     plan = Plan.load(args.plan)
-    world = 1
-    for s in plan.mesh_shape:
-        world *= s
+    world = math.prod(plan.mesh_shape)
     if not 0 <= args.rank < world:
         raise AutoshardError(f"--rank {args.rank}: expected 0 <= rank < {world} (the plan's mesh {plan.mesh_shape})")
     model, inputs = _from_factory(args.factory)

@@ -10,6 +10,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autoshard.errors import MeshError
 
 
+def several_processes() -> bool:
+    """Whether the ranks are real, separate processes (not one process under LocalTensorMode, not
+    a fake process group): what one rank decides must then be broadcast to the others."""
+    from autoshard._torch_compat import local_tensor_ranks
+
+    return dist.is_initialized() and dist.get_world_size() > 1 and local_tensor_ranks() is None \
+        and dist.get_backend() != "fake"
+
+
 def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``"dp=8,tp=8"`` -> ((8, 8), ("dp", "tp")); ``"8x8"`` -> ((8, 8), ("axis0", "axis1"))."""
     text = text.strip()

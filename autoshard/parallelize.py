@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoshard._torch_compat import from_placements, is_persistent_buffer, placements_for, quiet_tracing
 from autoshard.errors import MeshError, PlanError
-from autoshard.mesh import axis_names_of, check_mesh
+from autoshard.mesh import axis_names_of, check_mesh, several_processes
 from autoshard.plan import Plan
 from autoshard.runtime import _Step
 from costmodel import execute_plan, local_plan
@@ -248,13 +248,11 @@ def auto_parallel(model: nn.Module, example_inputs, mesh, loss_fn=None, compute_
     ``compute_loss``: ``forward`` returns the loss, lowered with the model (see :func:`parallelize`)."""
     import torch.distributed as dist
 
-    from autoshard._torch_compat import local_tensor_ranks
     from autoshard.api import plan as make_plan
 
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    shared = dist.is_initialized() and dist.get_world_size() > 1 and local_tensor_ranks() is None \
-        and dist.get_backend() != "fake"
+    shared = several_processes()
     box = [None]
     if not shared or dist.get_rank() == 0:
         box[0] = make_plan(model, example_inputs, mesh, loss_fn=loss_fn, example_kwargs=example_kwargs,

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode
 
 from autoshard import _torch_compat as tc
+from autoshard.problem import node_flops
 from costmodel import compute_time_us
 from costmodel.profile import Profile
 
@@ -61,24 +61,6 @@ class Estimator:
         self.profile = profile
         self._flops: dict = {}
 
-    def flops(self, node: fx.Node) -> float:
-        vals = fx.node.map_arg((node.args, node.kwargs), _val)
-        tensors = [v for v in map(_val, node.all_input_nodes) if isinstance(v, torch.Tensor)]
-        fm = next((getattr(v, "fake_mode", None) for v in tensors if getattr(v, "fake_mode", None)), None)
-        if fm is None:
-            return 0.0
-        key = (node.target, tuple(tuple(v.shape) for v in tensors),
-               tuple(repr(a) for a in node.args if not isinstance(a, fx.Node)))
-        if key not in self._flops:
-            try:
-                with fm, FlopCounterMode(display=False) as fc:
-                    node.target(*vals[0], **vals[1])
-                self._flops[key] = float(fc.get_total_flops())
-            except (RuntimeError, TypeError, NotImplementedError):
-                # An op fake tensors cannot run (a custom op with no meta kernel): memory-bound.
-                self._flops[key] = 0.0
-        return self._flops[key]
-
     def compute_us(self, node: fx.Node) -> float:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return 0.0
@@ -87,7 +69,7 @@ class Estimator:
         nbytes = sum(_bytes(_val(a)) for a in node.all_input_nodes)
         out = _val(node)
         nbytes += sum(_bytes(o) for o in (out if isinstance(out, (list, tuple)) else [out]))
-        return compute_time_us(self.flops(node), nbytes, self.profile)
+        return compute_time_us(node_flops(node, self._flops), nbytes, self.profile)
 
     def collective_us(self, node: fx.Node, override_bytes: int | None = None) -> float:
         kind = KIND[node.target]
@@ -115,9 +97,7 @@ def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bo
         if bucket_mb > 0:
             tc.bucket_collectives(gm, bucket_mb)
         if overlap:
-            # Its own bucketing is off: Inductor's merge of all-reduces can hand a view a
-            # non-contiguous slice of the bucket (seen on Qwen2: "view size is not compatible").
-            gm = tc.schedule_overlap(gm, Estimator(profile).ms, bucketing=False)
+            gm = tc.schedule_overlap(gm, Estimator(profile).ms)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -108,7 +108,9 @@ class _RedistCost:
         return small[np.ix_([u_pos[s] for s in srcs], [v_pos[s] for s in dsts])]
 
 
-def _flops(node: fx.Node, memo: dict) -> float:
+def node_flops(node: fx.Node, memo: dict) -> float:
+    """FLOPs of one traced op, counted on its fake values (memoized in ``memo`` by op, argument
+    shapes and literal arguments; 0 for an op fake tensors cannot run)."""
     key = (node.target, tuple(tuple(a.meta["val"].shape) for a in node.all_input_nodes if is_tensor(a)),
            tuple(repr(a) for a in node.args if not isinstance(a, fx.Node)))
     if key in memo:
@@ -134,7 +136,7 @@ def _is_view(node: fx.Node) -> bool:
 
 def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo):
     """Compute time and output bytes per device of each strategy of a call_function node."""
-    flops = _flops(n, flop_memo)
+    flops = node_flops(n, flop_memo)
     view = _is_view(n)
     ins_vals = [a.meta["val"] for a in ns.tensor_args]
     c = np.zeros(len(strats))

@@ -22,6 +22,7 @@ from autoshard import _torch_compat as tc
 from autoshard import rng
 from autoshard.errors import PlanError
 from autoshard.lower import Lowering, RankProgram, split
+from autoshard.mesh import several_processes
 from autoshard.passes import optimize
 from autoshard.plan import Plan
 from autoshard.spmd import run_ranks
@@ -165,8 +166,7 @@ class PlannedProgram:
         if self._base_seed is None:
             with tc.outside_local_tensor_mode():  # LocalTensorMode answers with a per-rank seed
                 box = [int(torch.initial_seed())]
-            if dist.is_initialized() and dist.get_world_size() > 1 and tc.local_tensor_ranks() is None \
-                    and dist.get_backend() != "fake":
+            if several_processes():
                 dist.broadcast_object_list(box, src=0)
             self._base_seed = int(box[0])
         self._runs += 1

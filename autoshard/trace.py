@@ -74,9 +74,7 @@ class TracedGraph:
 
     def loss_seed(self) -> fx.Node | None:
         """The node autograd seeded the backward with: ``ones_like(loss)``, the loss's gradient."""
-        seeds = [u for u in self.loss_node.users
-                 if u.target is torch.ops.aten.ones_like.default and _phase(u) == "backward"]
-        return seeds[0] if len(seeds) == 1 else None
+        return _loss_seed(self.loss_node)
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -105,6 +103,11 @@ def _drop_hook_residue(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return replaced
+
+
+def _loss_seed(loss_node: fx.Node) -> fx.Node | None:
+    seeds = [u for u in loss_node.users if u.target is torch.ops.aten.ones_like.default and _phase(u) == "backward"]
+    return seeds[0] if len(seeds) == 1 else None
 
 
 def _phase(node: fx.Node) -> str | None:
@@ -272,10 +275,9 @@ def trace(
         if leaf is loss_node and k not in seen["grads"]:
             # The model returns its own loss (HF models given labels): autograd seeds that
             # output's gradient directly, and a tensor hook on the root never fires.
-            seed = [u for u in loss_node.users
-                    if u.target is torch.ops.aten.ones_like.default and _phase(u) == "backward"]
-            if len(seed) == 1:
-                seen["grads"][k] = seed[0]
+            seed = _loss_seed(loss_node)
+            if seed is not None:
+                seen["grads"][k] = seed
     _loss_free_names(gm, seen["grads"].values())
     for node in gm.graph.nodes:
         if node.op == "get_attr" and "val" not in node.meta:

@@ -65,7 +65,7 @@ def _check_model(model, x, shape, names):
         mesh = local_mesh(shape, names)
         planner = RedistributePlanner(MeshTopology(shape, SHARDING_PROFILE.devices_per_node), SHARDING_PROFILE)
         replicated = Spec(("R",) * len(shape))
-        for (op, ins, out_spec, _, _), n in cases.items():
+        for (op, ins, _, _, _), n in cases.items():
             specs = iter(Spec.parse(s) for s in ins)
 
             def operand(a):
@@ -79,7 +79,8 @@ def _check_model(model, x, shape, names):
             got = n.target(*args, **kwargs)
             first = got[0] if isinstance(got, (tuple, list)) else got
             want = values[n][0] if isinstance(values[n], (tuple, list)) else values[n]
-            planned = out_spec.strip("[]'").split("', '")[0] if out_spec.startswith("[") else out_spec
+            planned = plan.nodes[n.name]["out"]
+            planned = planned[0] if isinstance(planned, list) else planned
             if not isinstance(first, DTensor):
                 continue
             actual = tc.from_placements(first.placements, mesh)
