@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from solver import cfn
+from solver.descent import descend
 from solver.problem import FORBIDDEN, Problem
 
 
@@ -43,47 +44,6 @@ class CoreSolver:
 def table_cost(costs, edges, choice) -> float:
     return float(sum(c[i] for c, i in zip(costs, choice))
                  + sum(m[choice[a], choice[b]] for (a, b), m in edges.items()))
-
-
-def descend(costs, edges, start, sweeps: int = 50, pairs: bool = False) -> list[int]:
-    """Coordinate descent on a pairwise network from ``start`` (per-node argmin when None):
-    single-node moves to a local minimum, then (with ``pairs``) joint moves of the two ends
-    of each edge, which leave minima where any single move would cross a forbidden or
-    costly pair; repeated while either improves, at most ``sweeps`` times."""
-    n = len(costs)
-    choice = list(start) if start is not None and len(start) == n else [int(np.argmin(c)) for c in costs]
-    nbrs: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
-    for (a, b), m in edges.items():
-        nbrs[a].append((b, m))
-        nbrs[b].append((a, m.T))
-
-    def local(v):
-        x = costs[v].copy()
-        for w, m in nbrs[v]:
-            x += m[:, choice[w]]
-        return x
-
-    for _ in range(sweeps):
-        changed = False
-        for v in range(n):
-            x = local(v)
-            i = int(np.argmin(x))
-            if x[i] < x[choice[v]]:
-                choice[v], changed = i, True
-        if changed or not pairs:
-            if not changed:
-                break
-            continue
-        for (a, b), m in edges.items():
-            la = local(a) - m[:, choice[b]]
-            lb = local(b) - m[choice[a], :]
-            joint = la[:, None] + lb[None, :] + m
-            i, j = divmod(int(np.argmin(joint)), joint.shape[1])
-            if joint[i, j] < joint[choice[a], choice[b]] - 1e-9 * max(1.0, abs(joint[i, j])):
-                choice[a], choice[b], changed = i, j, True
-        if not changed:
-            break
-    return choice
 
 
 def cost_scale(problem: Problem, reference: float) -> float:

@@ -1,0 +1,78 @@
+"""Vectorized coordinate descent: its answers are local minima, never worse than the start."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from solver.descent import Network, _colour, descend
+
+
+def _network(seed, n=40, p_edge=0.12, kmax=5):
+    rng = np.random.default_rng(seed)
+    k = rng.integers(1, kmax + 1, n)
+    costs = [rng.uniform(0, 10, size) for size in k]
+    costs[int(np.argmax(k))][0] = np.inf  # an unavailable strategy, as eliminated cores carry
+    edges = {}
+    for a, b in itertools.combinations(range(n), 2):
+        if rng.random() < p_edge:
+            m = rng.uniform(0, 10, (k[a], k[b]))
+            m[rng.random(m.shape) < 0.1] = 1e15  # forbidden pairs
+            if rng.random() < 0.5:  # both orientations occur
+                edges[(a, b)] = m
+            else:
+                edges[(b, a)] = m.T
+    return costs, edges
+
+
+def _local(costs, edges, choice, v):
+    x = costs[v].copy()
+    for (a, b), m in edges.items():
+        if a == v:
+            x = x + m[:, choice[b]]
+        elif b == v:
+            x = x + m[choice[a], :]
+    return x
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("pairs", [False, True])
+def test_descent_ends_in_a_local_minimum(seed, pairs):
+    costs, edges = _network(seed)
+    net = Network(costs, edges)
+    rng = np.random.default_rng(100 + seed)
+    start = [int(rng.integers(c.size)) for c in costs]
+    choice = descend(costs, edges, start, sweeps=1000, pairs=pairs)
+    assert net.cost(np.array(choice)) <= net.cost(np.array(start))
+    for v in range(len(costs)):  # no single move improves
+        x = _local(costs, edges, choice, v)
+        assert not x.min() < x[choice[v]] - 1e-9 * max(1.0, abs(x.min()))
+    if pairs:  # no joint move of an edge's two ends improves
+        for (a, b), m in edges.items():
+            la = _local(costs, edges, choice, a) - m[:, choice[b]]
+            lb = _local(costs, edges, choice, b) - m[choice[a], :]
+            joint = la[:, None] + lb[None, :] + m
+            assert not joint.min() < joint[choice[a], choice[b]] - 1e-9 * max(1.0, abs(joint.min()))
+
+
+def test_local_costs_match_a_direct_sum():
+    costs, edges = _network(7)
+    net = Network(costs, edges)
+    choice = np.array([int(np.argmin(c)) for c in costs])
+    loc = net.local(choice)
+    for v in range(len(costs)):
+        np.testing.assert_allclose(loc[net.offs[v]:net.offs[v + 1]], _local(costs, edges, choice, v))
+
+
+def test_colour_classes_are_independent_and_cover_every_node():
+    costs, edges = _network(3, n=60, p_edge=0.2)
+    net = Network(costs, edges)
+    classes = _colour(net.nbrs)
+    assert sorted(np.concatenate(classes).tolist()) == list(range(60))
+    colour = {int(v): c for c, members in enumerate(classes) for v in members}
+    assert all(colour[a] != colour[b] for a, b in edges)
+
+
+def test_no_edges_and_no_nodes():
+    assert descend([np.array([3.0, 1.0, 2.0])], {}, None, pairs=True) == [1]
+    assert descend([], {}, None, pairs=True) == []
