@@ -55,10 +55,7 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     try:
         for i, c in enumerate(costs):
             net.AddVariable(f"x{i}", list(range(c.size)))
-        for i, c in enumerate(costs):
-            net.AddFunction([i], _table(c, scale).tolist())
-        for (a, b), m in edges.items():
-            net.AddFunction([a, b], _table(m, scale).ravel().tolist())
+        _post_tables(net, costs, edges, scale)
         for terms, rhs in rows:
             _post_knapsack(net, terms, rhs)
         res = net.Solve(timeLimit=max(1, int(seconds)))
@@ -71,6 +68,37 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     primal, dual = float(res[1]), float(net.GetDDualBound())
     rounding = 0.5 * (len(costs) + len(edges)) / scale  # one rounded entry per table in any choice
     return list(res[0]), dual >= primal, max(0.0, primal - dual) / scale + rounding
+
+
+def _post_tables(net, costs, edges, scale: float) -> None:
+    """Every cost table, rounded in one array operation and posted straight to toulbar2's wcsp:
+    pytoulbar2's ``AddFunction`` checks and converts each table in Python, which was a third of
+    a weight round on IOPDDL T (322k tables in 7 rounds, 10 s). Constant tables become a
+    nullary cost, as ``AddFunction`` does."""
+    wcsp = net.CFN.wcsp
+    tables = [*costs, *edges.values()]
+    if not tables:
+        return
+    sizes = np.array([t.size for t in tables])
+    flat = _table(np.concatenate([np.ravel(t) for t in tables]), scale)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    nonempty = sizes > 0
+    low = np.full(sizes.size, np.inf)
+    high = np.full(sizes.size, -np.inf)
+    low[nonempty] = np.minimum.reduceat(flat, starts[nonempty])
+    high[nonempty] = np.maximum.reduceat(flat, starts[nonempty])
+    scopes = [(i,) for i in range(len(costs))] + list(edges)
+    values = flat.astype(np.int64).tolist()
+    for scope, lo, hi, a, b in zip(scopes, low.tolist(), high.tolist(), starts.tolist(), ends.tolist()):
+        if a == b:
+            continue
+        if lo == hi:
+            wcsp.postNullaryConstraint(int(lo))
+        elif len(scope) == 1:
+            wcsp.postUnaryConstraint(scope[0], values[a:b], False)
+        else:
+            wcsp.postBinaryConstraint(scope[0], scope[1], values[a:b], False)
 
 
 def _post_knapsack(net, terms: list[tuple[int, np.ndarray]], rhs: int) -> None:

@@ -182,63 +182,88 @@ def _solve_window(sub: Problem, start: np.ndarray, seconds: float) -> np.ndarray
     return highs_model.extract(model, np.asarray(h.getSolution().col_value), sub.num_nodes)
 
 
-def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: float, say=lambda m: None,
-                               budget: int = 40000, window_seconds: float = 6.0, seed: int = 0) -> np.ndarray:
-    """Improve a feasible ``choice`` window by window until ``deadline``; never returns a worse one."""
-    ev = evaluate(problem, choice)
-    if not ev.feasible:
-        return choice
-    t0 = time.perf_counter()
-    rng = np.random.default_rng(seed)
-    adj = heuristic._Adjacency(problem)
-    current = choice.copy()
-    mem = heuristic._Memory(problem, current)
-    movable = np.array([int(problem.allowed(v).sum()) > 1 for v in range(problem.num_nodes)])
-    if not movable.any():
-        return current
-    cost = ev.cost
-    groups = [np.array(g, dtype=np.int64) for g in problem.ties if len(g) > 1]
-    group_of: dict[int, list[int]] = {}
-    for i, g in enumerate(groups):
-        for v in g.tolist():
-            group_of.setdefault(v, []).append(i)
-    windows = improved = 0
-    fullest = _fullest(mem)
-    while deadline - time.perf_counter() > 0.5:
-        free = _window(problem, adj, mem, current, rng, budget, movable, fullest if windows % 3 != 2 else None)
-        windows += 1
-        if groups:  # a window holds every node of every tie group it touches
-            free = _close_over_ties(free, groups, group_of)
+class WindowSearch:
+    """Window after window on a feasible answer (:meth:`step`); :meth:`restart` moves it to
+    another answer (a cheaper one found elsewhere) keeping its random stream."""
+
+    def __init__(self, problem: Problem, choice: np.ndarray, budget: int = 40000, window_seconds: float = 6.0,
+                 seed: int = 0):
+        self.problem = problem
+        self.budget = budget
+        self.window_seconds = window_seconds
+        self.rng = np.random.default_rng(seed)
+        self.adj = heuristic._Adjacency(problem)
+        self.movable = np.array([int(problem.allowed(v).sum()) > 1 for v in range(problem.num_nodes)])
+        self.groups = [np.array(g, dtype=np.int64) for g in problem.ties if len(g) > 1]
+        self.group_of: dict[int, list[int]] = {}
+        for i, g in enumerate(self.groups):
+            for v in g.tolist():
+                self.group_of.setdefault(v, []).append(i)
+        self.windows = self.improved = 0
+        self.restart(choice)
+
+    def restart(self, choice: np.ndarray) -> None:
+        ev = evaluate(self.problem, choice)
+        if not ev.feasible:
+            raise ValueError(f"window search needs a feasible answer, found one that is not ({ev.reason})")
+        self.current = np.asarray(choice, dtype=np.int64).copy()
+        self.cost = ev.cost
+        self.mem = heuristic._Memory(self.problem, self.current)
+        self.fullest = _fullest(self.mem)
+
+    def step(self, deadline: float) -> bool:
+        """Solve one window (if time allows before ``deadline``); returns whether the answer improved."""
+        problem, current = self.problem, self.current
+        if not self.movable.any():
+            return False
+        fullest = self.fullest if self.windows % 3 != 2 else None
+        free = _window(problem, self.adj, self.mem, current, self.rng, self.budget, self.movable, fullest)
+        self.windows += 1
+        if self.groups:  # a window holds every node of every tie group it touches
+            free = _close_over_ties(free, self.groups, self.group_of)
         if free.size < 2:
-            continue
-        sub = subproblem(problem, adj, mem, current, free)
+            return False
+        sub = subproblem(problem, self.adj, self.mem, current, free)
         fillers = sub.num_nodes - free.size
         start = np.concatenate([current[free], np.zeros(fillers, dtype=np.int64)])
         before = evaluate(sub, start)
-        seconds = min(window_seconds, deadline - time.perf_counter() - 0.2)
+        seconds = min(self.window_seconds, deadline - time.perf_counter() - 0.2)
         if seconds < 0.2:
-            break
+            return False
         try:
             found = _solve_window(sub, start, seconds)
         except ProvedInfeasible:  # the window's fixed surroundings leave it no feasible choice
-            continue
+            return False
         if found is None:
-            continue
+            return False
         after = evaluate(sub, found)
         if not after.feasible or after.cost >= before.cost - 1e-9 * max(1.0, abs(before.cost)):
-            continue
+            return False
         trial = current.copy()
         trial[free] = found[: free.size]
         full = evaluate(problem, trial)
-        if not full.feasible or full.cost >= cost or full.cost >= FORBIDDEN:
-            continue
+        if not full.feasible or full.cost >= self.cost or full.cost >= FORBIDDEN:
+            return False
         for v, new in zip(free.tolist(), found[: free.size].tolist()):
             if new != current[v]:
-                mem.move([v], int(current[v]), int(new))
-        current, cost = trial, full.cost
-        fullest = _fullest(mem)
-        improved += 1
-        if improved % 10 == 1:
-            say(f"lns: {windows} windows, {improved} improved, cost {cost:.6g} ({time.perf_counter() - t0:.1f}s)")
-    say(f"lns: {windows} windows, {improved} improved, cost {cost:.6g} ({time.perf_counter() - t0:.1f}s)")
-    return current
+                self.mem.move([v], int(current[v]), int(new))
+        self.current, self.cost = trial, full.cost
+        self.fullest = _fullest(self.mem)
+        self.improved += 1
+        return True
+
+
+def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: float, say=lambda m: None,
+                               budget: int = 40000, window_seconds: float = 6.0, seed: int = 0) -> np.ndarray:
+    """Improve a feasible ``choice`` window by window until ``deadline``; never returns a worse one."""
+    if not evaluate(problem, choice).feasible:
+        return choice
+    t0 = time.perf_counter()
+    search = WindowSearch(problem, choice, budget, window_seconds, seed)
+    while deadline - time.perf_counter() > 0.5:
+        if search.step(deadline) and search.improved % 10 == 1:
+            say(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
+                f"({time.perf_counter() - t0:.1f}s)")
+    say(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
+        f"({time.perf_counter() - t0:.1f}s)")
+    return search.current

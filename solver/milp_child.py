@@ -6,18 +6,12 @@ the caller runs toulbar2, whose model it has built anyway, and the MILP runs her
 the caller can kill it the moment toulbar2 proves optimality, or read its answer at the
 end. The child gets the problem without its edges plus the tie reductions already made
 (:class:`solver.highs_model.Reduced`): ~60 MB for LLaMA-70B instead of ~1 GB of edge
-matrices. It is a fresh interpreter (``python -m solver.milp_child``), not a fork: the
-caller may hold torch's thread pools, and a spawned ``multiprocessing`` child would
-re-run an unguarded ``__main__``.
+matrices. It runs in a fresh interpreter (:mod:`solver.child`).
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from solver import highs_model
+from solver.child import Child, read, write
 from solver.problem import Problem, ProvedInfeasible
 
 
@@ -63,54 +58,32 @@ class MilpChild:
     """:func:`run` in a child process; :meth:`answer` waits for it, :meth:`close` kills it."""
 
     def __init__(self, problem: Problem, reduced, start, seconds: float, mip_gap: float, max_nonzeros: float):
-        self.dir = tempfile.TemporaryDirectory(prefix="autoshard-milp-")
-        self.out = Path(self.dir.name) / "out.pkl"
-        args = Path(self.dir.name) / "in.pkl"
-        with open(args, "wb") as f:
-            pickle.dump((without_edges(problem), reduced, start, seconds, mip_gap, max_nonzeros), f,
-                        protocol=pickle.HIGHEST_PROTOCOL)
-        root = str(Path(__file__).resolve().parents[1])  # the folder holding the solver package
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "solver.milp_child", str(args), str(self.out)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.child = Child("milp_child", (without_edges(problem), reduced, start, seconds, mip_gap, max_nonzeros),
+                           prefix="autoshard-milp-")
         self._answer: MilpAnswer | None = None
 
     def answer(self, timeout: float | None = None) -> MilpAnswer | None:
         """The child's answer (waiting up to ``timeout``), or None while it still runs."""
         if self._answer is None:
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
+            if not self.child.wait(timeout):
                 return None
-            err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-            if self.proc.returncode != 0 or not self.out.exists():
-                raise RuntimeError(f"the MILP's child process failed (exit {self.proc.returncode}):\n{err}")
-            with open(self.out, "rb") as f:
-                self._answer = pickle.load(f)
+            self._answer = read(self.child.folder / "out.pkl")
+            if self._answer is None:
+                raise RuntimeError("the MILP's child process exited without an answer")
         return self._answer
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stderr:
-            self.proc.stderr.close()
-        self.dir.cleanup()
+        self.child.close()
 
 
-def _main(args_path: str, out_path: str) -> None:
-    with open(args_path, "rb") as f:
-        problem, reduced, start, seconds, mip_gap, max_nonzeros = pickle.load(f)
+def _main(folder: str) -> None:
+    problem, reduced, start, seconds, mip_gap, max_nonzeros = read(Path(folder) / "in.pkl")
     # Through the module's own name: run as ``__main__``, its answers would pickle as
     # ``__main__.MilpAnswer``, which the caller cannot load.
     from solver import milp_child
 
-    answer = milp_child.run(problem, reduced, start, seconds, mip_gap, max_nonzeros)
-    tmp = out_path + ".tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(answer, f)
-    os.replace(tmp, out_path)  # the parent never reads half a file
+    write(Path(folder) / "out.pkl", milp_child.run(problem, reduced, start, seconds, mip_gap, max_nonzeros))
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    _main(sys.argv[1])

@@ -15,6 +15,7 @@ from solver import cfn, heuristic, highs_model, ilp, lns, weights
 from solver.evaluate import evaluate, memory_profile
 from solver.exact import build_exact
 from solver.exact import finish as exact_answer
+from solver.lns_child import LnsChild
 from solver.memrows import RowsTooLarge
 from solver.milp_child import MilpChild
 from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
@@ -403,24 +404,80 @@ def _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_
     except highs_model.ModelTooLarge as exc:
         say(f"milp skipped: {exc}; per-node weight search, then windowed MILPs, for the remaining time")
         stats["milp_skipped"] = str(exc)
-        lower = relaxed_bound
+        lower = _weights_and_windows(problem, inc, t0, time_limit, say, relaxed_bound)
+    except ProvedInfeasible as exc:
+        say(f"milp: {exc}")
+    return finish(status, lower)
+
+
+def _weights_and_windows(problem, inc, t0, time_limit, say, lower):
+    """Models too large for the MILP: the per-node weight search, windowed MILPs (:mod:`solver.lns`)
+    and a last polish improve ``inc``; returns the best lower bound known.
+
+    With a second core free, windows run the whole time in a child (:mod:`solver.lns_child`),
+    on every cheaper answer the weight search finds; once the weight search ends (its share
+    of the time, or stalled) this process runs windows too, each side taking up the other's
+    answer whenever it is cheaper. On one core the two run one after the other.
+    """
+    end = t0 + 0.95 * time_limit
+    child = None
+
+    def share(choice, cost):
+        nonlocal child
+        if child is None and second_core_free() and end - time.perf_counter() > 10:
+            child = LnsChild(problem, choice, end - time.perf_counter())
+            say(f"lns runs beside the weight search in a child process ({cores()} cores)")
+        elif child is not None:
+            child.offer(choice, cost)
+
+    try:
+        if inc.feasible:
+            share(inc.choice, inc.cost)
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
             found, bound = weights.weight_search(problem, inc.choice if inc.feasible else None,
-                                                 deadline=t0 + WEIGHTS_SHARE * time_limit, say=say)
+                                                 deadline=t0 + WEIGHTS_SHARE * time_limit, say=say, on_best=share)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
             inc.offer(found, "weights")
         if inc.feasible:
-            inc.offer(lns.large_neighbourhood_search(problem, inc.choice, t0 + 0.95 * time_limit, say=say), "lns")
-        more = inc.choice
-        for _ in range(100):
-            before = evaluate(problem, more).cost
-            more = heuristic.repair_pairs(problem, more, deadline=t0 + 0.97 * time_limit)
-            more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=t0 + 0.97 * time_limit)
-            if evaluate(problem, more).cost >= before or time.perf_counter() > t0 + 0.97 * time_limit:
-                break
-        if not np.array_equal(more, inc.choice):
-            inc.offer(more, "polish")
-    except ProvedInfeasible as exc:
-        say(f"milp: {exc}")
-    return finish(status, lower)
+            _windows(problem, inc, child, end, say)
+    finally:
+        if child is not None:
+            child.close()
+    more = inc.choice
+    for _ in range(100):
+        before = evaluate(problem, more).cost
+        more = heuristic.repair_pairs(problem, more, deadline=t0 + 0.97 * time_limit)
+        more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=t0 + 0.97 * time_limit)
+        if evaluate(problem, more).cost >= before or time.perf_counter() > t0 + 0.97 * time_limit:
+            break
+    if not np.array_equal(more, inc.choice):
+        inc.offer(more, "polish")
+    return lower
+
+
+def _windows(problem, inc, child, deadline, say):
+    """Windowed MILPs here until ``deadline``, trading answers with ``child`` (if any) between windows."""
+    t0 = time.perf_counter()
+    search = lns.WindowSearch(problem, inc.choice)
+
+    def said():
+        say(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
+            f"({time.perf_counter() - t0:.1f}s)")
+
+    while deadline - time.perf_counter() > 0.5:
+        theirs = child.best() if child is not None else None
+        if theirs is not None and theirs[1] < search.cost:
+            search.restart(theirs[0])
+        if search.step(deadline):
+            if child is not None:
+                child.offer(search.current, search.cost)
+            if search.improved % 10 == 1:
+                said()
+    said()
+    inc.offer(search.current, "lns")
+    theirs = child.best() if child is not None else None
+    if theirs is not None:
+        say(f"lns (child): {theirs[2]['windows']} windows, {theirs[2]['improved']} improved, "
+            f"{theirs[2]['restarts']} restarts, cost {theirs[1]:.6g}")
+        inc.offer(theirs[0], "lns")

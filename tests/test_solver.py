@@ -382,6 +382,53 @@ def test_lns_never_worse_and_reaches_the_optimum_on_small_problems(seed):
     assert ev.cost == pytest.approx(best)  # the window (budget) covers the whole problem
 
 
+def test_lns_child_takes_up_cheaper_offers_and_improves():
+    """The child process moves to an offered answer only when it is cheaper than its own, and
+    never publishes a worse or infeasible one."""
+    import time
+
+    from solver.lns_child import LnsChild
+
+    rng = np.random.default_rng(402)
+    p = random_problem(rng, n=8, kmax=3, density=0.3, limit=True)
+    start = np.array([int(np.argmin(u)) for u in p.node_usages])
+    p.usage_limit = float(max(p.usage_limit, evaluate(p, start).peak_usage))
+    optimum = solve(p, time_limit=10, pairwise=False, exact=False)
+    assert optimum.status == "optimal"
+    if evaluate(p, start).cost <= optimum.cost:
+        pytest.skip("the start is already optimal")
+    child = LnsChild(p, start, seconds=30)
+    try:
+        child.offer(start, evaluate(p, start).cost)  # no cheaper: ignored
+        child.offer(optimum.choice, optimum.cost)
+        deadline = time.perf_counter() + 25
+        while time.perf_counter() < deadline:
+            best = child.best()
+            if best is not None and best[2]["restarts"] >= 1:
+                break
+            time.sleep(0.1)
+        choice, cost, counters = child.best()
+        assert counters["restarts"] == 1
+        assert cost == pytest.approx(optimum.cost) and evaluate(p, choice).feasible
+    finally:
+        child.close()
+
+
+def test_weight_path_with_windows_in_a_child(monkeypatch):
+    """Models too large for the MILP on two cores: the weight search here, windows in a child;
+    the answer is feasible and optimal on a small problem."""
+    import importlib
+
+    # The module, not the function of the same name that ``solver`` exports.
+    monkeypatch.setattr(importlib.import_module("solver.solve"), "second_core_free", lambda: True)
+    rng = np.random.default_rng(403)
+    p = random_problem(rng, n=9, kmax=3, density=0.3, limit=True)
+    lines = []
+    sol = solve(p, time_limit=14, max_nonzeros=10, pairwise=False, exact=False, log=lines.append)
+    assert any("child process" in m for m in lines), lines
+    assert sol.cost == pytest.approx(brute_force(p))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_lns_keeps_ties(seed):
     """Windows take whole tie groups, so repeated layers move together and answers stay tied."""
