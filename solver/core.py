@@ -5,9 +5,21 @@ core graph many times with costs that move little between rounds. Coordinate
 descent from the last round's answer gives a choice at once; toulbar2
 (:mod:`solver.cfn`) then only searches for cheaper ones, so a round's answer is
 never worse than last round's under the new costs.
+
+toulbar2's time limit adapts to what the last search showed (:meth:`CoreSolver.adapt`):
+a search that ended before its limit (proved) sets the next limit to twice its time; one
+cut off after finding a cheaper answer doubles it (the search pays, and is unfinished);
+one cut off without finding anything doubles it once, and if the doubled search finds
+nothing either, the limit goes back to the base until a search completes or pays again.
+The caller caps the limit (:attr:`CoreSolver.cap`). A fixed 5 s was too short on IOPDDL
+A (cores proved in 6.5-8 s: cut at 5 s, rounds fell back to a descent's answer, twice the
+cost) and on T (rounds whose toulbar2 searched 24-50 s fitted at 7.9e11, against 1.1e12 or
+more with 5 s), while on K toulbar2 seldom beats the descent and long rounds cost rounds.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -22,7 +34,11 @@ class CoreSolver:
 
     def __init__(self, seconds: float, scale: float):
         self.seconds = seconds
-        """toulbar2's time limit per call."""
+        """toulbar2's time limit for the next call, adapted after each (:meth:`adapt`)."""
+        self.base = seconds
+        self.doubled = False
+        self.cap = np.inf
+        """The caller's ceiling on the limit (its remaining time)."""
         self.scale = scale
         """Integer scale for toulbar2's costs (:func:`cost_scale`)."""
         self.previous: list[int] | None = None
@@ -30,15 +46,35 @@ class CoreSolver:
         """How far the last core answer may be above the core optimum (inf: no bound)."""
 
     def __call__(self, costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]) -> list[int]:
-        start = descend(costs, edges, self.previous) if self.previous is not None else None
-        upper = table_cost(costs, edges, start) if start is not None else None
-        if upper is not None and not upper < FORBIDDEN:
-            upper = None
-        picked, _, self.gap = cfn.solve_tables(costs, edges, self.seconds, self.scale, upper)
-        if picked is None:
-            picked = start if start is not None else descend(costs, edges, None)
-        self.previous = list(picked)
+        # Where toulbar2 finds nothing better in time (IOPDDL A's cores) a descent is the answer:
+        # from last round's answer, or from each node's cheapest strategy under the new costs,
+        # whichever ends cheaper. Under raised weights last round's answer can sit in a basin
+        # that single and pair moves do not leave (A: 6.9x the memory limit for four rounds
+        # while descents from the cheapest strategies fit). Pair moves, because single moves
+        # alone stop at forbidden pairs (4 of them on A's first core).
+        starts = [descend(costs, edges, None, pairs=True)]
+        if self.previous is not None:
+            starts.append(descend(costs, edges, self.previous, pairs=True))
+        start = min(starts, key=lambda c: table_cost(costs, edges, c))
+        upper = table_cost(costs, edges, start)
+        limit = max(1.0, min(self.seconds, self.cap))
+        t0 = time.perf_counter()
+        picked, _, self.gap = cfn.solve_tables(costs, edges, limit, self.scale,
+                                               upper if upper < FORBIDDEN else None)
+        self.adapt(limit, time.perf_counter() - t0, picked is not None)
+        self.previous = list(picked if picked is not None else start)
         return self.previous
+
+    def adapt(self, limit: float, took: float, found: bool) -> None:
+        """The next limit from this search's (see the module doc). toulbar2 counts whole CPU
+        seconds, so a search "ended early" when it took a second less than its limit."""
+        if took < int(limit) - 1.0:
+            self.seconds, self.doubled = max(self.base, 2.0 * took), False
+        elif found:
+            self.seconds, self.doubled = 2.0 * limit, False
+        else:
+            self.seconds = self.base if self.doubled else 2.0 * limit
+            self.doubled = True
 
 
 def table_cost(costs, edges, choice) -> float:

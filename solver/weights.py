@@ -55,6 +55,9 @@ GROWTH = 8.0
 #: only once nothing feasible is known (the greedy repair is slow and costly from far).
 REPAIR_OVERFLOW = 1.05
 
+#: Share of the remaining time one round's toulbar2 search may take at most.
+ROUND_SHARE = 0.2
+
 #: The search stops early once its own answers (repaired rounds) have not improved for this
 #: many rounds and for ``STALL_SHARE`` of its time so far: the time is then worth more to the
 #: windowed MILPs. (On IOPDDL T its own best improved at 44, 78, 88, 101 and 122 s, then
@@ -186,7 +189,8 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
             say(f"weights: stalled, no better answer of its own for {rounds - gain_round} rounds "
                 f"({now - last_gain:.1f}s)")
             break
-        core.seconds = max(1.0, min(core_seconds, deadline - now - 1.0))
+        # toulbar2's limit adapts round to round (CoreSolver.adapt), up to a fifth of what is left.
+        core.cap = max(1.0, min(deadline - now - 1.0, ROUND_SHARE * (deadline - now)))
         choice = elim.solve(_weighted(problem, w, low), core)
         rounds += 1
         raw = evaluate(problem, choice)

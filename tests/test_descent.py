@@ -76,3 +76,41 @@ def test_colour_classes_are_independent_and_cover_every_node():
 def test_no_edges_and_no_nodes():
     assert descend([np.array([3.0, 1.0, 2.0])], {}, None, pairs=True) == [1]
     assert descend([], {}, None, pairs=True) == []
+
+
+def test_core_time_limit_adapts_to_the_last_search():
+    from solver.core import CoreSolver
+
+    core = CoreSolver(5.0, 1.0)
+    core.adapt(limit=5.0, took=5.2, found=False)  # cut off with nothing: doubled once
+    assert core.seconds == 10.0
+    core.adapt(limit=10.0, took=7.5, found=True)  # ended early: twice its time
+    assert core.seconds == 15.0
+    core.adapt(limit=15.0, took=1.0, found=False)  # ended early, nothing better exists: the base
+    assert core.seconds == 5.0
+    core.adapt(limit=5.0, took=5.1, found=True)  # cut off with a better answer: doubled
+    assert core.seconds == 10.0
+    core.adapt(limit=10.0, took=2.0, found=True)
+    assert core.seconds == 5.0
+    core.adapt(limit=5.0, took=5.2, found=False)  # cut off with nothing: doubled ...
+    core.adapt(limit=10.0, took=10.3, found=False)  # ... and cut off again: back to the base
+    assert core.seconds == 5.0
+    core.adapt(limit=5.0, took=5.2, found=False)  # no more doubling until a search completes
+    assert core.seconds == 5.0
+    core.adapt(limit=5.0, took=2.0, found=True)
+    core.adapt(limit=5.0, took=5.2, found=False)
+    assert core.seconds == 10.0
+
+
+def test_core_solver_answers_within_its_cap_and_never_worse_than_a_descent():
+    import time
+
+    from solver.core import CoreSolver, table_cost
+
+    costs, edges = _network(5, n=30)
+    core = CoreSolver(5.0, 1000.0)
+    core.cap = 2.0
+    t0 = time.perf_counter()
+    picked = core(costs, edges)
+    assert time.perf_counter() - t0 < 8.0
+    assert table_cost(costs, edges, picked) <= table_cost(costs, edges, descend(costs, edges, None, pairs=True))
