@@ -8,13 +8,17 @@ never worse than last round's under the new costs.
 
 toulbar2's time limit adapts to what the last search showed (:meth:`CoreSolver.adapt`):
 a search that ended before its limit (proved) sets the next limit to twice its time; one
-cut off after finding a cheaper answer doubles it (the search pays, and is unfinished);
-one cut off without finding anything doubles it once, and if the doubled search finds
-nothing either, the limit goes back to the base until a search completes or pays again.
-The caller caps the limit (:attr:`CoreSolver.cap`). A fixed 5 s was too short on IOPDDL
-A (cores proved in 6.5-8 s: cut at 5 s, rounds fell back to a descent's answer, twice the
-cost) and on T (rounds whose toulbar2 searched 24-50 s fitted at 7.9e11, against 1.1e12 or
-more with 5 s), while on K toulbar2 seldom beats the descent and long rounds cost rounds.
+cut off after cutting the descent's cost by ``PAYING`` or more doubles it (the search pays
+and is unfinished); one cut off with a smaller gain goes back halfway to the base; one cut
+off without finding anything doubles the limit once, and if the doubled search finds
+nothing either, the limit returns to the base until a search completes or pays again. The
+caller caps the limit (:attr:`CoreSolver.cap`).
+
+Measured with a fixed 5 s: on IOPDDL A toulbar2 proves the cores in 6.5-8 s, and cut at
+5 s the rounds fell back to a descent's answer, twice the cost. On T, toulbar2 cut the
+descent's cost by 24-26% in the first two rounds, and rounds whose search was doubled fitted
+at 7.9e11 against 1.1e12 or more. On K it cut 6-8% after the first round, and doubling
+there too stretched K's rounds from 9 to 20 s (fewer rounds, K 0.94 -> 0.89).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ import numpy as np
 from solver import cfn
 from solver.descent import descend
 from solver.problem import FORBIDDEN, Problem
+
+#: A search cut off after lowering the descent's cost by at least this share gets twice the time.
+PAYING = 0.1
 
 
 class CoreSolver:
@@ -61,17 +68,20 @@ class CoreSolver:
         t0 = time.perf_counter()
         picked, _, self.gap = cfn.solve_tables(costs, edges, limit, self.scale,
                                                upper if upper < FORBIDDEN else None)
-        self.adapt(limit, time.perf_counter() - t0, picked is not None)
+        gain = 0.0 if picked is None else (upper - table_cost(costs, edges, picked)) / max(abs(upper), 1e-12)
+        self.adapt(limit, time.perf_counter() - t0, picked is not None, gain)
         self.previous = list(picked if picked is not None else start)
         return self.previous
 
-    def adapt(self, limit: float, took: float, found: bool) -> None:
-        """The next limit from this search's (see the module doc). toulbar2 counts whole CPU
-        seconds, so a search "ended early" when it took a second less than its limit."""
+    def adapt(self, limit: float, took: float, found: bool, gain: float = 0.0) -> None:
+        """The next limit from this search's (see the module doc): ``gain`` is how much of the
+        descent's cost the search's answer saved. toulbar2 counts whole CPU seconds, so a search
+        "ended early" when it took a second less than its limit."""
         if took < int(limit) - 1.0:
             self.seconds, self.doubled = max(self.base, 2.0 * took), False
         elif found:
-            self.seconds, self.doubled = 2.0 * limit, False
+            self.seconds = 2.0 * limit if gain >= PAYING else max(self.base, 0.5 * (limit + self.base))
+            self.doubled = False
         else:
             self.seconds = self.base if self.doubled else 2.0 * limit
             self.doubled = True

@@ -162,15 +162,26 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def second_core_free() -> bool:
-    """Whether a second search would get a core of its own: two or more cores and a load
-    average that leaves one beside this process. toulbar2's time limit counts CPU time, so on
-    a loaded machine two searches sharing a core overran a 57 s budget to 78-105 s wall."""
+def spare_cores() -> int:
+    """Cores beside this process that another search would have to itself: the cores this
+    process may run on, less the load average (this process counted). toulbar2's time limit
+    counts CPU time, so on a loaded machine two searches sharing a core overran a 57 s budget
+    to 78-105 s wall."""
     try:
         load = os.getloadavg()[0]
     except OSError:  # not available: trust the core count
         load = 1.0
-    return cores() >= 2 and load <= cores() - 1 + 0.5
+    return max(0, cores() - max(1, math.floor(load + 0.5)))
+
+
+def second_core_free() -> bool:
+    """Whether a second search would get a core of its own (:func:`spare_cores`)."""
+    return spare_cores() >= 1
+
+
+#: At most this many window searches in child processes (each holds a copy of the problem:
+#: ~60 MB pickled for IOPDDL T, a few hundred MB once loaded).
+MAX_LNS_CHILDREN = 7
 
 
 def _exact_model(problem, reference, say):
@@ -414,20 +425,22 @@ def _weights_and_windows(problem, inc, t0, time_limit, say, lower):
     """Models too large for the MILP: the per-node weight search, windowed MILPs (:mod:`solver.lns`)
     and a last polish improve ``inc``; returns the best lower bound known.
 
-    With a second core free, windows run the whole time in a child (:mod:`solver.lns_child`),
-    on every cheaper answer the weight search finds; once the weight search ends (its share
-    of the time, or stalled) this process runs windows too, each side taking up the other's
-    answer whenever it is cheaper. On one core the two run one after the other.
+    With cores to spare (:func:`spare_cores`), windows run the whole time in child processes
+    (:mod:`solver.lns_child`, one per spare core, each with its own random windows), on every
+    cheaper answer the weight search finds; once the weight search ends (its share of the
+    time, or stalled) this process runs windows too, each side taking up the cheapest answer
+    between windows. On one core the two run one after the other.
     """
     end = t0 + 0.95 * time_limit
-    child = None
+    children: list[LnsChild] = []
 
     def share(choice, cost):
-        nonlocal child
-        if child is None and second_core_free() and end - time.perf_counter() > 10:
-            child = LnsChild(problem, choice, end - time.perf_counter())
-            say(f"lns runs beside the weight search in a child process ({cores()} cores)")
-        elif child is not None:
+        if not children and end - time.perf_counter() > 10:
+            spare = min(spare_cores(), MAX_LNS_CHILDREN)
+            children.extend(LnsChild(problem, choice, end - time.perf_counter(), seed=1 + i) for i in range(spare))
+            if children:
+                say(f"lns runs beside the weight search in {len(children)} child process(es) ({cores()} cores)")
+        for child in children:
             child.offer(choice, cost)
 
     try:
@@ -440,9 +453,9 @@ def _weights_and_windows(problem, inc, t0, time_limit, say, lower):
                 lower = bound
             inc.offer(found, "weights")
         if inc.feasible:
-            _windows(problem, inc, child, end, say)
+            _windows(problem, inc, children, end, say)
     finally:
-        if child is not None:
+        for child in children:
             child.close()
     more = inc.choice
     for _ in range(100):
@@ -456,8 +469,8 @@ def _weights_and_windows(problem, inc, t0, time_limit, say, lower):
     return lower
 
 
-def _windows(problem, inc, child, deadline, say):
-    """Windowed MILPs here until ``deadline``, trading answers with ``child`` (if any) between windows."""
+def _windows(problem, inc, children, deadline, say):
+    """Windowed MILPs here until ``deadline``, trading answers with the ``children`` between windows."""
     t0 = time.perf_counter()
     search = lns.WindowSearch(problem, inc.choice)
 
@@ -465,19 +478,24 @@ def _windows(problem, inc, child, deadline, say):
         say(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
             f"({time.perf_counter() - t0:.1f}s)")
 
+    def theirs():
+        answers = [a for a in (child.best() for child in children) if a is not None]
+        return min(answers, key=lambda a: a[1]) if answers else None
+
     while deadline - time.perf_counter() > 0.5:
-        theirs = child.best() if child is not None else None
-        if theirs is not None and theirs[1] < search.cost:
-            search.restart(theirs[0])
+        best = theirs()
+        if best is not None and best[1] < search.cost:
+            search.restart(best[0])
         if search.step(deadline):
-            if child is not None:
+            for child in children:
                 child.offer(search.current, search.cost)
             if search.improved % 10 == 1:
                 said()
     said()
     inc.offer(search.current, "lns")
-    theirs = child.best() if child is not None else None
-    if theirs is not None:
-        say(f"lns (child): {theirs[2]['windows']} windows, {theirs[2]['improved']} improved, "
-            f"{theirs[2]['restarts']} restarts, cost {theirs[1]:.6g}")
-        inc.offer(theirs[0], "lns")
+    for i, child in enumerate(children):
+        best = child.best()
+        if best is not None:
+            say(f"lns (child {i}): {best[2]['windows']} windows, {best[2]['improved']} improved, "
+                f"{best[2]['restarts']} restarts, cost {best[1]:.6g}")
+            inc.offer(best[0], "lns")

@@ -88,9 +88,11 @@ def test_core_time_limit_adapts_to_the_last_search():
     assert core.seconds == 15.0
     core.adapt(limit=15.0, took=1.0, found=False)  # ended early, nothing better exists: the base
     assert core.seconds == 5.0
-    core.adapt(limit=5.0, took=5.1, found=True)  # cut off with a better answer: doubled
+    core.adapt(limit=5.0, took=5.1, found=True, gain=0.25)  # cut off, paying well: doubled
     assert core.seconds == 10.0
-    core.adapt(limit=10.0, took=2.0, found=True)
+    core.adapt(limit=10.0, took=10.2, found=True, gain=0.05)  # cut off, paying little: halfway back
+    assert core.seconds == 7.5
+    core.adapt(limit=7.5, took=2.0, found=True)
     assert core.seconds == 5.0
     core.adapt(limit=5.0, took=5.2, found=False)  # cut off with nothing: doubled ...
     core.adapt(limit=10.0, took=10.3, found=False)  # ... and cut off again: back to the base

@@ -415,17 +415,18 @@ def test_lns_child_takes_up_cheaper_offers_and_improves():
 
 
 def test_weight_path_with_windows_in_a_child(monkeypatch):
-    """Models too large for the MILP on two cores: the weight search here, windows in a child;
-    the answer is feasible and optimal on a small problem."""
+    """Models too large for the MILP on three cores: the weight search here, windows in two
+    children; the answer is feasible and optimal on a small problem."""
     import importlib
 
     # The module, not the function of the same name that ``solver`` exports.
-    monkeypatch.setattr(importlib.import_module("solver.solve"), "second_core_free", lambda: True)
+    monkeypatch.setattr(importlib.import_module("solver.solve"), "spare_cores", lambda: 2)
     rng = np.random.default_rng(403)
     p = random_problem(rng, n=9, kmax=3, density=0.3, limit=True)
     lines = []
     sol = solve(p, time_limit=14, max_nonzeros=10, pairwise=False, exact=False, log=lines.append)
-    assert any("child process" in m for m in lines), lines
+    assert any("in 2 child process(es)" in m for m in lines), lines
+    assert sum("lns (child" in m for m in lines) == 2, lines
     assert sol.cost == pytest.approx(brute_force(p))
 
 
