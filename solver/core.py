@@ -51,6 +51,8 @@ class CoreSolver:
         self.previous: list[int] | None = None
         self.gap = np.inf
         """How far the last core answer may be above the core optimum (inf: no bound)."""
+        self.found = False
+        """Whether toulbar2's last search found an answer (else the answer is a descent's)."""
 
     def __call__(self, costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]) -> list[int]:
         # Where toulbar2 finds nothing better in time (IOPDDL A's cores) a descent is the answer:
@@ -68,6 +70,7 @@ class CoreSolver:
         t0 = time.perf_counter()
         picked, _, self.gap = cfn.solve_tables(costs, edges, limit, self.scale,
                                                upper if upper < FORBIDDEN else None)
+        self.found = picked is not None
         gain = 0.0 if picked is None else (upper - table_cost(costs, edges, picked)) / max(abs(upper), 1e-12)
         self.adapt(limit, time.perf_counter() - t0, picked is not None, gain)
         self.previous = list(picked if picked is not None else start)
