@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from solver import cfn
-from solver.descent import descend
+from solver.descent import Network, descend
 from solver.problem import FORBIDDEN, Problem
 
 #: A search cut off after lowering the descent's cost by at least this share gets twice the time.
@@ -61,17 +61,18 @@ class CoreSolver:
         # that single and pair moves do not leave (A: 6.9x the memory limit for four rounds
         # while descents from the cheapest strategies fit). Pair moves, because single moves
         # alone stop at forbidden pairs (4 of them on A's first core).
-        starts = [descend(costs, edges, None, pairs=True)]
+        net = Network(costs, edges)  # built once for both descents and the three costs
+        starts = [descend(costs, edges, None, pairs=True, net=net)]
         if self.previous is not None:
-            starts.append(descend(costs, edges, self.previous, pairs=True))
-        start = min(starts, key=lambda c: table_cost(costs, edges, c))
-        upper = table_cost(costs, edges, start)
+            starts.append(descend(costs, edges, self.previous, pairs=True, net=net))
+        start = min(starts, key=lambda c: net.cost(np.asarray(c)))
+        upper = net.cost(np.asarray(start))
         limit = max(1.0, min(self.seconds, self.cap))
         t0 = time.perf_counter()
         picked, _, self.gap = cfn.solve_tables(costs, edges, limit, self.scale,
                                                upper if upper < FORBIDDEN else None)
         self.found = picked is not None
-        gain = 0.0 if picked is None else (upper - table_cost(costs, edges, picked)) / max(abs(upper), 1e-12)
+        gain = 0.0 if picked is None else (upper - net.cost(np.asarray(picked))) / max(abs(upper), 1e-12)
         self.adapt(limit, time.perf_counter() - t0, picked is not None, gain)
         self.previous = list(picked if picked is not None else start)
         return self.previous

@@ -163,12 +163,12 @@ def _colour(nbrs: list[list[int]]) -> list[np.ndarray]:
     return [np.nonzero(colour == c)[0] for c in range(int(colour.max()) + 1)] if n else []
 
 
-def descend(costs, edges, start, sweeps: int = 50, pairs: bool = False) -> list[int]:
+def descend(costs, edges, start, sweeps: int = 50, pairs: bool = False, net: Network | None = None) -> list[int]:
     """Coordinate descent from ``start`` (per-node argmin when None): single-node moves to a
     local minimum, then (with ``pairs``) joint moves of the two ends of edges; repeated
     while either improves, at most ``sweeps`` times. The answer is never costlier than
-    ``start``."""
-    net = Network(costs, edges)
+    ``start``. ``net``: the :class:`Network` of ``(costs, edges)`` when the caller has it."""
+    net = net if net is not None else Network(costs, edges)
     n = len(costs)
     if start is not None and len(start) == n:
         choice = np.asarray(start, dtype=np.int64).copy()

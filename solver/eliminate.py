@@ -71,16 +71,11 @@ class Eliminator:
                     queue.append(w)
             adj[v] = set()
         self.core = np.nonzero(alive)[0]
+        # Each edge's table on the allowed strategies is the same in every call of solve: cut once
+        # (slicing 41k tables was a fifth of a weight round on IOPDDL T).
+        self.tables = [problem.edge_costs[e][np.ix_(self.allowed[u], self.allowed[v])]
+                       for e, (u, v) in enumerate(problem.edges.tolist())]
         self.core_edges = sorted({(min(u, w), max(u, w)) for u in self.core.tolist() for w in adj[u]})
-
-    def _tables(self) -> list[np.ndarray]:
-        """Each edge's table on the allowed strategies: the same in every call of :meth:`solve`,
-        so cut once (slicing 41k tables was a fifth of a weight round on IOPDDL T)."""
-        if not hasattr(self, "_cut"):
-            p = self.problem
-            self._cut = [p.edge_costs[e][np.ix_(self.allowed[u], self.allowed[v])]
-                         for e, (u, v) in enumerate(p.edges.tolist())]
-        return self._cut
 
     def solve(self, unary: list[np.ndarray],
               core_solver: Callable[[list[np.ndarray], dict[tuple[int, int], np.ndarray]], dict[int, int]]
@@ -111,7 +106,7 @@ class Eliminator:
             x, y, m = edges.pop((a, b) if a < b else (b, a))
             return m if (x, y) == (a, b) else m.T
 
-        for (u, v), m in zip(p.edges.tolist(), self._tables()):
+        for (u, v), m in zip(p.edges.tolist(), self.tables):
             if u == v:
                 lin[u] = lin[u] + np.diag(m)
             elif self.allowed[u].size == 1:
