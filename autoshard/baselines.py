@@ -19,6 +19,7 @@ import re
 
 import torch.nn as nn
 
+from autoshard.errors import ConfigError
 from costmodel.spec import Spec
 
 #: Module-name patterns of Megatron column-parallel (split output features) linears.
@@ -63,7 +64,7 @@ def _tp_placement(p, out_dim, in_dim, kind, leaf) -> str:
 def baseline_pins(name: str, model: nn.Module, mesh_ndim: int) -> tuple[dict[str, Spec], list[Spec]]:
     """(parameter pins by FQN, input specs) of a hand-written plan on a mesh of ``mesh_ndim`` axes."""
     if name not in BASELINES:
-        raise ValueError(f"baseline: expected one of {BASELINES}, found {name!r}")
+        raise ConfigError(f"baseline: expected one of {BASELINES}, found {name!r}")
     batch_all = Spec(("S(0)",) * mesh_ndim)
     pins: dict[str, Spec] = {}
     if name in ("ddp", "fsdp"):

@@ -1,6 +1,6 @@
 """The ``autoshard`` command line.
 
-  autoshard demo [--mesh dp=8,tp=8]                 plan a small GPT on a fake 64-rank mesh
+  autoshard demo [--mesh dp=8,tp=8]                 plan LLaMA-8B shapes on a fake 64-rank mesh
   autoshard plan MODULE:FACTORY --mesh dp=8,tp=8 -o plan.json
   autoshard show plan.json                          print a plan's summary
   autoshard explain plan.json                       per-layer table, the dearest redistributes
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import math
 import os
 import sys
@@ -22,7 +23,8 @@ import time
 EXAMPLES = """examples:
   autoshard demo
   autoshard demo --mesh dp=4,tp=2 --layers 1 -o plan.json
-  autoshard demo --model llama-8b --batch 64 --seq 2048 --compare
+  autoshard demo --model llama-70b --mesh dp=8,tp=8 --compare
+  autoshard demo --model gpt --dim 512 --heads 8 --layers 2 --batch 8 --seq 128
   autoshard plan mypkg.models:make --mesh dp=8,tp=8 --pin 'layers.*.attn.wq=RS(0)' -o plan.json
   autoshard plan mypkg.models:make --mesh dp=8,tp=8 --memory-budget 70GiB -o plan.json
   autoshard show plan.json
@@ -32,22 +34,32 @@ EXAMPLES = """examples:
 exit codes: 0 ok, 1 unexpected error, 2 bad input (message says what was expected and found)
 """
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
 def parse_bytes(text: str) -> int:
-    import re
+    """``--memory-budget 70GiB``: :func:`autoshard.units.parse_bytes` as an argparse type."""
+    from autoshard.errors import ConfigError
+    from autoshard.units import parse_bytes as parse
 
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"memory size {text!r}: expected a number with an optional unit "
-                                         f"({', '.join(u for u in _UNITS if u)}), e.g. 70GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _log(msg: str) -> None:
-    print(f"[autoshard] {msg}", file=sys.stderr, flush=True)
+    logging.getLogger("autoshard.cli").info(msg)
+
+
+def _setup_logging(verbosity: int) -> None:
+    """Progress of every package on stderr, one ``[autoshard]`` line each: INFO by default,
+    DEBUG with ``-v``, warnings only with ``-q``."""
+    level = logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[autoshard] %(message)s"))
+    for name in ("autoshard", "solver", "costmodel"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level)
+        logger.propagate = False
 
 
 def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
@@ -80,14 +92,14 @@ def _run_plan(model, inputs, args) -> int:
             raise AutoshardError(f"--pin {item!r}: expected FQN=SPEC, e.g. 'layers.*.attn.wq=RS(0)'")
         pins[fqn] = spec
     t0 = time.perf_counter()
-    budget = args.memory_budget if args.memory_budget else "auto"
-    plan = autoshard.plan(model, inputs, mesh, profile=args.profile, memory_budget=budget,
-                          time_limit=args.time_limit, log=_log, pins=pins or None,
-                          export_problem=args.export_problem)
+    planner = autoshard.Planner(model, inputs, mesh, profile=args.profile,
+                                memory_budget=args.memory_budget if args.memory_budget else "auto",
+                                time_limit=args.time_limit, pins=pins or None, export_problem=args.export_problem)
+    plan = planner.solve()
     print(plan.describe())
     if args.compare:
-        results = autoshard.compare(model, inputs, mesh, profile=args.profile, memory_budget=budget,
-                                    time_limit=args.time_limit)
+        # The same planner: one trace, the plan above as the "autoshard" row, the pins honoured.
+        results = planner.compare()
         print(f"{'plan':10s} {'step ms':>10s} {'compute ms':>11s} {'comm ms':>9s} {'peak GiB':>9s}")
         for name, res in results.items():
             if isinstance(res, str):
@@ -106,20 +118,24 @@ def _run_plan(model, inputs, args) -> int:
 def cmd_demo(args) -> int:
     import torch
 
-    from autoshard.models import LLAMA_PRESETS, Transformer, TransformerConfig, gpt2, llama
+    from autoshard.errors import AutoshardError
+    from autoshard.models import Transformer, TransformerConfig, parse_reference, reference
 
+    sized = [f"--{k}" for k in ("dim", "heads", "vocab") if getattr(args, k) is not None]
+    if sized and args.model != "gpt":
+        raise AutoshardError(f"{', '.join(sized)} size the small GPT: expected --model gpt with them, "
+                             f"found --model {args.model}")
+    layers = {} if args.layers is None else {"n_layers": args.layers}
     with torch.device("meta"):
         if args.model == "gpt":
-            cfg = TransformerConfig(dim=args.dim, n_heads=args.heads, n_layers=args.layers, vocab_size=args.vocab)
+            cfg = TransformerConfig(dim=args.dim or 1024, n_heads=args.heads or 16, n_layers=args.layers or 2,
+                                    vocab_size=args.vocab or 8192)
             model = Transformer(cfg)
             what = f"GPT dim={cfg.dim} heads={cfg.n_heads} layers={cfg.n_layers} vocab={cfg.vocab_size}"
-        elif args.model.startswith("llama-"):
-            preset = args.model.split("-", 1)[1]
-            model = llama(preset, max_seq_len=max(args.seq, LLAMA_PRESETS[preset]["max_seq_len"]))
-            what = f"LLaMA {preset} shapes ({model.cfg.n_layers} layers)"
         else:
-            model = gpt2(args.model.split("-", 1)[1])
-            what = f"GPT-2 {args.model.split('-', 1)[1]} shapes"
+            family, preset = parse_reference(args.model)
+            model = reference(family, preset, seq=args.seq, **layers)
+            what = f"{args.model} shapes ({model.cfg.n_layers} layers)"
     vocab = model.embed.num_embeddings
     tokens = torch.randint(0, vocab, (args.batch, args.seq), device="meta")
     _log(f"demo: {what}, batch {args.batch} x seq {args.seq}, mesh {args.mesh} (fake process group, no GPU)")
@@ -167,9 +183,9 @@ def cmd_lower(args) -> int:
     import autoshard
     from autoshard._torch_compat import quiet_tracing
     from autoshard.errors import AutoshardError
-    from autoshard.plan import Plan
+    from autoshard.planfile import Plan
     from autoshard.runtime import PlannedProgram
-    from autoshard.trace import trace
+    from autoshard.tracing import trace
 
     plan = Plan.load(args.plan)
     world = math.prod(plan.mesh_shape)
@@ -198,7 +214,9 @@ def _read_token(path: str | None) -> str | None:
     with open(path) as f:
         token = f.read().strip()
     if not token:
-        raise ValueError(f"--token-file {path}: the file is empty")
+        from autoshard.errors import AutoshardError
+
+        raise AutoshardError(f"--token-file {path}: the file is empty")
     return token
 
 
@@ -208,7 +226,9 @@ def cmd_serve(args) -> int:
 
         from autoshard.serve import ServiceConfig, create_app
     except ImportError as exc:
-        raise ValueError(f"autoshard serve needs the service extra ({exc.name} is missing): "
+        from autoshard.errors import AutoshardError
+
+        raise AutoshardError(f"autoshard serve needs the service extra ({exc.name} is missing): "
                          "pip install -c constraints.txt -e '.[serve]'") from None
 
     token = _read_token(args.token_file)
@@ -227,10 +247,10 @@ def _plan_on_server(args) -> int:
     if not args.model:
         raise AutoshardError("--server needs --model (a reference model as data: llama-8b, gpt2-small, ...); "
                              "a MODULE:FACTORY cannot be sent to a service")
-    family, _, preset = args.model.partition("-")
-    if family not in ("llama", "gpt2") or not preset:
-        raise AutoshardError(f"--model {args.model!r}: expected llama-PRESET or gpt2-PRESET")
     from autoshard.mesh import parse_mesh
+    from autoshard.models import parse_reference
+
+    family, preset = parse_reference(args.model)
 
     shape, names = parse_mesh(args.mesh)
     token = _read_token(args.token_file)
@@ -262,7 +282,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_explain(args) -> int:
     from autoshard.explain import explain
-    from autoshard.plan import Plan
+    from autoshard.planfile import Plan
 
     print(explain(Plan.load(args.plan), top=args.top))
     return 0
@@ -270,14 +290,14 @@ def cmd_explain(args) -> int:
 
 def cmd_diff(args) -> int:
     from autoshard.explain import diff
-    from autoshard.plan import Plan
+    from autoshard.planfile import Plan
 
     print(diff(Plan.load(args.a), Plan.load(args.b)))
     return 0
 
 
 def cmd_show(args) -> int:
-    from autoshard.plan import Plan
+    from autoshard.planfile import Plan
 
     plan = Plan.load(args.plan)
     print(plan.describe(max_params=args.max_params))
@@ -297,18 +317,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoshard", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     ap.add_argument("--version", action="version", version=f"autoshard {_version()}")
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="more progress output (debug)")
+    ap.add_argument("-q", "--quiet", action="count", default=0, help="warnings and results only")
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="plan a small GPT on a fake 64-rank mesh and print the plan")
+    d = sub.add_parser("demo", help="plan LLaMA-8B shapes (or another reference model) on a fake 64-rank mesh")
     _common(d, "dp=8,tp=8")
-    d.add_argument("--model", default="gpt", choices=["gpt", "gpt2-small", "gpt2-medium", "llama-1b", "llama-8b",
-                                                       "llama-70b"],
-                   help="gpt: the small GPT sized by --dim/--layers/...; others: reference shapes")
-    d.add_argument("--layers", type=int, default=2)
-    d.add_argument("--dim", type=int, default=1024)
-    d.add_argument("--heads", type=int, default=16)
-    d.add_argument("--vocab", type=int, default=8192)
-    d.add_argument("--batch", type=int, default=32)
-    d.add_argument("--seq", type=int, default=512)
+    d.add_argument("--model", default="llama-8b", choices=["llama-8b", "llama-1b", "llama-70b", "gpt2-small",
+                                                            "gpt2-medium", "gpt"],
+                   help="reference shapes (default llama-8b), or gpt: a small GPT sized by --dim/--heads/--vocab")
+    d.add_argument("--layers", type=int, default=None, help="depth (default: the preset's; gpt: 2)")
+    d.add_argument("--dim", type=int, default=None, help="--model gpt only (default 1024)")
+    d.add_argument("--heads", type=int, default=None, help="--model gpt only (default 16)")
+    d.add_argument("--vocab", type=int, default=None, help="--model gpt only (default 8192)")
+    d.add_argument("--batch", type=int, default=64, help="global batch (sequences)")
+    d.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     d.set_defaults(func=cmd_demo)
     p = sub.add_parser("plan", help="plan a model made by MODULE:FACTORY() -> (model, example_inputs)")
     p.add_argument("factory", nargs="?", default=None)
@@ -372,14 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from autoshard.errors import AutoshardError
+    from autoshard.errors import USER_ERRORS
 
     args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose - args.quiet)
     try:
         return args.func(args)
-    except (AutoshardError, FileNotFoundError, ValueError) as exc:
+    except USER_ERRORS as exc:
         print(f"autoshard: error: {exc}", file=sys.stderr)
         return 2
+    # Anything else is a bug: Python prints the traceback and exits 1.
 
 
 if __name__ == "__main__":

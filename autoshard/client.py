@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 
 from autoshard.errors import AutoshardError
-from autoshard.plan import Plan
+from autoshard.planfile import Plan
 
 
 class ServiceError(AutoshardError):

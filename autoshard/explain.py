@@ -1,30 +1,17 @@
-"""Reading plans: a per-layer table (``explain``) and a readable comparison (``diff``)."""
+"""Reading plans: a per-layer table (``explain``), a readable comparison (``diff``), and the
+same facts as pandas DataFrames (``Plan.to_frame``, ``redistributes_frame``, ``compare_frame``)."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections import OrderedDict
 
-from autoshard.plan import Plan
-
-
-def layer_of(fqn: str) -> str:
-    """``layers.3.attn.wq.weight`` -> ``layers.3``; ``embed.weight`` -> ``embed``."""
-    m = re.match(r"^(.*?\.\d+)\.", fqn)
-    if m:
-        return m.group(1)
-    return fqn.rsplit(".", 1)[0] if "." in fqn else fqn
-
-
-def _local_elems(plan: Plan, fqn: str) -> int:
-    p = plan.params[fqn]
-    return math.prod(plan.param_spec(fqn).local_shape(tuple(p.shape), tuple(plan.mesh_shape))) if p.shape else 0
+from autoshard.planfile import Plan, layer_of
 
 
 def explain(plan: Plan, top: int = 10) -> str:
     """Placements and per-device parameter elements per layer, totals, the dearest redistributes."""
-    lines = [plan.describe(max_params=0).rsplit("\n  parameters:", 1)[0], ""]
+    lines = [plan.describe(max_params=0).rsplit("\n  parameters", 1)[0], ""]
     layers: OrderedDict[str, list[str]] = OrderedDict()
     for fqn in plan.params:
         layers.setdefault(layer_of(fqn), []).append(fqn)
@@ -38,7 +25,7 @@ def explain(plan: Plan, top: int = 10) -> str:
         for fqn in fqns:
             p = plan.params[fqn]
             g = math.prod(p.shape) if p.shape else 0
-            loc = _local_elems(plan, fqn)
+            loc = plan.local_elems(fqn)
             total_g, total_l = total_g + g, total_l + loc
             pl = "  ".join(f"{p.placements[a]:>6}" for a in axes)
             order = f"  order {p.shard_order}" if p.shard_order else ""
@@ -87,3 +74,30 @@ def diff(a: Plan, b: Plan) -> str:
     if len(a.redistributes) != len(b.redistributes):
         out.append(f"redistributes: {len(a.redistributes)} -> {len(b.redistributes)}")
     return "\n".join(out) if out else "plans are identical in placements and predicted costs"
+
+
+def redistributes_frame(plan: Plan):
+    """One row per planned redistribute: ``node``, ``arg``, ``from``, ``to``, ``steps``, ``us``;
+    dearest first."""
+    import pandas as pd
+
+    frame = pd.DataFrame(plan.redistributes, columns=["node", "arg", "from", "to", "steps", "us"])
+    return frame.sort_values("us", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def compare_frame(results: dict):
+    """``compare``'s answer as a table, one row per plan: ``step_ms``, ``compute_ms``, ``comm_ms``,
+    ``peak_gib``, ``ratio`` (step over the best step) and ``error`` (why a baseline has no plan)."""
+    import pandas as pd
+
+    rows = []
+    for name, res in results.items():
+        if isinstance(res, str):
+            rows.append({"plan": name, "error": res})
+            continue
+        sm = res.summary
+        rows.append({"plan": name, "step_ms": sm["step_us"] / 1e3, "compute_ms": sm["compute_us"] / 1e3,
+                     "comm_ms": sm["comm_us"] / 1e3, "peak_gib": sm["peak_mem_bytes"] / 2**30, "error": None})
+    frame = pd.DataFrame(rows, columns=["plan", "step_ms", "compute_ms", "comm_ms", "peak_gib", "error"])
+    frame["ratio"] = frame["step_ms"] / frame["step_ms"].min()
+    return frame.set_index("plan")

@@ -32,7 +32,7 @@ import re
 import torch.nn as nn
 
 from autoshard.errors import PlanError
-from autoshard.plan import Plan
+from autoshard.planfile import Plan
 from costmodel.spec import Spec
 
 _COL, _ROW = "colwise", "rowwise"

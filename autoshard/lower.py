@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from autoshard import _torch_compat as tc
 from autoshard import rng
 from autoshard.errors import PlanError
-from autoshard.plan import Plan
-from autoshard.trace import TracedGraph
+from autoshard.planfile import Plan
+from autoshard.tracing import TracedGraph
 from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, make_groups
 from costmodel.profile import Profile
 
@@ -150,7 +150,7 @@ def move(t, want: Spec, planner: RedistributePlanner, mesh):
     if not isinstance(t, torch.Tensor):
         return t
     if not isinstance(t, DTensor):
-        from autoshard.parallelize import distribute
+        from autoshard.shards import distribute
 
         return distribute(t, mesh, want, src_data_rank=None)
     have = _spec_of(t)

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoshard.errors import ConfigError
+
 
 class MLP(nn.Module):
     """Two linear layers with a ReLU."""
@@ -43,9 +45,9 @@ class TransformerConfig:
 
     def __post_init__(self):
         if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_layers < 1:
-            raise ValueError(f"n_layers must be >= 1, found {self.n_layers}")
+            raise ConfigError(f"n_layers must be >= 1, found {self.n_layers}")
 
 
 class Attention(nn.Module):
@@ -140,14 +142,14 @@ class LlamaConfig:
 
     def __post_init__(self):
         if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+            raise ConfigError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
+            raise ConfigError(f"head dim dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
         for name in ("n_layers", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, found {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, found {getattr(self, name)}")
 
 
 LLAMA_PRESETS: dict[str, dict] = {
@@ -289,12 +291,36 @@ class Llama(nn.Module):
 def llama(preset: str = "tiny", **overrides) -> Llama:
     """A LLaMA-style model from a preset (``tiny``, ``1b``, ``8b``, ``70b``) with field overrides."""
     if preset not in LLAMA_PRESETS:
-        raise ValueError(f"llama preset: expected one of {sorted(LLAMA_PRESETS)}, found {preset!r}")
+        raise ConfigError(f"llama preset: expected one of {sorted(LLAMA_PRESETS)}, found {preset!r}")
     return Llama(LlamaConfig(**{**LLAMA_PRESETS[preset], **overrides}))
 
 
 def gpt2(preset: str = "tiny", **overrides) -> Transformer:
     """A GPT-2-style model from a preset (``tiny``, ``small``, ``medium``) with field overrides."""
     if preset not in GPT2_PRESETS:
-        raise ValueError(f"gpt2 preset: expected one of {sorted(GPT2_PRESETS)}, found {preset!r}")
+        raise ConfigError(f"gpt2 preset: expected one of {sorted(GPT2_PRESETS)}, found {preset!r}")
     return Transformer(TransformerConfig(**{**GPT2_PRESETS[preset], **overrides}))
+
+
+#: Reference model families: name -> (constructor, presets).
+FAMILIES = {"llama": (llama, LLAMA_PRESETS), "gpt2": (gpt2, GPT2_PRESETS)}
+
+
+def parse_reference(name: str) -> tuple[str, str]:
+    """``"llama-8b"`` -> ``("llama", "8b")``, checked against the families and their presets."""
+    family, _, preset = name.partition("-")
+    if family not in FAMILIES or preset not in FAMILIES[family][1]:
+        known = [f"{f}-{p}" for f, (_, presets) in FAMILIES.items() for p in presets]
+        raise ConfigError(f"reference model {name!r}: expected one of {known}")
+    return family, preset
+
+
+def reference(family: str, preset: str, seq: int | None = None, **overrides) -> nn.Module:
+    """A reference model (``reference("llama", "8b", seq=4096, n_layers=2)``); ``seq`` raises a
+    LLaMA's ``max_seq_len`` (its RoPE tables) to fit sequences that long."""
+    if family not in FAMILIES:
+        raise ConfigError(f"reference model family: expected one of {sorted(FAMILIES)}, found {family!r}")
+    make, presets = FAMILIES[family]
+    if family == "llama" and seq is not None and preset in presets:
+        overrides.setdefault("max_seq_len", max(seq, presets[preset]["max_seq_len"]))
+    return make(preset, **overrides)

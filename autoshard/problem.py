@@ -21,6 +21,7 @@ and add nothing.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,12 +30,14 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 import solver
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, first_line
 from autoshard.layers import layer_ties
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
-from autoshard.trace import TracedGraph
+from autoshard.tracing import TracedGraph
 from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
+from costmodel.spec import shard_dim
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class ArgEdge:
@@ -60,6 +63,10 @@ class GraphProblem:
     fallback_ops: dict[str, int] = field(default_factory=dict)
     index: dict[str, int] = field(default_factory=dict)
     """Graph node name -> ILP node index."""
+    rule_errors: dict[str, str] = field(default_factory=dict)
+    """Op name -> the error its DTensor rule raised, for ops that fell back because of it."""
+    flops_uncounted: dict[str, str] = field(default_factory=dict)
+    """Op name -> why its FLOPs could not be counted (costed as 0)."""
 
 
 def _itemsize(t: torch.Tensor) -> int:
@@ -108,9 +115,10 @@ class _RedistCost:
         return small[np.ix_([u_pos[s] for s in srcs], [v_pos[s] for s in dsts])]
 
 
-def node_flops(node: fx.Node, memo: dict) -> float:
+def node_flops(node: fx.Node, memo: dict, failures: dict[str, str] | None = None) -> float:
     """FLOPs of one traced op, counted on its fake values (memoized in ``memo`` by op, argument
-    shapes and literal arguments; 0 for an op fake tensors cannot run)."""
+    shapes and literal arguments). An op fake tensors cannot run counts 0 FLOPs; its name and
+    the error go to ``failures`` (the plan summary's ``flops_uncounted``) and to the log."""
     key = (node.target, tuple(tuple(a.meta["val"].shape) for a in node.all_input_nodes if is_tensor(a)),
            tuple(repr(a) for a in node.args if not isinstance(a, fx.Node)))
     if key in memo:
@@ -123,8 +131,12 @@ def node_flops(node: fx.Node, memo: dict) -> float:
             with fm, FlopCounterMode(display=False) as fc:
                 node.target(*vals[0], **vals[1])
             flops = float(fc.get_total_flops())
-        except Exception:
+        except Exception as exc:  # an op fake tensors cannot run: costed as free, and said so
             flops = 0.0
+            name = str(node.target)
+            if failures is not None and name not in failures:
+                failures[name] = first_line(exc)
+                log.warning(f"FLOPs of {name} could not be counted (costed as 0): {failures[name]}")
     memo[key] = flops
     return flops
 
@@ -134,9 +146,9 @@ def _is_view(node: fx.Node) -> bool:
         or node.target in (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
 
 
-def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo):
+def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_failures):
     """Compute time and output bytes per device of each strategy of a call_function node."""
-    flops = node_flops(n, flop_memo)
+    flops = node_flops(n, flop_memo, flop_failures)
     view = _is_view(n)
     ins_vals = [a.meta["val"] for a in ns.tensor_args]
     c = np.zeros(len(strats))
@@ -150,8 +162,8 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo):
         in_b = sum(local_bytes(sp, t, mesh_shape) for sp, t in zip(s.ins, ins_vals))
         split = 1
         for axis in range(len(mesh_shape)):
-            sharded_in = any(sp.placements[axis].startswith("S(") for sp in s.ins)
-            if sharded_in or (not s.ins and any(o is not None and o.placements[axis].startswith("S(")
+            sharded_in = any(shard_dim(sp.placements[axis]) is not None for sp in s.ins)
+            if sharded_in or (not s.ins and any(o is not None and shard_dim(o.placements[axis]) is not None
                                                 for o in s.outs)):
                 split *= mesh_shape[axis]
         c[i] = compute_time_us(flops / split, in_b + out_b, profile)
@@ -213,6 +225,7 @@ def build_problem(
     loss_idx, loss_out = resolve(tg.loss_node) if tg.loss_node is not None else (None, 0)
 
     flop_memo: dict = {}
+    flop_failures: dict[str, str] = {}
     node_memo: dict = {}
     costs, usages, intervals, compute = [], [], [], []
     for v, (n, strats) in enumerate(zip(nodes, strategies)):
@@ -238,7 +251,8 @@ def build_problem(
                 c, usage = node_memo[memo_key]
             else:
                 c, usage = node_memo.setdefault(memo_key, _node_costs(n, strats, per_node[v], outs_vals,
-                                                                       mesh_shape, profile, flop_memo))
+                                                                       mesh_shape, profile, flop_memo,
+                                                                       flop_failures))
             lo = pos[n]
             hi = end if v in grad_producers or v == loss_idx else last.get(n, pos[n]) + 1
         compute.append(c.copy())
@@ -288,7 +302,8 @@ def build_problem(
         node_names=[n.name for n in nodes],
         ties=ties,
     )
-    return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index)
+    return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index,
+                        dict(en.stats.rule_errors), flop_failures)
 
 
 def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,

@@ -32,10 +32,10 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from autoshard._torch_compat import from_placements, placements_for, quiet_tracing
-from autoshard.errors import PlanError
-from autoshard.parallelize import distribute
-from autoshard.plan import Plan
-from autoshard.trace import trace
+from autoshard.errors import ConfigError, PlanError
+from autoshard.planfile import Plan
+from autoshard.shards import distribute, unsharded_meta_copy
+from autoshard.tracing import trace
 from costmodel import MeshTopology, RedistributePlanner, Spec, load_profile, start_step
 from costmodel.profile import Profile
 
@@ -59,13 +59,13 @@ class PlannedStep:
     def __init__(self, model: torch.nn.Module, plan: Plan, mesh, example_inputs, loss_fn=None,
                  profile: Profile | str | None = None, bucket_bytes: int = 25 * 2**20):
         if bucket_bytes < 0:
-            raise ValueError(f"bucket_bytes must be >= 0, found {bucket_bytes}")
+            raise ConfigError(f"bucket_bytes must be >= 0, found {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
         self.model, self.plan, self.mesh = model, plan, mesh
         with quiet_tracing():
             with torch.device("meta"):
                 shapes = [torch.empty(x.shape, dtype=x.dtype) for x in example_inputs]
-            local = _unsharded_meta_copy(model)
+            local = unsharded_meta_copy(model)
             self.tg = trace(local, shapes, loss_fn)  # the same graph, node names included, as planned
         ops = [n for n in self.tg.gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
         missing = [n.name for n in ops if plan.nodes.get(n.name, {}).get("op") != str(n.target)]
@@ -113,7 +113,7 @@ class PlannedStep:
                 continue
             have = Spec.parse(self.plan.nodes[cur.name]["out"])
             want = Spec.parse(self.plan.nodes[chain[-1].name]["in"][0])
-            partial = {a for a, p in enumerate(have.placements) if p.startswith("P")}
+            partial = set(have.partial_axes())
             summed = tuple("R" if a in partial else p for a, p in enumerate(have.placements))
             if partial and want.placements == summed:
                 sunk.update(chain)
@@ -254,28 +254,3 @@ class _Buckets:
                 out[fqn] = DTensor.from_local(piece, mesh, placements_for(step.dst, mesh), run_check=False,
                                               shape=g.shape, stride=g.stride())
         return out
-
-
-def _unsharded_meta_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's structure with meta tensors of the global shapes (for re-tracing)."""
-    import copy
-
-    template = getattr(model.__dict__.get("forward"), "template", None)
-    if template is not None:  # parallelized: the unsharded structure was kept
-        return template
-    clone = copy.deepcopy(model)
-    made: dict[int, torch.Tensor] = {}  # tied tensors stay tied (one placeholder, as planned)
-    for mod in clone.modules():
-        for name, p in list(mod.named_parameters(recurse=False)):
-            if id(p) not in made:
-                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                 requires_grad=p.requires_grad)
-            mod.register_parameter(name, made[id(p)])
-        for name, b in list(mod.named_buffers(recurse=False)):
-            if b is not None:
-                if id(b) not in made:
-                    made[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-                mod._buffers[name] = made[id(b)]
-    for h in list(clone._forward_pre_hooks):
-        clone._forward_pre_hooks.pop(h)
-    return clone

@@ -4,7 +4,7 @@
 (:mod:`autoshard.lower`): the forward maps the local shards of the parameters, buffers and
 inputs to the model's outputs and the saved activations; the backward maps the saved
 activations and the outputs' gradients to the parameters' gradients, each in its
-parameter's planned spec. :class:`_Step` makes the pair one autograd function, so
+parameter's planned spec. :class:`StepFunction` makes the pair one autograd function, so
 ``loss.backward()`` on any loss computed from the outputs runs the planned backward.
 
 On real processes a rank lowers and runs its own program. Under LocalTensorMode every
@@ -24,9 +24,9 @@ from autoshard.errors import PlanError
 from autoshard.lower import Lowering, RankProgram, split
 from autoshard.mesh import several_processes
 from autoshard.passes import optimize
-from autoshard.plan import Plan
+from autoshard.planfile import Plan
 from autoshard.spmd import run_ranks
-from autoshard.trace import TracedGraph
+from autoshard.tracing import TracedGraph
 from costmodel import Spec
 
 
@@ -191,7 +191,7 @@ class PlannedProgram:
         return [tc.from_rank_parts({r: outs[r][i] for r in ranks}) for i in range(n)]
 
 
-class _Step(torch.autograd.Function):
+class StepFunction(torch.autograd.Function):
     """Forward and backward of the model as the lowered programs: one autograd node."""
 
     @staticmethod

@@ -12,6 +12,7 @@ all-replicate and are reported.
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -19,7 +20,10 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
+from autoshard.errors import first_line
 from costmodel.spec import Spec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class StrategyStats:
     enumerated: int = 0
     cache_hits: int = 0
     fallback_ops: dict[str, int] = field(default_factory=dict)
+    """Op name -> nodes of that op with no strategy from DTensor (replicated instead)."""
+    rule_errors: dict[str, str] = field(default_factory=dict)
+    """Op name -> the first error its DTensor rule raised, for the ops that fell back."""
 
 
 def is_tensor(node) -> bool:
@@ -133,17 +140,29 @@ class StrategyEnumerator:
             key = None
         if key is not None and key in self.cache:
             self.stats.cache_hits += 1
-            return NodeStrategies(node, self.cache[key][0], targs, self.cache[key][1])
-        strategies = self._enumerate(node, targs)
+            strategies, fallback = self.cache[key]
+            if fallback:
+                self._count_fallback(node, [])
+            return NodeStrategies(node, strategies, targs, fallback)
+        errors: list[str] = []
+        strategies = self._enumerate(node, targs, errors)
         fallback = not strategies
         if fallback:
-            name = str(node.target)
-            self.stats.fallback_ops[name] = self.stats.fallback_ops.get(name, 0) + 1
+            self._count_fallback(node, errors)
             strategies = [self._replicate(node, targs)]
         self.stats.enumerated += 1
         if key is not None:
             self.cache[key] = (strategies, fallback)
         return NodeStrategies(node, strategies, targs, fallback)
+
+    def _count_fallback(self, node: fx.Node, errors: list[str]) -> None:
+        """Every node with no strategy is counted; the first error of a rule that raised is kept
+        and logged (a rule that raised is a fallback, never silently an empty rule)."""
+        name = str(node.target)
+        self.stats.fallback_ops[name] = self.stats.fallback_ops.get(name, 0) + 1
+        if errors and name not in self.stats.rule_errors:
+            self.stats.rule_errors[name] = errors[0]
+            log.warning(f"the sharding rule of {name} raised (its node {node.name} is replicated): {errors[0]}")
 
     def _replicate(self, node, targs) -> Strategy:
         r = Spec(("R",) * len(self.mesh_shape))
@@ -178,7 +197,8 @@ class StrategyEnumerator:
             return tuple(tc.tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
         return None
 
-    def _enumerate(self, node: fx.Node, targs: list[fx.Node]) -> list[Strategy]:
+    def _enumerate(self, node: fx.Node, targs: list[fx.Node], errors: list[str]) -> list[Strategy]:
+        """The node's strategies from its DTensor rule; what the rule raised goes to ``errors``."""
         op = node.target
         val = _val(node)
         if not targs and isinstance(val, torch.Tensor):
@@ -196,24 +216,25 @@ class StrategyEnumerator:
         if op in prop.op_single_dim_strategy_funcs:
             # Single-dim rules read one spec per argument only to learn which shard
             # kinds exist; the expansion itself covers every mesh axis.
-            seed = [[next((s for s in c if "S(" in str(s)), c[0])] for c in cands]
+            seed = [[next((s for s in c if any(d is not None for d in s.shard_dims())), c[0])] for c in cands]
             try:
                 results.append(tc.op_strategy(op, self._schema(node, seed), self.mesh, out_meta))
-            except Exception:
-                pass
+            except Exception as exc:  # counted as a fallback with its error when nothing else is found
+                errors.append(first_line(exc))
         else:
             try:
                 results.append(tc.op_strategy(op, self._schema(node, cands), self.mesh, out_meta))
-            except Exception:
+            except Exception as exc:
+                errors.append(first_line(exc))
                 # Some rules (views) reject whole candidate lists; ask per spec of the first argument.
                 for s in cands[0] if cands else []:
                     try:
                         results.append(tc.op_strategy(op, self._schema(node, [[s]] + cands[1:]), self.mesh, out_meta))
-                    except Exception:
-                        continue
+                    except Exception as exc:  # a spec the rule rejects by raising
+                        errors.append(first_line(exc))
         out = [st for st in self._collect(results, node, targs) if executable(node, st)]
         if not self.partial_inputs:
-            out = [st for st in out if not any("P(" in str(i) for i in st.ins)]
+            out = [st for st in out if not any(i.partial_axes() for i in st.ins)]
         return out
 
     def _collect(self, results, node, targs) -> list[Strategy]:

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autoshard
-    from autoshard.plan import Plan
+    from autoshard.planfile import Plan
 
     if "RANK" not in os.environ:
         print("error: run under torchrun (or pass --single)", file=sys.stderr)

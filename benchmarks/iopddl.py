@@ -14,6 +14,7 @@ ours / baseline.
 from __future__ import annotations
 
 import argparse
+import logging
 import resource
 import sys
 import time
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every time limit")
     ap.add_argument("--no-baseline", action="store_true", help="skip plain HiGHS (its column reads 0)")
     args = ap.parse_args()
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="    %(message)s")
     files = sorted(Path(args.folder).glob("asplos-2025-iopddl-*.json.gz"))
     only = set(args.only.split(",")) - {""}
     rows = []
@@ -82,7 +84,7 @@ def main() -> None:
         t0 = time.perf_counter()
         source, bound = "-", float("nan")
         try:
-            sol = solve(problem, time_limit=limit, log=lambda m: print("   ", m, file=sys.stderr, flush=True))
+            sol = solve(problem, time_limit=limit)
             ours, source = sol.cost, sol.source
             bound = sol.lower_bound if sol.lower_bound is not None else float("nan")
         except InfeasibleError:

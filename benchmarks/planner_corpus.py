@@ -50,17 +50,16 @@ def build(name: str) -> solver.Problem:
     import torch.distributed as dist
 
     import autoshard
-    from autoshard.api import _Session
-    from autoshard.models import gpt2, llama
+    from autoshard.models import reference
 
     family, preset, layers, shape, batch, seq, share = CASES[name]
     if dist.is_initialized():
         dist.destroy_process_group()
     mesh = autoshard.fake_mesh(shape, MESH_NAMES[len(shape)])
     with torch.device("meta"):
-        model = (llama if family == "llama" else gpt2)(preset, n_layers=layers)
+        model = reference(family, preset, n_layers=layers)
     tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
-    problem = _Session(model, (tokens,), mesh, "h100-sxm", None, None, True, None).problem(None, None)
+    problem = autoshard.Planner(model, (tokens,), mesh, memory_budget=None).problem()
     free = solver.solve(problem, time_limit=60)
     least = memory_lower_bound(problem)[0]
     if free.peak_usage <= least:

@@ -33,7 +33,8 @@ from redistribute_cases import all_specs  # noqa: E402
 
 from costmodel import MeshTopology, Spec, load_profile, price_path, torch_path  # noqa: E402
 from costmodel._torch_compat import dtensor_spec  # noqa: E402
-from costmodel.redistribute import RedistributePlanner, _mesh_costs  # noqa: E402
+from costmodel.bounds import mesh_costs  # noqa: E402
+from costmodel.redistribute import RedistributePlanner  # noqa: E402
 
 MESHES = [(8, 8), (4, 4, 4), (2, 2, 4, 4), (2, 2, 2, 2, 2)]
 SHAPE = (4096, 1024, 64)
@@ -69,7 +70,7 @@ def main() -> None:
         names = tuple("abcde"[: len(mesh_shape)])
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         topo = MeshTopology(mesh_shape, profile.devices_per_node)
-        _mesh_costs.cache_clear()
+        mesh_costs.cache_clear()
         for src, dst in suite(len(mesh_shape), rng):
             ours = RedistributePlanner(topo, profile)  # cold: empty cache
             t0 = time.perf_counter()

@@ -120,7 +120,7 @@ def measure(trainers: dict[str, Trainer], batches) -> dict[str, tuple[float, int
 def plan_on_rank0(mesh, batches, memory_budget):
     """Rank 0 plans, every rank gets the plan; also prints the plan's outline."""
     import autoshard
-    from autoshard.plan import Plan
+    from autoshard.planfile import Plan
 
     box = [None]
     if dist.get_rank() == 0:

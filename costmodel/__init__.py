@@ -1,22 +1,24 @@
 """What things cost: collectives, compute, redistributes; hardware profiles."""
 
-from costmodel.collectives import KINDS, MeshTopology, collective_time_us
+from costmodel.collectives import MeshTopology, collective_time_us
 from costmodel.compute import compute_time_us
-from costmodel.profile import LinkModel, Profile, builtin_profiles, load_profile
+from costmodel.errors import CostModelError
+from costmodel.executor import execute_plan, make_groups, start_step
+from costmodel.links import KINDS, LinkModel
+from costmodel.profile import Profile, builtin_profiles, load_profile
 from costmodel.redistribute import (
-                                    RedistributeError,
-                                    RedistributePlan,
-                                    RedistributePlanner,
-                                    Step,
-                                    local_plan,
-                                    plan_redistribute,
-                                    plan_steps,
-                                    redistribute_cost_us,
+    RedistributePlanner,
+    local_plan,
+    plan_redistribute,
+    plan_steps,
+    redistribute_cost_us,
 )
-from costmodel.reference import execute_plan, make_groups, price_path, start_step, torch_path
+from costmodel.reference import price_path, torch_path
 from costmodel.spec import Spec
+from costmodel.states import RedistributeError, RedistributePlan, Step
 
 __all__ = [
+    "CostModelError",
     "KINDS",
     "LinkModel",
     "MeshTopology",

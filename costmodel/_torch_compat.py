@@ -1,10 +1,6 @@
-"""The private DTensor APIs the cost model's executor uses, in one place.
-
-``execute`` runs a :class:`RedistributePlan` step by step with the same
-placement methods DTensor's ``redistribute_local_tensor`` calls, on the mesh
-axis (or flattened sub-mesh) the plan chose, so the plan that was costed is
-the plan that runs.
-"""
+"""The private DTensor APIs the cost model uses, in one place: specs as DTensor placements,
+the placement methods each redistribute step runs (:mod:`costmodel.executor` drives them),
+flattened sub-meshes, and torch's own redistribute planner for comparison."""
 
 from __future__ import annotations
 
@@ -12,8 +8,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 
-from costmodel.redistribute import RedistributePlan, Step, encode
-from costmodel.spec import Spec
+from costmodel.spec import Spec, partial_op, shard_dim
+from costmodel.states import encode
 
 
 def placements_of(spec: Spec) -> tuple:
@@ -21,10 +17,10 @@ def placements_of(spec: Spec) -> tuple:
     for p in spec.placements:
         if p == "R":
             out.append(Replicate())
-        elif p.startswith("S("):
-            out.append(Shard(int(p[2:-1])))
+        elif shard_dim(p) is not None:
+            out.append(Shard(shard_dim(p)))
         else:
-            out.append(Partial(p[2:-1]))
+            out.append(Partial(partial_op(p)))
     return tuple(out)
 
 
@@ -39,70 +35,46 @@ def dtensor_spec(spec: Spec, mesh, shape, dtype=torch.float32) -> DTensorSpec:
                        use_strided_shard_as_shard_order=False)
 
 
-def _logical_shape(mesh, orders, shape, skip_axes):
-    """Shape of the tensor as sharded by every axis but ``skip_axes`` (this rank's sizes)."""
-    out = list(shape)
-    for d, order in enumerate(orders):
-        for a in order:
-            if a in skip_axes:
-                continue
-            size, _ = Shard(d).local_shard_size_and_offset(out[d], mesh.size(mesh_dim=a), mesh._sym_get_coordinate(a))
-            out[d] = size
-    return out
+def local_shard_size(dim: int, size: int, num_chunks: int, rank: int) -> int:
+    """Rows of tensor dim ``dim`` (``size`` long) that chunk ``rank`` of ``num_chunks`` holds."""
+    return Shard(dim).local_shard_size_and_offset(size, num_chunks, rank)[0]
 
 
-def _group_mesh(mesh, axes):
-    if len(axes) == 1:
-        return mesh, axes[0]
-    names = mesh.mesh_dim_names
-    if not names:
-        raise ValueError(f"a merged step over axes {axes} needs a mesh with axis names to flatten")
-    return mesh[tuple(names[a] for a in axes)]._flatten(), 0
+def coordinate(mesh, axis: int):
+    """This rank's coordinate on ``axis`` (symbolic-safe: LocalTensorMode patches it)."""
+    return mesh._sym_get_coordinate(axis)
 
 
-def make_groups(mesh) -> None:
-    """Create the flattened sub-mesh of every set of two or more axes now: a merged step
-    creates its group on first use, which must not happen while a program is traced."""
-    import itertools
-
-    if not mesh.mesh_dim_names:
-        return
-    for k in range(2, mesh.ndim + 1):
-        for axes in itertools.combinations(range(mesh.ndim), k):
-            _group_mesh(mesh, axes)
+def flatten(mesh, axis_names: tuple[str, ...]):
+    """The sub-mesh of several axes used as one axis (DeviceMesh's private ``_flatten``)."""
+    return mesh[axis_names]._flatten()
 
 
-def run_step(local: torch.Tensor, step: Step, mesh, shape) -> torch.Tensor:
-    ndim = len(shape)
-    codes, orders = encode(step.src, ndim, mesh.ndim)
-    axes = step.axes
-    src_p = placements_of(step.src)[axes[0]]
-    dst_p = placements_of(step.dst)[axes[0]]
-    use_mesh, i = _group_mesh(mesh, axes)
-    if step.kind == "all_gather":
-        logical = _logical_shape(mesh, orders, shape, set(axes))
-        return Shard(src_p.dim)._to_replicate_tensor(local, use_mesh, i, logical)
-    if step.kind == "all_to_all":
-        logical = _logical_shape(mesh, orders, shape, set(axes))
-        return src_p._to_new_shard_dim(local, use_mesh, i, logical, dst_p.dim)
-    if step.kind == "all_reduce":
-        return src_p._reduce_value(local, use_mesh, i)
-    if step.kind == "reduce_scatter":
-        return src_p._reduce_shard_value(local, use_mesh, i, dst_p)
-    if step.kind == "chunk":
-        return dst_p._replicate_to_shard(local, use_mesh, i, use_mesh._sym_get_coordinate(i))
-    if step.kind == "partition":
-        return dst_p._partition_value(local, use_mesh, i)
-    raise ValueError(f"unknown step kind {step.kind!r}")
+# One collective or local op per step kind: the placement methods DTensor's own
+# ``redistribute_local_tensor`` calls, on axis ``i`` of ``mesh``.
+
+def all_gather(local, src: Spec, axis_of_src: int, mesh, i: int, logical_shape):
+    return Shard(placements_of(src)[axis_of_src].dim)._to_replicate_tensor(local, mesh, i, logical_shape)
 
 
-def execute(local: torch.Tensor, plan: RedistributePlan, mesh, shape) -> torch.Tensor:
-    """Run ``plan`` on this rank's local shard of a tensor of global ``shape``."""
-    for step in plan.steps:
-        local = run_step(local, step, mesh, tuple(shape))
-        if hasattr(local, "wait"):
-            local = local.wait()
-    return local
+def all_to_all(local, src: Spec, dst: Spec, axis: int, mesh, i: int, logical_shape):
+    return placements_of(src)[axis]._to_new_shard_dim(local, mesh, i, logical_shape, placements_of(dst)[axis].dim)
+
+
+def all_reduce(local, src: Spec, axis: int, mesh, i: int):
+    return placements_of(src)[axis]._reduce_value(local, mesh, i)
+
+
+def reduce_scatter(local, src: Spec, dst: Spec, axis: int, mesh, i: int):
+    return placements_of(src)[axis]._reduce_shard_value(local, mesh, i, placements_of(dst)[axis])
+
+
+def chunk(local, dst: Spec, axis: int, mesh, i: int):
+    return placements_of(dst)[axis]._replicate_to_shard(local, mesh, i, coordinate(mesh, i))
+
+
+def partition(local, dst: Spec, axis: int, mesh, i: int):
+    return placements_of(dst)[axis]._partition_value(local, mesh, i)
 
 
 def flattened_group(mesh, axis_names: tuple[str, ...]):

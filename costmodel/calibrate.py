@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 
 from costmodel.collectives import MeshTopology
+from costmodel.errors import CostModelError
 from costmodel.fit import fit_collective
-from costmodel.profile import LinkModel, Profile, load_profile
+from costmodel.links import LinkModel
+from costmodel.profile import Profile, load_profile
 
 DEFAULT_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -60,14 +62,14 @@ class CalibrationConfig:
 
     def __post_init__(self):
         if not 0 < self.min_bytes <= self.max_bytes:
-            raise ValueError(f"need 0 < min_bytes <= max_bytes, found {self.min_bytes} and {self.max_bytes}")
+            raise CostModelError(f"need 0 < min_bytes <= max_bytes, found {self.min_bytes} and {self.max_bytes}")
         if self.factor < 2:
-            raise ValueError(f"factor must be >= 2, found {self.factor}")
+            raise CostModelError(f"factor must be >= 2, found {self.factor}")
         if self.iters < 1 or self.repeats < 1 or self.warmup < 0:
-            raise ValueError("iters and repeats must be >= 1 and warmup >= 0")
+            raise CostModelError("iters and repeats must be >= 1 and warmup >= 0")
         bad = set(self.kinds) - set(DEFAULT_KINDS) - {"broadcast"}
         if bad:
-            raise ValueError(f"unknown collective kinds {sorted(bad)}; expected some of "
+            raise CostModelError(f"unknown collective kinds {sorted(bad)}; expected some of "
                              f"{DEFAULT_KINDS + ('broadcast',)}")
 
     def sizes(self) -> list[int]:
@@ -280,7 +282,8 @@ def worker(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output:
 
     world = dist.get_world_size()
     if math.prod(mesh_shape) != world:
-        raise ValueError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks but the world size is {world}")
+        raise CostModelError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks "
+                             f"but the world size is {world}")
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cpu":
         # Ranks share the host's cores: more intra-op threads than cores makes timings noise.
@@ -318,13 +321,13 @@ def _spawned(rank, world, port, mesh_shape, axis_names, backend, cfg, output, na
 def check_backend(backend: str) -> None:
     if backend == "nccl":
         if not (torch.cuda.is_available() and dist.is_nccl_available()):
-            raise ValueError("backend 'nccl' needs CUDA GPUs and an NCCL build of torch; found "
+            raise CostModelError("backend 'nccl' needs CUDA GPUs and an NCCL build of torch; found "
                              f"cuda available={torch.cuda.is_available()}: use --backend gloo on CPUs")
     elif backend == "gloo":
         if not dist.is_gloo_available():
-            raise ValueError("backend 'gloo' is not available in this torch build")
+            raise CostModelError("backend 'gloo' is not available in this torch build")
     else:
-        raise ValueError(f"backend must be 'nccl' or 'gloo', found {backend!r}")
+        raise CostModelError(f"backend must be 'nccl' or 'gloo', found {backend!r}")
 
 
 def run(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: str | None,
@@ -342,9 +345,9 @@ def run(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: st
             dist.destroy_process_group()
         return
     if not nproc:
-        raise ValueError("not under torchrun: pass --nproc N to spawn N local processes "
+        raise CostModelError("not under torchrun: pass --nproc N to spawn N local processes "
                          "(or run `torchrun --nproc-per-node N -m autoshard calibrate ...`)")
     if math.prod(mesh_shape) != nproc:
-        raise ValueError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks but --nproc is {nproc}")
+        raise CostModelError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks but --nproc is {nproc}")
     mp.start_processes(_spawned, args=(nproc, free_port(), tuple(mesh_shape), tuple(axis_names), backend, cfg,
                                        output, name), nprocs=nproc, start_method="spawn")

@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from costmodel.errors import CostModelError
+from costmodel.links import bus_factor
+
 
 def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Weighted pool-adjacent-violators: the closest non-decreasing sequence."""
@@ -78,20 +81,18 @@ class CollectiveFit:
 
     def __post_init__(self):
         if self.alpha_us < 0 or self.beta_us_per_byte < 0:
-            raise ValueError(f"fit {self.kind}@{self.group}: alpha and beta must be >= 0")
+            raise CostModelError(f"fit {self.kind}@{self.group}: alpha and beta must be >= 0")
         if len(self.knots_bytes) != len(self.knots_us):
-            raise ValueError(f"fit {self.kind}@{self.group}: {len(self.knots_bytes)} knot sizes but "
+            raise CostModelError(f"fit {self.kind}@{self.group}: {len(self.knots_bytes)} knot sizes but "
                              f"{len(self.knots_us)} knot times")
         if any(b2 <= b1 for b1, b2 in zip(self.knots_bytes, self.knots_bytes[1:])):
-            raise ValueError(f"fit {self.kind}@{self.group}: knot sizes must increase")
+            raise CostModelError(f"fit {self.kind}@{self.group}: knot sizes must increase")
         self._logb = [math.log(b) for b in self.knots_bytes]
         self._logt = [math.log(max(t, 1e-9)) for t in self.knots_us]
 
     @property
     def busbw_gbps(self) -> float:
         """Bus bandwidth implied by beta, nccl-tests convention."""
-        from costmodel.collectives import bus_factor
-
         if self.beta_us_per_byte <= 0:
             return math.inf
         return bus_factor(self.kind, self.group_size) / self.beta_us_per_byte / 1e3
@@ -137,9 +138,10 @@ def fit_collective(kind: str, group: str, group_size: int, intra_node: bool,
     b = np.asarray(nbytes, dtype=np.float64)
     t = np.asarray(us, dtype=np.float64)
     if b.shape != t.shape or b.size == 0:
-        raise ValueError(f"fit {kind}@{group}: expected equal, non-empty sample arrays, found {b.shape} and {t.shape}")
+        raise CostModelError(f"fit {kind}@{group}: expected equal, non-empty sample arrays, "
+                             f"found {b.shape} and {t.shape}")
     if np.any(b <= 0) or np.any(t <= 0) or not np.all(np.isfinite(t)):
-        raise ValueError(f"fit {kind}@{group}: bytes and times must be positive and finite")
+        raise CostModelError(f"fit {kind}@{group}: bytes and times must be positive and finite")
     alpha, beta = robust_alpha_beta(b, t)
     sizes = np.unique(b)
     med = np.array([np.median(t[b == s]) for s in sizes])

@@ -23,25 +23,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from costmodel.errors import CostModelError
 from costmodel.fit import CollectiveFit
+from costmodel.links import LinkModel
 
 PROFILE_VERSION = 2
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """Alpha-beta model of one class of links, in nccl-tests bus-bandwidth terms."""
-
-    latency_us: float
-    """Fixed cost per collective, microseconds."""
-    busbw_gbps: float
-    """Bus bandwidth, GB/s (1e9 bytes/s), as nccl-tests reports it."""
-
-    def __post_init__(self):
-        if self.latency_us < 0:
-            raise ValueError(f"latency_us must be >= 0, found {self.latency_us}")
-        if not self.busbw_gbps > 0:
-            raise ValueError(f"busbw_gbps must be > 0, found {self.busbw_gbps}")
 
 
 @dataclass(frozen=True)
@@ -97,9 +83,9 @@ class Profile:
     def __post_init__(self):
         for f in ("peak_tflops", "mem_bandwidth_gbps", "memory_bytes", "devices_per_node"):
             if not getattr(self, f) > 0:
-                raise ValueError(f"profile {self.name!r}: {f} must be > 0, found {getattr(self, f)}")
+                raise CostModelError(f"profile {self.name!r}: {f} must be > 0, found {getattr(self, f)}")
         if not 0 < self.compute_efficiency <= 1:
-            raise ValueError(f"compute_efficiency must be in (0, 1], found {self.compute_efficiency}")
+            raise CostModelError(f"compute_efficiency must be in (0, 1], found {self.compute_efficiency}")
         if isinstance(self.intra_node, dict):
             object.__setattr__(self, "intra_node", LinkModel(**self.intra_node))
         if isinstance(self.inter_node, dict):
@@ -110,7 +96,7 @@ class Profile:
         if self.mesh:
             shape, names = self.mesh.get("shape"), self.mesh.get("axis_names")
             if not shape or not names or len(shape) != len(names):
-                raise ValueError(f"profile {self.name!r}: mesh must have equal-length shape and axis_names, "
+                raise CostModelError(f"profile {self.name!r}: mesh must have equal-length shape and axis_names, "
                                  f"found {self.mesh}")
 
     def to_json(self) -> dict:
@@ -124,23 +110,19 @@ class Profile:
 
     def collective_predictor(self, kind: str, group_size: int, intra_node: bool) -> Callable[[float], float]:
         """``bytes -> microseconds`` for ``kind`` on a group of ``group_size`` ranks (see module doc)."""
-        from costmodel.collectives import bus_factor
-
         if group_size <= 1:
             return lambda b: 0.0
         same = [f for f in self.collectives if f.kind == kind and f.intra_node == intra_node]
         exact = [f for f in same if f.group_size == group_size]
         if exact:
             return exact[0].predict_one
-        factor = bus_factor(kind, group_size)
         if same:
             near = min(same, key=lambda f: (abs(math.log(f.group_size / group_size)), f.group))
-            bw = near.busbw_gbps * 1e3  # bytes per microsecond
-            alpha = near.alpha_us
-            return lambda b: alpha + b * factor / bw if b > 0 else 0.0
-        link = self.link(intra_node)
-        bw = link.busbw_gbps * 1e3
-        return lambda b: link.latency_us + b * factor / bw if b > 0 else 0.0
+            link = LinkModel(near.alpha_us, near.busbw_gbps)
+        else:
+            link = self.link(intra_node)
+        alpha, per_byte = link.line(kind, group_size)
+        return lambda b: alpha + b * per_byte if b > 0 else 0.0
 
     def with_calibration(self, fits, samples, mesh: dict, identity: dict, **changes) -> "Profile":
         return replace(self, collectives=tuple(fits), samples=tuple(samples), mesh=dict(mesh),
@@ -149,7 +131,7 @@ class Profile:
     def merge(self, other: "Profile") -> "Profile":
         """Samples and fits of both (other's win on the same kind and group); same device only."""
         if other.device != self.device:
-            raise ValueError(f"cannot merge profiles of different devices: {self.device!r} and {other.device!r}")
+            raise CostModelError(f"cannot merge profiles of different devices: {self.device!r} and {other.device!r}")
         fits = {(f.kind, f.group): f for f in self.collectives}
         fits.update({(f.kind, f.group): f for f in other.collectives})
         return replace(self, collectives=tuple(fits[k] for k in sorted(fits)),
@@ -159,12 +141,12 @@ class Profile:
     def from_json(data: dict) -> "Profile":
         version = data.get("version") if isinstance(data, dict) else None
         if version != PROFILE_VERSION:
-            raise ValueError(f"profile version: expected {PROFILE_VERSION}, found {version!r}")
+            raise CostModelError(f"profile version: expected {PROFILE_VERSION}, found {version!r}")
         fields = {k: v for k, v in data.items() if k != "version"}
         try:
             return Profile(**fields)
         except TypeError as exc:
-            raise ValueError(f"profile: {exc}") from None
+            raise CostModelError(f"profile: {exc}") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")

@@ -53,106 +53,23 @@ import gc
 import heapq
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import combinations
 
+from costmodel.bounds import Bound, CoverBound, agreed, mesh_costs
 from costmodel.collectives import MeshTopology
 from costmodel.profile import Profile
 from costmodel.spec import Spec
-
-R = -1
-_PARTIAL = {"P(sum)": -2, "P(avg)": -3, "P(max)": -4, "P(min)": -5}
-_PARTIAL_NAME = {v: k for k, v in _PARTIAL.items()}
-_COMPATIBLE_PARTIALS = {frozenset(), frozenset({-2}), frozenset({-3}), frozenset({-4}), frozenset({-5}),
-                        frozenset({-2, -3})}
-
-
-_COLLECTIVE_KINDS = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
-
-
-class RedistributeError(ValueError):
-    """A spec that does not fit the mesh or tensor, or a target no path reaches."""
-
-
-@dataclass(frozen=True)
-class Step:
-    """One collective (or local op) of a redistribute plan."""
-
-    kind: str
-    """``all_gather``, ``all_to_all``, ``all_reduce``, ``reduce_scatter``, ``chunk`` or ``partition``."""
-    axes: tuple[int, ...]
-    """Mesh axes of the group, ascending; several for a merged (flattened-group) step."""
-    nbytes: int
-    """Bytes of the collective's full buffer, nccl-tests convention."""
-    us: float
-    """Predicted time, microseconds."""
-    src: Spec
-    """Spec before the step."""
-    dst: Spec
-    """Spec after the step."""
-
-    @property
-    def axis(self) -> int:
-        return self.axes[0]
-
-
-@dataclass
-class RedistributePlan:
-    src: Spec
-    dst: Spec
-    steps: list[Step] = field(default_factory=list)
-
-    @property
-    def us(self) -> float:
-        return float(sum(s.us for s in self.steps))
-
-    def describe(self, axis_names=None) -> str:
-        name = (lambda a: axis_names[a]) if axis_names else str
-        parts = [f"{s.kind}({','.join(name(a) for a in s.axes)}) {s.us:.1f}us" for s in self.steps]
-        return f"{self.src} -> {self.dst}: " + (" ; ".join(parts) if parts else "no-op") + f" = {self.us:.1f}us"
-
-
-# ---- canonical states ------------------------------------------------------
-# A state is (codes, orders): codes[axis] is R, a partial code, or the tensor
-# dim it shards; orders[d] is the tuple of axes splitting dim d, in order.
-# Both directions are memoized: specs are immutable, and plans, keys and every
-# step's src/dst meet the same few thousand states again and again.
-
-
-@lru_cache(maxsize=1 << 16)
-def encode(spec: Spec, ndim: int, mesh_ndim: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    if len(spec.placements) != mesh_ndim:
-        raise RedistributeError(
-            f"spec {spec} has {len(spec.placements)} placements, the mesh has {mesh_ndim} axes"
-        )
-    codes = []
-    for p in spec.placements:
-        if p == "R":
-            codes.append(R)
-        elif p in _PARTIAL:
-            codes.append(_PARTIAL[p])
-        else:
-            d = int(p[2:-1])
-            if not 0 <= d < ndim:
-                raise RedistributeError(f"spec {spec} shards tensor dim {d}, the tensor has {ndim} dims")
-            codes.append(d)
-    kinds = frozenset(c for c in codes if c < R)
-    if kinds not in _COMPATIBLE_PARTIALS:
-        raise RedistributeError(f"spec {spec} mixes partial kinds {sorted(_PARTIAL_NAME[k] for k in kinds)}")
-    given = dict(spec.shard_order)
-    orders = []
-    for d in range(ndim):
-        on = tuple(a for a, c in enumerate(codes) if c == d)
-        orders.append(tuple(given[d]) if d in given else on)
-    return tuple(codes), tuple(orders)
-
-
-@lru_cache(maxsize=1 << 16)
-def decode(codes, orders) -> Spec:
-    placements = tuple("R" if c == R else _PARTIAL_NAME[c] if c < R else f"S({c})" for c in codes)
-    order = tuple((d, o) for d, o in enumerate(orders) if len(o) > 1 and list(o) != sorted(o))
-    return Spec(placements, order)
+from costmodel.states import (
+    COMPATIBLE_PARTIALS,
+    R,
+    RedistributeError,
+    RedistributePlan,
+    Step,
+    decode,
+    encode,
+    partials_of,
+)
 
 
 class RedistributePlanner:
@@ -163,7 +80,7 @@ class RedistributePlanner:
         self.merge, self.use_heuristic = merge, use_heuristic
         self.shape = topo.shape
         self.n = len(topo.shape)
-        self._costs = _mesh_costs(topo, profile)
+        self._costs = mesh_costs(topo, profile)
         self._time = self._costs.time
         self._elems: dict = self._costs.elems
         self.cache: dict = {}
@@ -275,7 +192,7 @@ class RedistributePlanner:
                 if held is None:
                     held = {cc for cc in codes if cc < R}
                 for p in partials:
-                    if frozenset(held | {p}) not in _COMPATIBLE_PARTIALS:
+                    if frozenset(held | {p}) not in COMPATIBLE_PARTIALS:
                         continue
                     append(("partition", (x,), 0, before + (p,) + after, orders, ()))
         return out
@@ -305,7 +222,7 @@ class RedistributePlanner:
         s0, goal = encode(src, ndim, self.n), encode(dst, ndim, self.n)
         if s0 == goal:
             return 0.0
-        for kind, axes, nbytes, c2, o2, _ in self._neighbors(*s0, tuple(tshape), itemsize, _partials(s0[0], goal[0])):
+        for kind, axes, nbytes, c2, o2, _ in self._neighbors(*s0, tuple(tshape), itemsize, partials_of(s0[0], goal[0])):
             if (c2, o2) == goal and len(axes) == 1:
                 return 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
         raise RedistributeError(f"{src} -> {dst} is not a single step")
@@ -335,7 +252,7 @@ class RedistributePlanner:
         self.stats["searches"] += 1
         if s0 == goal:
             return RedistributePlan(src, dst, [])
-        partials = _partials(s0[0], goal[0])
+        partials = partials_of(s0[0], goal[0])
         cover = self._cover_bounds(tshape, item)
         bound = self._heuristic(goal, cover)
         h0 = bound(*s0)
@@ -414,7 +331,7 @@ class RedistributePlanner:
         g = 0.0
         local = 0
         for d, (o, go) in enumerate(zip(s0[1], gorders)):
-            k = _agreed(o, go)
+            k = agreed(o, go)
             for x in reversed(o[k:]):
                 orders[d] = orders[d][:-1]
                 nbytes = self._local_elems(tuple(orders), tshape) * item
@@ -469,7 +386,7 @@ class RedistributePlanner:
         # One search per set of partials a partition may create, the set plan() would use.
         by_partials: dict = {}
         for g in goals:
-            by_partials.setdefault(_partials(s0[0], g[0]), []).append(g)
+            by_partials.setdefault(partials_of(s0[0], g[0]), []).append(g)
         for partials, group in by_partials.items():
             self.stats["searches"] += 1
             with _no_gc():
@@ -537,12 +454,12 @@ class RedistributePlanner:
         reduce_scatter) and a shard whose target is R or partial (only an
         all_gather unshards). ``cover`` prices such sets (:meth:`_cover_bounds`).
         Each axis's code and each dim's order contribute their own bits of the
-        table key ``U << n | H`` (:class:`_Bound`), so a step updates the key of its
+        table key ``U << n | H`` (:class:`Bound`), so a step updates the key of its
         parent by the axes and dims it changed.
         """
-        return _Bound(goal, cover, self.n, self.use_heuristic)
+        return Bound(goal, cover, self.n, self.use_heuristic)
 
-    def _cover_bounds(self, tshape, item) -> "_CoverBound":
+    def _cover_bounds(self, tshape, item) -> "CoverBound":
         """``cover[U << n | H]``: a lower bound on the cost of collectives whose groups contain
         every axis of U, each axis of H (a subset of U) in a heavy one.
 
@@ -574,125 +491,6 @@ class RedistributePlanner:
         return steps[::-1]
 
 
-def _agreed(order: tuple, goal_order: tuple) -> int:
-    """How many leading axes of a dim's order already sit where the target's order has them."""
-    k = 0
-    while k < len(order) and k < len(goal_order) and order[k] == goal_order[k]:
-        k += 1
-    return k
-
-
-@lru_cache(maxsize=4096)
-def _code_row(a: int, t: int, ndim: int, n: int) -> tuple[int, ...]:
-    """Axis a's key bits per code it may hold, when the target holds t there (see _Bound)."""
-    row = [0] * (ndim + len(_PARTIAL) + 1)
-    for c in range(-len(_PARTIAL) - 1, ndim):
-        if c != R and c != t:
-            row[c] = 1 << (a + n) | ((1 << a) if (c < R or t < 0) else 0)
-    return tuple(row)
-
-
-class _Bound:
-    """The search's heuristic for one goal (see :meth:`RedistributePlanner._heuristic`):
-    ``by_code[a][c]`` holds axis a's bits of the key ``U << n | H`` when it holds code c
-    (codes run from -len(_PARTIAL) - 1 to ndim - 1; a negative one indexes from the
-    row's end), ``order_bits(d, o)`` dim d's bits for order o; ``cover`` prices keys."""
-
-    def __init__(self, goal, cover: "_CoverBound", n: int, enabled: bool = True):
-        gcodes, self.gorders = goal
-        self.cover, self.n, self.enabled = cover, n, enabled
-        ndim = len(self.gorders)
-        zero = (0,) * (ndim + len(_PARTIAL) + 1)
-        self.by_code = [_code_row(a, t, ndim, n) if enabled else zero for a, t in enumerate(gcodes)]
-        # Order bits depend only on the target's order of the dim: tables shared by every
-        # search on the mesh (a new target meets the same few orders again).
-        shared = cover.costs.order_bits
-        self.by_order = [shared.setdefault(go, {}) if enabled else {} for go in self.gorders]
-
-    def order_bits(self, d: int, o: tuple) -> int:
-        bits = self.by_order[d].get(o)
-        if bits is None:
-            k = _agreed(o, self.gorders[d])
-            bits = 0
-            if self.enabled:
-                for a in o[k:]:
-                    bits |= 1 << (a + self.n)
-            self.by_order[d][o] = bits
-        return bits
-
-    def parts(self, codes, orders) -> tuple[int, list[int]]:
-        """The codes' half of the key, and each dim's order bits (the search swaps them per step)."""
-        key_codes = 0
-        for a, c in enumerate(codes):
-            key_codes |= self.by_code[a][c]
-        return key_codes, [self.order_bits(d, o) for d, o in enumerate(orders)]
-
-    def price(self, key: int) -> float:
-        v = self.cover.get(key)
-        return v if v is not None else self.cover.compute(key >> self.n, key & ((1 << self.n) - 1))
-
-    def __call__(self, codes, orders) -> float:
-        key_codes, obits = self.parts(codes, orders)
-        for bits in obits:
-            key_codes |= bits
-        return self.price(key_codes)
-
-
-class _CoverBound(dict):
-    """The table behind :meth:`RedistributePlanner._cover_bounds` for one buffer size, filled on
-    demand: a search meets a few dozen (U, H) pairs, far fewer than the 3^n there are."""
-
-    def __init__(self, costs: "_MeshCosts", m: int):
-        super().__init__()
-        self.costs, self.m, self.n = costs, m, len(costs.shape)
-        self.light: dict[int, float] = {}
-        self.heavy: dict[int, float] = {}
-        self[0] = 0.0
-
-    def _sup(self, table, part, heavy) -> float:
-        """min over groups G containing ``part`` of the (heavy) collective bound on G."""
-        hit = table.get(part)
-        if hit is not None:
-            return hit
-        time = self.costs.time
-        axes = tuple(a for a in range(self.n) if part >> a & 1)
-        size = math.prod(self.costs.shape[a] for a in axes)
-        best = min(time(k, self.m * size, axes) for k in _COLLECTIVE_KINDS if k != "all_to_all")
-        if not heavy and len(axes) == 1:
-            # all_to_all is the one light collective, and it runs on one axis only.
-            best = min(best, time("all_to_all", self.m, axes))
-        for a in range(self.n):
-            if not part >> a & 1:
-                best = min(best, self._sup(table, part | 1 << a, heavy))
-        table[part] = best
-        return best
-
-    def compute(self, u: int, hv: int) -> float:
-        key = u << self.n | hv
-        hit = self.get(key)
-        if hit is not None:
-            return hit
-        low = u & -u
-        rest = u ^ low
-        best = math.inf
-        s = rest
-        while True:  # every part that holds U's lowest axis
-            part = s | low
-            price = self._sup(self.heavy, part, True) if part & hv else self._sup(self.light, part, False)
-            if price < best:
-                best = min(best, price + self.compute(u ^ part, hv & ~part))
-            if s == 0:
-                break
-            s = (s - 1) & rest
-        self[key] = best
-        return best
-
-
-def _partials(*codes_lists) -> tuple[int, ...]:
-    """The partial codes held anywhere in these states, sorted (deterministic neighbour order)."""
-    return tuple(sorted({c for codes in codes_lists for c in codes if c < R}))
-
-
 def local_plan(src: Spec, dst: Spec, ndim: int) -> RedistributePlan:
     """``src -> dst`` by local steps only (chunks in ``dst``'s shard order, partitions), as the
     planner ends its own plans; raises when a collective is needed."""
@@ -716,56 +514,15 @@ def _no_gc():
             gc.enable()
 
 
-class _MeshCosts:
-    """The cost model's answers on one mesh and profile, memoized as planners ask: collective
-    times by (kind, bytes, group), local sizes, and the heuristic's bound tables by buffer size. Pure
-    functions of (mesh, profile, bytes), so every planner on the mesh shares them; what a
-    new planner starts without is its path cache."""
-
-    def __init__(self, topo: MeshTopology, profile: Profile):
-        self.topo, self.profile, self.shape = topo, profile, topo.shape
-        self._pred: dict = {}
-        self._times: dict = {}
-        self.elems: dict = {}
-        """Local elements per (orders, tensor shape)."""
-        self._cover: dict = {}
-        self.order_bits: dict = {}
-        """Per target order of a dim: that dim's heuristic key bits per order (see _Bound)."""
-
-    def time(self, kind, nbytes, axes) -> float:
-        # Hot path: a search asks for the same few (kind, bytes, group) thousands of times.
-        key = (kind, nbytes, axes)
-        us = self._times.get(key)
-        if us is None:
-            fn = self._pred.get((kind, axes))
-            if fn is None:
-                group = math.prod(self.shape[a] for a in axes)
-                fn = self._pred[(kind, axes)] = self.profile.collective_predictor(
-                    kind, group, self.topo.group_is_intra_node(axes))
-            us = self._times[key] = fn(nbytes)
-        return us
-
-    def cover(self, m: int) -> "_CoverBound":
-        hit = self._cover.get(m)
-        if hit is None:
-            hit = self._cover[m] = _CoverBound(self, m)
-        return hit
-
-
 @lru_cache(maxsize=64)
-def _mesh_costs(topo: MeshTopology, profile: Profile) -> _MeshCosts:
-    return _MeshCosts(topo, profile)
-
-
-@lru_cache(maxsize=64)
-def _planner(topo: MeshTopology, profile: Profile) -> RedistributePlanner:
+def _shared_planner(topo: MeshTopology, profile: Profile) -> RedistributePlanner:
     return RedistributePlanner(topo, profile)
 
 
 def plan_redistribute(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,
                       topo: MeshTopology, profile: Profile) -> RedistributePlan:
     """The cheapest plan from ``src`` to ``dst`` (cached per mesh and profile)."""
-    return _planner(topo, profile).plan(src, dst, tuple(shape), itemsize)
+    return _shared_planner(topo, profile).plan(src, dst, tuple(shape), itemsize)
 
 
 def plan_steps(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int,

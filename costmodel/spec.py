@@ -12,7 +12,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from costmodel.errors import CostModelError
+
 _TOKEN = re.compile(r"S\((\d+)\)(\[[\d,\s]+\])?|R|P\((sum|avg|max|min)\)")
+
+
+def shard_dim(placement: str) -> int | None:
+    """``"S(1)"`` -> 1; None for ``"R"`` and ``"P(op)"``. The one place placement text is read."""
+    return int(placement[2:-1]) if placement.startswith("S(") else None
+
+
+def partial_op(placement: str) -> str | None:
+    """``"P(sum)"`` -> ``"sum"``; None for ``"R"`` and ``"S(d)"``."""
+    return placement[2:-1] if placement.startswith("P(") else None
 
 
 @dataclass(frozen=True)
@@ -27,11 +39,11 @@ class Spec:
     def __post_init__(self):
         for p in self.placements:
             if not (p == "R" or re.fullmatch(r"S\(\d+\)|P\((sum|avg|max|min)\)", p)):
-                raise ValueError(f"placement {p!r}: expected 'R', 'S(d)' or 'P(sum|avg|max|min)'")
+                raise CostModelError(f"placement {p!r}: expected 'R', 'S(d)' or 'P(sum|avg|max|min)'")
         for dim, axes in self.shard_order:
             on = sorted(a for a, p in enumerate(self.placements) if p == f"S({dim})")
             if sorted(axes) != on:
-                raise ValueError(
+                raise CostModelError(
                     f"shard order {list(axes)} for tensor dim {dim} must list exactly the axes that shard it {on}"
                 )
         # Canonical form: ascending (default) orders are implied, so equal specs compare equal.
@@ -46,7 +58,7 @@ class Spec:
         while pos < len(text):
             m = _TOKEN.match(text, pos)
             if not m:
-                raise ValueError(f"spec {text!r}: cannot parse at {text[pos:]!r}; expected R, S(d)[axes] or P(op)")
+                raise CostModelError(f"spec {text!r}: cannot parse at {text[pos:]!r}; expected R, S(d)[axes] or P(op)")
             tok = m.group(0)
             if m.group(1) is not None:
                 placements.append(f"S({m.group(1)})")
@@ -62,16 +74,20 @@ class Spec:
         out, seen = [], set()
         for p in self.placements:
             out.append(p)
-            if p.startswith("S(") and p not in seen:
+            d = shard_dim(p)
+            if d is not None and p not in seen:
                 seen.add(p)
-                d = int(p[2:-1])
                 if d in order:
                     out.append("[" + ",".join(map(str, order[d])) + "]")
         return "".join(out)
 
     def shard_dims(self) -> list[int | None]:
         """Per mesh axis, the tensor dim it shards (None when not sharding)."""
-        return [int(p[2:-1]) if p.startswith("S(") else None for p in self.placements]
+        return [shard_dim(p) for p in self.placements]
+
+    def partial_axes(self) -> list[int]:
+        """Mesh axes on which the tensor is a partial (sum, avg, ...)."""
+        return [a for a, p in enumerate(self.placements) if partial_op(p) is not None]
 
     def is_replicated(self) -> bool:
         return all(p == "R" for p in self.placements)

@@ -7,14 +7,17 @@ from solver.evaluate import Evaluation, evaluate
 from solver.iopddl import load as load_iopddl
 from solver.iopddl import save as save_iopddl
 from solver.problem import FORBIDDEN, Problem, ProblemError
-from solver.solve import InfeasibleError, Solution, solve
+from solver.schedule import Schedule
+from solver.solve import BACKENDS, InfeasibleError, Solution, solve
 
 __all__ = [
+    "BACKENDS",
     "FORBIDDEN",
     "Evaluation",
     "InfeasibleError",
     "Problem",
     "ProblemError",
+    "Schedule",
     "Solution",
     "evaluate",
     "load_iopddl",

@@ -4,6 +4,7 @@ Progress goes to stderr; the last line on stdout is the chosen strategy indices.
 """
 
 import argparse
+import logging
 import sys
 
 from solver import InfeasibleError, ProblemError, load_iopddl, solve
@@ -15,10 +16,10 @@ def main(argv=None) -> int:
     ap.add_argument("timeout", type=float, help="time limit in seconds")
     ap.add_argument("--backend", default="highs", choices=["highs", "cbc"])
     args = ap.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     try:
         problem = load_iopddl(args.file)
-        sol = solve(problem, time_limit=args.timeout, backend=args.backend,
-                    log=lambda m: print(m, file=sys.stderr, flush=True))
+        sol = solve(problem, time_limit=args.timeout, backend=args.backend)
     except (ProblemError, InfeasibleError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ every other node held at ``choice``, is
 
 Single-node descent moves each v to argmin_i l_v(i) while that is strictly cheaper.
 Nodes that share no edge do not see each other's moves, so one greedy colouring of the
-graph (:func:`_colour`) splits the nodes into classes that move at once, with the same
+graph (:func:`colour`) splits the nodes into classes that move at once, with the same
 answer as moving them one by one: a sweep is one vectorized step per colour class.
 
 Pair moves change both ends (a, b) of an edge to
@@ -72,7 +72,7 @@ class Network:
             shapes.setdefault(m.shape, []).append(e)
         self.groups = [(np.array(es, dtype=np.int64), np.stack([self.mats[e] for e in es]))
                        for es in shapes.values()]
-        self.classes = [self._class(members) for members in _colour(nbrs)]
+        self.classes = [self._class(members) for members in colour(nbrs)]
 
     def _class(self, members: np.ndarray):
         """(nodes, their entries, padded strategy index per node) for one colour class."""
@@ -149,7 +149,7 @@ class Network:
         return True
 
 
-def _colour(nbrs: list[list[int]]) -> list[np.ndarray]:
+def colour(nbrs: list[list[int]]) -> list[np.ndarray]:
     """Greedy colouring, highest degree first (ties by index): classes of pairwise non-adjacent nodes."""
     n = len(nbrs)
     order = sorted(range(n), key=lambda v: (-len(nbrs[v]), v))

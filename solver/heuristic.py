@@ -11,90 +11,14 @@ import time
 
 import numpy as np
 
+from solver.local import Adjacency, Memory, local_cost, tie_groups
 from solver.problem import FORBIDDEN, Problem
-
-
-class _Adjacency:
-    """Per node, the edges it touches, as (edge, other node, is_source)."""
-
-    def __init__(self, problem: Problem):
-        self.inc: list[list[tuple[int, int, bool]]] = [[] for _ in range(problem.num_nodes)]
-        for e, (u, v) in enumerate(problem.edges.tolist()):
-            self.inc[u].append((e, v, True))
-            self.inc[v].append((e, u, False))
-
-
-def _local_cost(problem: Problem, adj: _Adjacency, choice: np.ndarray, v: int) -> np.ndarray:
-    """Cost of every strategy of ``v`` given the neighbours' current choices."""
-    c = problem.node_costs[v].copy()
-    for e, w, is_src in adj.inc[v]:
-        m = problem.edge_costs[e]
-        c += m[:, choice[w]] if is_src else m[choice[w], :]
-    c[~problem.allowed(v)] = np.inf
-    return c
-
-
-def _tie_groups(problem: Problem) -> list[list[int]]:
-    """Every node in exactly one group: its tie group, or itself alone."""
-    seen: set[int] = set()
-    groups = []
-    for g in problem.ties:
-        g = [v for v in g if v not in seen]
-        seen.update(g)
-        if g:
-            groups.append(g)
-    groups += [[v] for v in range(problem.num_nodes) if v not in seen]
-    return groups
-
-
-class _Memory:
-    """Total usage per time segment, updated per move: a move is checked in O(its interval)."""
-
-    def __init__(self, problem: Problem, choice: np.ndarray):
-        self.problem = problem
-        iv = problem.intervals
-        self.times = np.unique(iv.ravel())
-        self.a = np.searchsorted(self.times, iv[:, 0])
-        self.b = np.searchsorted(self.times, iv[:, 1])
-        self.total = np.zeros(max(1, self.times.size))
-        for v in range(problem.num_nodes):
-            self.total[self.a[v]:self.b[v]] += problem.node_usages[v][choice[v]]
-        self.limit = problem.usage_limit if problem.usage_limit is not None else np.inf
-
-    def profile(self, per_node: np.ndarray, nodes: np.ndarray | None = None) -> np.ndarray:
-        """Total of ``per_node`` (one value per node, or per node of ``nodes``) at each time segment."""
-        a, b = (self.a, self.b) if nodes is None else (self.a[nodes], self.b[nodes])
-        delta = np.zeros(self.total.size + 1)
-        np.add.at(delta, a, per_node)
-        np.add.at(delta, b, -per_node)
-        return np.cumsum(delta)[:-1]
-
-    def fits(self, group, old: int, new: int) -> bool:
-        if not np.isfinite(self.limit):
-            return True
-        delta = {}
-        for v in group:
-            d = self.problem.node_usages[v][new] - self.problem.node_usages[v][old]
-            if d > 0:
-                delta[v] = d
-        if not delta:
-            return True
-        lo = min(self.a[v] for v in delta)
-        hi = max(self.b[v] for v in delta)
-        seg = self.total[lo:hi].copy()
-        for v, d in delta.items():
-            seg[self.a[v] - lo:self.b[v] - lo] += d
-        return seg.size == 0 or seg.max() <= self.limit
-
-    def move(self, group, old: int, new: int) -> None:
-        for v in group:
-            self.total[self.a[v]:self.b[v]] += self.problem.node_usages[v][new] - self.problem.node_usages[v][old]
 
 
 def initial_choice(problem: Problem) -> np.ndarray:
     """Per tie group, the allowed strategy of least usage (ties broken by cost)."""
     choice = np.zeros(problem.num_nodes, dtype=np.int64)
-    for g in _tie_groups(problem):
+    for g in tie_groups(problem):
         ok = np.logical_and.reduce([problem.allowed(v) for v in g])
         usage = sum(problem.node_usages[v] for v in g)
         cost = sum(problem.node_costs[v] for v in g)
@@ -111,16 +35,16 @@ def local_search(problem: Problem, choice: np.ndarray, max_rounds: int = 20,
     Stops after a sweep without improvement, ``max_rounds`` sweeps, or at ``deadline``
     (a ``time.perf_counter()`` value).
     """
-    adj = _Adjacency(problem)
-    groups = _tie_groups(problem)
+    adj = Adjacency(problem)
+    groups = tie_groups(problem)
     choice = choice.copy()
-    mem = _Memory(problem, choice)
+    mem = Memory(problem, choice)
     for _ in range(max_rounds):
         improved = False
         for g in groups:
             if deadline is not None and time.perf_counter() > deadline:
                 return choice
-            gain = sum(_local_cost(problem, adj, choice, v) for v in g)
+            gain = sum(local_cost(problem, adj, choice, v) for v in g)
             old = int(choice[g[0]])
             cur = gain[old]
             if not np.min(gain) < cur - 1e-9 * max(1.0, abs(cur)):
@@ -146,10 +70,10 @@ def repair_pairs(problem: Problem, choice: np.ndarray, deadline: float | None = 
     either end is forbidden with some third neighbour; a joint move of the two ends
     to their best compatible pair often can. Memory is checked for the joint move.
     """
-    adj = _Adjacency(problem)
-    groups = {v: g for g in _tie_groups(problem) for v in g}
+    adj = Adjacency(problem)
+    groups = {v: g for g in tie_groups(problem) for v in g}
     choice = choice.copy()
-    mem = _Memory(problem, choice)
+    mem = Memory(problem, choice)
     for _ in range(max_rounds):
         changed = False
         for e, (u, v) in enumerate(problem.edges.tolist()):
@@ -158,8 +82,8 @@ def repair_pairs(problem: Problem, choice: np.ndarray, deadline: float | None = 
             m = problem.edge_costs[e]
             if m[choice[u], choice[v]] < FORBIDDEN or u == v or len(groups[u]) > 1 or len(groups[v]) > 1:
                 continue
-            cu = _local_cost(problem, adj, choice, u) - m[:, choice[v]]
-            cv = _local_cost(problem, adj, choice, v) - m[choice[u], :]
+            cu = local_cost(problem, adj, choice, u) - m[:, choice[v]]
+            cv = local_cost(problem, adj, choice, v) - m[choice[u], :]
             total = cu[:, None] + cv[None, :] + m
             cur = total[choice[u], choice[v]]
             order = np.argsort(total, axis=None, kind="stable")
@@ -186,8 +110,8 @@ def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.n
     if problem.usage_limit is None:
         return choice
     choice = choice.copy()
-    mem = _Memory(problem, choice)
-    adj = _Adjacency(problem)
+    mem = Memory(problem, choice)
+    adj = Adjacency(problem)
     limit = problem.usage_limit
     while time.perf_counter() < deadline:
         k = int(np.argmax(mem.total))
@@ -201,7 +125,7 @@ def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.n
             lower = np.nonzero((u < u[cur]) & problem.allowed(v))[0]
             if lower.size == 0:
                 continue
-            lc = _local_cost(problem, adj, choice, v)
+            lc = local_cost(problem, adj, choice, v)
             for i in lower.tolist():
                 if lc[i] >= FORBIDDEN:
                     continue

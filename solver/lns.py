@@ -27,17 +27,20 @@ MILP solves in about a second.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
 import numpy as np
 
-from solver import heuristic, highs_model
+from solver import highs_model, local
 from solver.evaluate import evaluate
 from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 
+log = logging.getLogger(__name__)
 
-def subproblem(problem: Problem, adj: heuristic._Adjacency, mem: heuristic._Memory, choice: np.ndarray,
+
+def subproblem(problem: Problem, adj: local.Adjacency, mem: local.Memory, choice: np.ndarray,
                free: np.ndarray) -> Problem:
     """The problem restricted to ``free`` with every other node fixed at ``choice``: nodes
     ``0..len(free)-1`` are ``free`` in order, fillers follow (see the module doc)."""
@@ -97,7 +100,7 @@ def _close_over_ties(free: np.ndarray, groups: list[np.ndarray], group_of: dict[
     return np.array(sorted(out), dtype=np.int64)
 
 
-def _fullest(mem: heuristic._Memory) -> np.ndarray:
+def _fullest(mem: local.Memory) -> np.ndarray:
     """The 2% of time segments with the most memory in use (binding windows draw from them)."""
     m = max(1, mem.total.size // 50)
     return np.argpartition(mem.total, mem.total.size - m)[-m:]
@@ -153,7 +156,7 @@ def _trading_seeds(problem, adj, choice, live: np.ndarray, rng, count: int = 6) 
         live = rng.choice(live, 600, replace=False)
     gain, rate = [], []
     for v in live.tolist():
-        lc = heuristic._local_cost(problem, adj, choice, v)
+        lc = local.local_cost(problem, adj, choice, v)
         cur = int(choice[v])
         u = problem.node_usages[v]
         gain.append(lc[cur] - lc.min())
@@ -192,7 +195,7 @@ class WindowSearch:
         self.budget = budget
         self.window_seconds = window_seconds
         self.rng = np.random.default_rng(seed)
-        self.adj = heuristic._Adjacency(problem)
+        self.adj = local.Adjacency(problem)
         self.movable = np.array([int(problem.allowed(v).sum()) > 1 for v in range(problem.num_nodes)])
         self.groups = [np.array(g, dtype=np.int64) for g in problem.ties if len(g) > 1]
         self.group_of: dict[int, list[int]] = {}
@@ -208,7 +211,7 @@ class WindowSearch:
             raise ValueError(f"window search needs a feasible answer, found one that is not ({ev.reason})")
         self.current = np.asarray(choice, dtype=np.int64).copy()
         self.cost = ev.cost
-        self.mem = heuristic._Memory(self.problem, self.current)
+        self.mem = local.Memory(self.problem, self.current)
         self.fullest = _fullest(self.mem)
 
     def step(self, deadline: float) -> bool:
@@ -253,7 +256,7 @@ class WindowSearch:
         return True
 
 
-def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: float, say=lambda m: None,
+def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: float,
                                budget: int = 40000, window_seconds: float = 6.0, seed: int = 0) -> np.ndarray:
     """Improve a feasible ``choice`` window by window until ``deadline``; never returns a worse one."""
     if not evaluate(problem, choice).feasible:
@@ -262,8 +265,8 @@ def large_neighbourhood_search(problem: Problem, choice: np.ndarray, deadline: f
     search = WindowSearch(problem, choice, budget, window_seconds, seed)
     while deadline - time.perf_counter() > 0.5:
         if search.step(deadline) and search.improved % 10 == 1:
-            say(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
+            log.info(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
                 f"({time.perf_counter() - t0:.1f}s)")
-    say(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
+    log.info(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
         f"({time.perf_counter() - t0:.1f}s)")
     return search.current

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import pulp
@@ -20,6 +21,10 @@ from solver.memrows import RowsTooLarge
 from solver.milp_child import MilpChild
 from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 from solver.quotient import quotient, tie_heads
+from solver.schedule import DEFAULT as DEFAULT_SCHEDULE
+from solver.schedule import Schedule
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("highs", "cbc")
 
@@ -81,7 +86,7 @@ def memory_lower_bound(problem: Problem) -> tuple[float, list[int]]:
     return peak, [int(t) for t in binding]
 
 
-def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, say, relaxed_bound=None):
+def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, sched, relaxed_bound=None):
     """Lazy memory: the MILP without memory rows first. Its optimum, when it fits the
     limit, is optimal for the full problem too (a relaxation's optimum that is feasible),
     and on planner graphs the limit often does not bind: the memory rows (thousands of
@@ -90,23 +95,23 @@ def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, say, rel
     if problem.usage_limit is not None and relaxed_bound is None:
         # Never spend half the time on a relaxation whose full model cannot be built.
         highs_model.check_memory_rows(problem, max_nonzeros)
-        deadline = t0 + 0.5 * time_limit
-        choice, lower, optimal, stats = _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say,
+        deadline = sched.deadline("relaxation", t0, time_limit)
+        choice, lower, optimal, stats = _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros,
                                                    memory=False)
         if choice is not None and optimal and evaluate(problem, choice).feasible:
             stats["memory_rows_needed"] = False
             return choice, lower, True, stats
         relaxed_bound = lower  # a bound of the relaxation bounds the full problem too
-        say("milp without memory rows breaks the limit: adding them")
-    choice, lower, optimal, stats = _run_highs(problem, start, t0, t0 + time_limit, mip_gap, max_nonzeros, say)
+        log.info("milp without memory rows breaks the limit: adding them")
+    choice, lower, optimal, stats = _run_highs(problem, start, t0, t0 + time_limit, mip_gap, max_nonzeros)
     if relaxed_bound is not None and (lower is None or relaxed_bound > lower):
         lower = relaxed_bound
     return choice, lower, optimal, stats
 
 
-def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say, memory=True):
+def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, memory=True):
     model = highs_model.build(problem, max_nonzeros=max_nonzeros, memory=memory)
-    say(f"milp{'' if memory else ' (memory rows left out)'}: {model.stats['variables']} variables "
+    log.info(f"milp{'' if memory else ' (memory rows left out)'}: {model.stats['variables']} variables "
         f"({model.stats['edge_variables']} edge, {model.stats['dominated_strategies']} dominated strategies "
         f"dropped), {model.stats['constraints']} rows, {model.stats['nonzeros']} nonzeros "
         f"after {time.perf_counter() - t0:.2f}s")
@@ -115,21 +120,13 @@ def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, say, memory=
     return choice, lower, optimal, model.stats
 
 
-#: Share of the time limit the per-node weight search (:mod:`solver.weights`) gets on
-#: models too large for the MILP; windowed MILPs (:mod:`solver.lns`) polish its answer until 95%.
-WEIGHTS_SHARE = 0.8
-
-#: The exact CFN (:mod:`solver.exact`) searches until this share of the time limit when
-#: memory binds; the MILP, warm-started from its answer, gets the rest.
-EXACT_SHARE = 0.7
-
 #: The pairwise search runs first on quotient graphs up to this size: planner graphs
 #: (a few hundred groups once layers are tied) solve in seconds there. Larger graphs
 #: (the IOPDDL instances, 30k nodes with binding memory) go to the MILP / penalty path.
 PAIRWISE_MAX_NODES = 5000
 
 
-def _pairwise_first(problem, deadline, say):
+def _pairwise_first(problem, deadline):
     """toulbar2 on the tie quotient without memory: (choice, evaluation, bound, proved) or None.
 
     Its optimum, when proved, bounds the full problem from below (memory only adds
@@ -148,7 +145,7 @@ def _pairwise_first(problem, deadline, say):
     choice = picked[group]
     ev = evaluate(problem, choice)
     bound = ev.cost - slack  # toulbar2's costs are rounded integers
-    say(f"pairwise (toulbar2, {q.num_nodes} tie groups, memory ignored): cost {ev.cost:.6g}, "
+    log.info(f"pairwise (toulbar2, {q.num_nodes} tie groups, memory ignored): cost {ev.cost:.6g}, "
         f"{'proved optimal' if proved else 'time limit'}, memory {'fits' if ev.feasible else 'exceeds'} "
         f"after {time.perf_counter() - (deadline - seconds):.2f}s")
     return choice, ev, bound, proved
@@ -184,26 +181,26 @@ def second_core_free() -> bool:
 MAX_LNS_CHILDREN = 7
 
 
-def _exact_model(problem, reference, say):
+def _exact_model(problem, reference):
     """The exact network (:mod:`solver.exact`), or None when its rows are too many."""
     try:
         return build_exact(problem, reference)
     except RowsTooLarge as exc:
-        say(f"exact (toulbar2 with memory rows) skipped: {exc}")
+        log.info(f"exact (toulbar2 with memory rows) skipped: {exc}")
         return None
 
 
-def _exact_said(res, t_start, say):
+def _exact_said(res, t_start):
     st = res.stats
     found = "nothing better" if res.choice is None else f"cost {res.evaluation.cost:.6g}"
-    say(f"exact (toulbar2, {st['groups']} tie groups, {st['memory_rows']} memory rows of "
+    log.info(f"exact (toulbar2, {st['groups']} tie groups, {st['memory_rows']} memory rows of "
         f"{st['memory_segments']} segments): {found}, {'proved optimal' if res.proved else 'not proved'}, "
         f"bound {res.lower_bound}, {time.perf_counter() - t_start:.2f}s")
 
 
-def _solve_cbc(problem, start, t0, time_limit, mip_gap, say):
+def _solve_cbc(problem, start, t0, time_limit, mip_gap):
     model = ilp.build(problem)
-    say(f"ilp (PuLP): {model.stats['variables']} variables, {model.stats['constraints']} constraints "
+    log.info(f"ilp (PuLP): {model.stats['variables']} variables, {model.stats['constraints']} constraints "
         f"after {time.perf_counter() - t0:.2f}s")
     if start is not None:
         ilp.set_start(model, problem, start)
@@ -251,11 +248,11 @@ def solve(
     time_limit: float = 60.0,
     backend: str = "highs",
     mip_gap: float = 1e-6,
-    log: Callable[[str], None] | None = None,
     max_nonzeros: float = 30e6,
     pairwise: bool = True,
     starts: Sequence[tuple[str, np.ndarray]] = (),
     exact: bool = True,
+    schedule: Schedule = DEFAULT_SCHEDULE,
 ) -> Solution:
     """Pick one strategy per node minimizing cost under the memory limit.
 
@@ -264,17 +261,17 @@ def solve(
     ``pairwise`` (and pytoulbar2 installed), toulbar2 on the tie quotient without memory
     (:func:`_pairwise_first`), the answer when it is proved and fits; where memory binds,
     with ``exact``, toulbar2 on the tie quotient with the memory rows as knapsacks
-    (:mod:`solver.exact`) until ``EXACT_SHARE`` of the time, the answer when proved; then
+    (:mod:`solver.exact`) until ``schedule.exact`` of the time, the answer when proved; then
     the MILP, or on models too large for it the per-node weight search and windowed MILPs.
     Raises :class:`InfeasibleError` when even the least-usage strategies exceed the
-    limit. Always returns the best feasible choice it found within ``time_limit``.
+    limit. Always returns the best feasible choice it found within ``time_limit``. Progress goes
+    to the ``solver`` loggers (INFO).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, found {backend!r}")
     if time_limit <= 0:
         raise ValueError(f"time_limit must be > 0 seconds, found {time_limit}")
-    say = log or (lambda _msg: None)
-    t0 = time.perf_counter()
+    t0, sched = time.perf_counter(), schedule
     if problem.usage_limit is not None:
         floor, binding = memory_lower_bound(problem)
         if floor > problem.usage_limit:
@@ -292,14 +289,13 @@ def solve(
                              f"found shape {choice.shape}")
         ev = evaluate(problem, choice)
         inc.offer(choice, f"start:{name}", ev)
-        say(f"start {name}: cost {ev.cost:.6g} ({'feasible' if ev.feasible else ev.reason})")
-    # The heuristic start gets a tenth of the time.
+        log.info(f"start {name}: cost {ev.cost:.6g} ({'feasible' if ev.feasible else ev.reason})")
     start = heuristic.initial_choice(problem)
-    start = heuristic.local_search(problem, start, deadline=t0 + 0.05 * time_limit)
-    start = heuristic.repair_pairs(problem, start, deadline=t0 + 0.08 * time_limit)
-    start = heuristic.local_search(problem, start, deadline=t0 + 0.1 * time_limit)
+    start = heuristic.local_search(problem, start, deadline=sched.deadline("start_descent", t0, time_limit))
+    start = heuristic.repair_pairs(problem, start, deadline=sched.deadline("start_repair", t0, time_limit))
+    start = heuristic.local_search(problem, start, deadline=sched.deadline("start_polish", t0, time_limit))
     inc.offer(start, "heuristic")
-    say(f"incumbent: cost {inc.ev.cost:.6g} (feasible={inc.feasible}, {inc.source}) "
+    log.info(f"incumbent: cost {inc.ev.cost:.6g} (feasible={inc.feasible}, {inc.source}) "
         f"after {time.perf_counter() - t0:.2f}s")
     stats = dict(problem.stats())
     relaxed_bound = None
@@ -321,13 +317,13 @@ def solve(
         if lower is not None and lower > inc.cost:
             lower = inc.cost
         seconds = time.perf_counter() - t0
-        say(f"solved: {status} ({inc.source}), cost {inc.cost:.6g}, bound {lower}, {seconds:.2f}s")
+        log.info(f"solved: {status} ({inc.source}), cost {inc.cost:.6g}, bound {lower}, {seconds:.2f}s")
         return Solution(choice=inc.choice, cost=inc.cost, status=status, lower_bound=lower, seconds=seconds,
                         peak_usage=inc.ev.peak_usage, backend=backend, stats=stats, source=inc.source)
 
     groups = len(np.unique(tie_heads(problem)))
     if pairwise and cfn.available():
-        found = _pairwise_first(problem, t0 + 0.5 * time_limit, say)
+        found = _pairwise_first(problem, sched.deadline("pairwise", t0, time_limit))
         if found is not None:
             choice, ev, bound, proved = found
             stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - t0, 3)}
@@ -338,25 +334,25 @@ def solve(
                     return finish("optimal", min(bound, inc.cost))
     model = None
     if exact and problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
-        model = _exact_model(problem, inc.cost if inc.feasible else None, say)
+        model = _exact_model(problem, inc.cost if inc.feasible else None)
     if model is None:
-        return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, say,
-                                relaxed_bound, finish)
+        return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros,
+                                relaxed_bound, finish, sched)
     milp = None
     if backend == "highs" and second_core_free() and _milp_fits(model, max_nonzeros):
         # Two searches at once: the MILP in a child (killed once toulbar2 proves), toulbar2 here.
         milp = MilpChild(problem, model.reduced, inc.choice if inc.feasible else None,
                          t0 + time_limit - time.perf_counter() - 1.0, mip_gap, max_nonzeros)
-        say(f"milp runs beside the exact search in a child process ({cores()} cores)")
+        log.info(f"milp runs beside the exact search in a child process ({cores()} cores)")
     try:
-        share = 0.95 if milp is not None else EXACT_SHARE
-        seconds = t0 + share * time_limit - time.perf_counter()
+        stage = "exact_beside_milp" if milp is not None else "exact"
+        seconds = sched.deadline(stage, t0, time_limit) - time.perf_counter()
         if seconds >= 1:
             t_start = time.perf_counter()
             upper = inc.cost if inc.feasible else None
             res = exact_answer(problem, model, *cfn.solve_tables(model.costs, model.tables, seconds, model.scale,
                                                                 upper, model.rows))
-            _exact_said(res, t_start, say)
+            _exact_said(res, t_start)
             stats["exact"] = dict(res.stats, proved=res.proved, seconds=round(time.perf_counter() - t0, 3))
             inc.offer(res.choice, "exact", res.evaluation)
             if res.lower_bound is not None:
@@ -364,14 +360,14 @@ def solve(
             if res.proved:
                 return finish("optimal", relaxed_bound)
         if milp is None:
-            return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, say,
-                                    relaxed_bound, finish)
+            return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros,
+                                    relaxed_bound, finish, sched)
         ans = milp.answer(timeout=max(0.0, t0 + time_limit - time.perf_counter()))
         status, lower = "heuristic", relaxed_bound
         if ans is None:
-            say("milp (child): no answer within the time limit")
+            log.info("milp (child): no answer within the time limit")
         elif ans.too_large or ans.infeasible:
-            say(f"milp (child): {ans.too_large or ans.infeasible}")
+            log.info(f"milp (child): {ans.too_large or ans.infeasible}")
         else:
             stats.update(ans.stats)
             if ans.lower is not None:
@@ -380,7 +376,7 @@ def solve(
                 status = "feasible"
             if ans.optimal and inc.feasible:
                 status = "optimal"
-            say(f"milp (child): {'optimal' if ans.optimal else 'not proved'}, bound {ans.lower}")
+            log.info(f"milp (child): {'optimal' if ans.optimal else 'not proved'}, bound {ans.lower}")
         return finish(status, lower)
     finally:
         if milp is not None:
@@ -395,8 +391,8 @@ def _milp_fits(model, max_nonzeros: float) -> bool:
     return 3 * n_y + model.stats["knapsack_entries"] <= max_nonzeros
 
 
-def _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, say, relaxed_bound,
-                     finish):
+def _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, relaxed_bound,
+                     finish, sched):
     """The MILP in this process (or, on models too large for it, the weight search and LNS);
     returns the :class:`Solution`."""
     status, lower = "heuristic", None
@@ -404,24 +400,24 @@ def _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_
         warm = inc.choice if inc.feasible else None
         if backend == "highs":
             choice, lower, optimal, mstats = _solve_highs(problem, warm, t0, time_limit, mip_gap, max_nonzeros,
-                                                          say, relaxed_bound)
+                                                          sched, relaxed_bound)
         else:
-            choice, lower, optimal, mstats = _solve_cbc(problem, warm, t0, time_limit, mip_gap, say)
+            choice, lower, optimal, mstats = _solve_cbc(problem, warm, t0, time_limit, mip_gap)
             if relaxed_bound is not None and (lower is None or relaxed_bound > lower):
                 lower = relaxed_bound
         stats.update(mstats)
         if inc.offer(choice, "milp") and inc.feasible:
             status = "optimal" if optimal else "feasible"
     except highs_model.ModelTooLarge as exc:
-        say(f"milp skipped: {exc}; per-node weight search, then windowed MILPs, for the remaining time")
+        log.info(f"milp skipped: {exc}; per-node weight search, then windowed MILPs, for the remaining time")
         stats["milp_skipped"] = str(exc)
-        lower = _weights_and_windows(problem, inc, t0, time_limit, say, relaxed_bound)
+        lower = _weights_and_windows(problem, inc, t0, time_limit, relaxed_bound, sched)
     except ProvedInfeasible as exc:
-        say(f"milp: {exc}")
+        log.info(f"milp: {exc}")
     return finish(status, lower)
 
 
-def _weights_and_windows(problem, inc, t0, time_limit, say, lower):
+def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
     """Models too large for the MILP: the per-node weight search, windowed MILPs (:mod:`solver.lns`)
     and a last polish improve ``inc``; returns the best lower bound known.
 
@@ -431,7 +427,7 @@ def _weights_and_windows(problem, inc, t0, time_limit, say, lower):
     time, or stalled) this process runs windows too, each side taking up the cheapest answer
     between windows. On one core the two run one after the other.
     """
-    end = t0 + 0.95 * time_limit
+    end = sched.deadline("windows", t0, time_limit)
     children: list[LnsChild] = []
 
     def share(choice, cost):
@@ -439,7 +435,7 @@ def _weights_and_windows(problem, inc, t0, time_limit, say, lower):
             spare = min(spare_cores(), MAX_LNS_CHILDREN)
             children.extend(LnsChild(problem, choice, end - time.perf_counter(), seed=1 + i) for i in range(spare))
             if children:
-                say(f"lns runs beside the weight search in {len(children)} child process(es) ({cores()} cores)")
+                log.info(f"lns runs beside the weight search in {len(children)} child process(es) ({cores()} cores)")
         for child in children:
             child.offer(choice, cost)
 
@@ -448,34 +444,35 @@ def _weights_and_windows(problem, inc, t0, time_limit, say, lower):
             share(inc.choice, inc.cost)
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
             found, bound = weights.weight_search(problem, inc.choice if inc.feasible else None,
-                                                 deadline=t0 + WEIGHTS_SHARE * time_limit, say=say, on_best=share)
+                                                 deadline=sched.deadline("weights", t0, time_limit),
+                                                 on_best=share)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
             inc.offer(found, "weights")
         if inc.feasible:
-            _windows(problem, inc, children, end, say)
+            _windows(problem, inc, children, end)
     finally:
         for child in children:
             child.close()
-    more = inc.choice
+    more, until = inc.choice, sched.deadline("polish", t0, time_limit)
     for _ in range(100):
         before = evaluate(problem, more).cost
-        more = heuristic.repair_pairs(problem, more, deadline=t0 + 0.97 * time_limit)
-        more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=t0 + 0.97 * time_limit)
-        if evaluate(problem, more).cost >= before or time.perf_counter() > t0 + 0.97 * time_limit:
+        more = heuristic.repair_pairs(problem, more, deadline=until)
+        more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=until)
+        if evaluate(problem, more).cost >= before or time.perf_counter() > until:
             break
     if not np.array_equal(more, inc.choice):
         inc.offer(more, "polish")
     return lower
 
 
-def _windows(problem, inc, children, deadline, say):
+def _windows(problem, inc, children, deadline):
     """Windowed MILPs here until ``deadline``, trading answers with the ``children`` between windows."""
     t0 = time.perf_counter()
     search = lns.WindowSearch(problem, inc.choice)
 
     def said():
-        say(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
+        log.info(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
             f"({time.perf_counter() - t0:.1f}s)")
 
     def theirs():
@@ -496,6 +493,6 @@ def _windows(problem, inc, children, deadline, say):
     for i, child in enumerate(children):
         best = child.best()
         if best is not None:
-            say(f"lns (child {i}): {best[2]['windows']} windows, {best[2]['improved']} improved, "
+            log.info(f"lns (child {i}): {best[2]['windows']} windows, {best[2]['improved']} improved, "
                 f"{best[2]['restarts']} restarts, cost {best[1]:.6g}")
             inc.offer(best[0], "lns")

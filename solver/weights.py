@@ -38,15 +38,18 @@ on the whole graph); here one chain of rounds runs on exact elimination's core.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
-from solver import cfn, heuristic
+from solver import cfn, heuristic, local
 from solver.core import CoreSolver, cost_scale, descend
 from solver.eliminate import Eliminator
 from solver.evaluate import evaluate
 from solver.problem import Problem
+
+log = logging.getLogger(__name__)
 
 #: Weight growth per round while a node has never fit (no high end to bisect towards).
 GROWTH = 8.0
@@ -145,7 +148,7 @@ def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadl
     return current
 
 
-def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, say=lambda m: None,
+def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
                   core_seconds: float = 5.0, on_best=None) -> tuple[np.ndarray | None, float | None]:
     """(best feasible choice or None, proven lower bound or None) found before ``deadline``,
     or sooner when the search stalls (``STALL_ROUNDS``, ``STALL_SHARE``).
@@ -159,7 +162,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
     t_begin = time.perf_counter()
     n = problem.num_nodes
     elim = Eliminator(problem)
-    mem = heuristic._Memory(problem, np.zeros(n, dtype=np.int64))
+    mem = local.Memory(problem, np.zeros(n, dtype=np.int64))
     limit = float(problem.usage_limit)
     low = np.array([u[problem.allowed(v)].min(initial=0.0) for v, u in enumerate(problem.node_usages)])
     high = np.array([u[problem.allowed(v)].max(initial=0.0) for v, u in enumerate(problem.node_usages)])
@@ -170,7 +173,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
         if ev.feasible:
             best, upper = start.copy(), ev.cost
     core = CoreSolver(core_seconds, cost_scale(problem, np.inf))
-    say(f"weights: {n} nodes -> core of {elim.core.size} nodes, {len(elim.core_edges)} edges after "
+    log.info(f"weights: {n} nodes -> core of {elim.core.size} nodes, {len(elim.core_edges)} edges after "
         f"elimination; {int(active.sum())} nodes can overflow the limit")
     brackets, lower = None, None
 
@@ -187,7 +190,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
         if deadline - now < max(0.5, 1.2 * last):
             break
         if own < np.inf and rounds - gain_round >= STALL_ROUNDS and now - last_gain > STALL_SHARE * (now - t_begin):
-            say(f"weights: stalled, no better answer of its own for {rounds - gain_round} rounds "
+            log.info(f"weights: stalled, no better answer of its own for {rounds - gain_round} rounds "
                 f"({now - last_gain:.1f}s)")
             break
         # toulbar2's limit adapts round to round (CoreSolver.adapt), up to a fifth of what is left.
@@ -199,7 +202,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
             # answer in its place led IOPDDL A's rounds into a basin 3x the best known (A 0.43),
             # where a proved one (in 6.5-8 s, the limit having doubled) led to 0.996.
             retried = True
-            say(f"weights: toulbar2 found nothing on the memory-free core in its limit; "
+            log.info(f"weights: toulbar2 found nothing on the memory-free core in its limit; "
                 f"again with {core.seconds:.0f}s")
             last = time.perf_counter() - now
             continue
@@ -209,7 +212,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
             if np.isfinite(core.gap):
                 lower = raw.cost - core.gap
             if raw.feasible:
-                say(f"weights: the memory-free optimum fits ({raw.cost:.6g})")
+                log.info(f"weights: the memory-free optimum fits ({raw.cost:.6g})")
                 return choice, lower
             # First weights: the cost per byte of usage above each node's least, averaged.
             excess = float((_chosen_usage(problem, choice) - low)[active].sum())
@@ -236,7 +239,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float, s
                         best, upper = fixed, ev.cost
                         if on_best is not None:
                             on_best(best, upper)
-        say(f"weights round {rounds}: pairwise cost {raw.cost:.6g}, peak {raw.peak_usage / limit:.4f}x limit, "
+        log.info(f"weights round {rounds}: pairwise cost {raw.cost:.6g}, peak {raw.peak_usage / limit:.4f}x limit, "
             f"{int(broken.sum())} nodes broken, repaired {'-' if repaired is None else f'{repaired:.6g}'}, "
             f"best {upper:.6g} ({time.perf_counter() - t_begin:.1f}s)")
         last = time.perf_counter() - now

@@ -3,14 +3,15 @@ import re
 
 import pytest
 
+import autoshard
 from autoshard.cli import main, parse_bytes
 
 
 def test_demo_writes_a_plan(world, tmp_path, capsys):
     world(64)
     out = tmp_path / "plan.json"
-    rc = main(["demo", "--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128", "--batch", "8",
-               "--seq", "16", "-o", str(out)])
+    rc = main(["demo", "--model", "gpt", "--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128",
+               "--batch", "8", "--seq", "16", "-o", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "on mesh {'dp': 8, 'tp': 8}" in text and "predicted step" in text
@@ -38,7 +39,8 @@ def test_parse_bytes():
 def test_explain_and_diff(world, tmp_path, capsys):
     world(64)
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    small = ["--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128", "--batch", "8", "--seq", "16"]
+    small = ["--model", "gpt", "--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128", "--batch", "8",
+             "--seq", "16"]
     assert main(["demo", *small, "-o", str(a)]) == 0
     assert main(["demo", *small, "--mesh", "dp=8,tp=8", "--profile", "cpu-gloo", "-o", str(b)]) == 0
     capsys.readouterr()
@@ -53,13 +55,22 @@ def test_explain_and_diff(world, tmp_path, capsys):
 
 def test_demo_pins_and_compare(world, capsys):
     world(4)
-    small = ["demo", "--mesh", "dp=2,tp=2", "--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128",
-             "--batch", "8", "--seq", "16"]
+    small = ["demo", "--mesh", "dp=2,tp=2", "--model", "gpt", "--layers", "1", "--dim", "64", "--heads", "4",
+             "--vocab", "128", "--batch", "8", "--seq", "16"]
     assert main(small + ["--pin", "head.weight=RS(0)", "--compare"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^\s*head\.weight\s+dp=R tp=S\(0\)", out, flags=re.M), out
     for name in ("autoshard", "ddp", "fsdp", "tp", "fsdp_tp"):
         assert f"\n{name} " in out
+    # The "autoshard" row is the pinned plan printed above (it used to be an unpinned re-solve).
+    assert main(small + ["--pin", "*=S(0)S(0)", "--compare"]) == 0
+    out = capsys.readouterr().out
+    planned = float(re.search(r"predicted step: ([\d.]+) ms", out).group(1))
+    row = float(re.search(r"^autoshard\s+([\d.]+)", out, flags=re.M).group(1))
+    assert row == pytest.approx(planned, abs=0.01), out
+    assert main(small) == 0  # unpinned: cheaper, so an unpinned "autoshard" row would differ
+    free = float(re.search(r"predicted step: ([\d.]+) ms", capsys.readouterr().out).group(1))
+    assert free < planned - 0.01
     assert main(small + ["--pin", "head.weight"]) == 2
     assert "expected FQN=SPEC" in capsys.readouterr().err
     assert main(small + ["--pin", "nothing.here=RR"]) == 2
@@ -107,3 +118,26 @@ def test_version_and_a_factory_in_the_current_folder(tmp_path, monkeypatch, caps
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
     with pytest.raises(RuntimeError, match="found me"):
         main(["plan", "cwdmodels:make", "--mesh", "dp=2"])
+
+
+def test_a_bug_is_a_traceback_and_bad_input_is_exit_2(world, tmp_path, monkeypatch, capsys):
+    """A bare ValueError from inside the tool is a bug: it propagates (Python prints the
+    traceback, exit 1) instead of being reported as bad input. User errors of every package
+    (autoshard's, the cost model's spec and profile errors) are one line and exit 2."""
+    (tmp_path / "bugmodels.py").write_text("def make():\n    raise ValueError('an internal bug')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(["plan", "bugmodels:make", "--mesh", "dp=2"])
+    (tmp_path / "bad.json").write_text('{"version": 999}')
+    world(2)
+    bad = str(tmp_path / "bad.json")
+    assert main(["demo", "--mesh", "dp=2", "--model", "gpt", "--layers", "1", "--profile", bad]) == 2
+    assert "profile version" in capsys.readouterr().err
+    assert main(["plan", "bugmodels:nothere", "--mesh", "dp=2"]) == 2
+    assert "cannot import" in capsys.readouterr().err
+    assert main(["show", str(tmp_path / "missing.json")]) == 2
+    assert main(["demo", "--mesh", "dp=2", "--model", "gpt", "--layers", "1", "--dim", "64", "--heads", "3"]) == 2
+    assert "must be divisible by n_heads" in capsys.readouterr().err
+    assert main(["demo", "--mesh", "dp=2", "--dim", "64"]) == 2
+    assert "--dim size the small GPT: expected --model gpt with them, found --model llama-8b" in capsys.readouterr().err
+    assert not issubclass(autoshard.AutoshardError, ValueError)

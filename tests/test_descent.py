@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from solver.descent import Network, _colour, descend
+from solver.descent import Network, colour, descend
 
 
 def _network(seed, n=40, p_edge=0.12, kmax=5):
@@ -67,10 +67,10 @@ def test_local_costs_match_a_direct_sum():
 def test_colour_classes_are_independent_and_cover_every_node():
     costs, edges = _network(3, n=60, p_edge=0.2)
     net = Network(costs, edges)
-    classes = _colour(net.nbrs)
+    classes = colour(net.nbrs)
     assert sorted(np.concatenate(classes).tolist()) == list(range(60))
-    colour = {int(v): c for c, members in enumerate(classes) for v in members}
-    assert all(colour[a] != colour[b] for a, b in edges)
+    class_of = {int(v): c for c, members in enumerate(classes) for v in members}
+    assert all(class_of[a] != class_of[b] for a, b in edges)
 
 
 def test_no_edges_and_no_nodes():

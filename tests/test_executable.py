@@ -12,7 +12,7 @@ import autoshard
 from autoshard import _torch_compat as tc
 from autoshard.lower import move
 from autoshard.models import gpt2, llama
-from autoshard.trace import trace
+from autoshard.tracing import trace
 from costmodel import MeshTopology, RedistributePlanner, Spec
 
 # Random ops draw a different stream sharded than whole: checked by the training tests instead.

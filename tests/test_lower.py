@@ -10,7 +10,7 @@ from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, referen
 import autoshard
 from autoshard.lower import collectives
 from autoshard.models import llama
-from autoshard.trace import trace
+from autoshard.tracing import trace
 
 COLLECTIVE_STEPS = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all"}
 

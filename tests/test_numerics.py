@@ -9,7 +9,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import autoshard
 from autoshard.models import MLP, TransformerBlock, TransformerConfig
-from autoshard.plan import ParamPlacement, Plan
+from autoshard.planfile import ParamPlacement, Plan
 
 MESHES = [((4,), ("dp",)), ((2, 2), ("dp", "tp"))]
 

@@ -61,8 +61,48 @@ def test_memory_budget_binds(mesh64):
 
 def test_infeasible_budget_names_the_floor(mesh64):
     model, inputs = small_gpt()
-    with pytest.raises(autoshard.AutoshardError, match=r"smallest feasible budget is at least \d"):
+    with pytest.raises(autoshard.MemoryBudgetError, match=r"smallest feasible budget is at least \d") as err:
         autoshard.plan(model, inputs, mesh64, memory_budget=1024)
+    assert err.value.budget_bytes == 1024 and err.value.min_feasible_bytes > 1024
+
+
+def test_planner_traces_once_and_solves_many_times(mesh64, monkeypatch):
+    """One trace and one problem; each solve may change pins, budget and limits; compare()
+    honours the pins and its "autoshard" row is the plan solve() returns."""
+    model, inputs = MLP(dim=256, hidden=1024), (torch.randn(64, 256),)
+    planner = autoshard.Planner(model, inputs, mesh64, memory_budget=None, time_limit=20)
+    traces, real = [], autoshard.trace
+    monkeypatch.setattr("autoshard.planner.trace", lambda *a, **k: traces.append(a) or real(*a, **k))
+    free = planner.solve()
+    pinned = planner.solve(pins={"fc1.weight": "S(0)S(0)"})
+    assert str(pinned.param_spec("fc1.weight")) == "S(0)S(0)" and str(free.param_spec("fc1.weight")) != "S(0)S(0)"
+    assert pinned.summary["step_us"] >= free.summary["step_us"] - 1e-6
+    table = planner.compare(pins={"fc1.weight": "S(0)S(0)"})
+    assert table["autoshard"] is pinned  # solved once, the pins honoured
+    assert all(str(table[b].param_spec("fc1.weight")) == "S(0)S(0)" for b in ("ddp", "fsdp"))
+    from autoshard.explain import compare_frame, redistributes_frame
+
+    frame = compare_frame(table)
+    assert list(frame.index) == list(table) and frame["ratio"].min() == pytest.approx(1.0)
+    assert frame.loc["autoshard", "step_ms"] == pytest.approx(pinned.summary["step_us"] / 1e3)
+    params = pinned.to_frame()
+    assert len(params) == len(pinned.params) and list(params.columns[2:4]) == ["dp", "tp"]
+    assert tuple(params.set_index("fqn").loc["fc1.weight", ["dp", "tp"]]) == ("S(0)", "S(0)")
+    assert len(redistributes_frame(pinned)) == len(pinned.redistributes)
+    tight = planner.solve(memory_budget=free.summary["peak_mem_bytes"] * 0.6)
+    assert tight.summary["peak_mem_bytes"] <= free.summary["peak_mem_bytes"] * 0.6
+    assert traces == []
+    with pytest.raises(autoshard.ConfigError, match=r"\['tie_layers'\] are fixed when the model is traced"):
+        planner.solve(tie_layers=False)
+    with pytest.raises(autoshard.ConfigError, match=r"unknown plan options \['budget'\]"):
+        planner.solve(budget=1)
+    with pytest.raises(autoshard.ConfigError, match="time_limit: expected seconds > 0, found -1"):
+        autoshard.PlanOptions(time_limit=-1)
+    with pytest.raises(TypeError):
+        autoshard.plan(model, inputs, mesh64, "h100-sxm")  # options are keyword-only
+    opts = autoshard.PlanOptions(memory_budget=None, time_limit=20, pins={"fc1.weight": "S(0)S(0)"})
+    again = autoshard.plan(model, inputs, mesh64, options=opts)
+    assert again.params == pinned.params
 
 
 def test_mesh_size_must_match_world(world):
@@ -141,7 +181,7 @@ def test_unproved_plans_are_seeded_by_the_hand_written_ones(mesh64, monkeypatch,
                                     "time_limit": 1.0})
         return real(problem, **kw)
 
-    monkeypatch.setattr("autoshard.api.solver.solve", first_is_poor)
+    monkeypatch.setattr("autoshard.planner.solver.solve", first_is_poor)
     plan = autoshard.plan(model, inputs, mesh64, profile=SHARDING_PROFILE, time_limit=20,
                           export_problem=str(tmp_path / "p.json.gz"))
     assert calls[0] is False and True in calls  # the first solve, then the baselines (pinned)
@@ -160,3 +200,42 @@ def test_proved_plans_skip_the_seeds(mesh64):
     plan = autoshard.plan(*small_gpt(), mesh64, profile=SHARDING_PROFILE)
     assert plan.solver["status"] == "optimal" and "seeds" not in plan.solver
     assert plan.solver["source"] in ("heuristic", "pairwise", "exact", "milp")
+
+
+def test_every_fallback_is_counted_in_the_summary(mesh64, monkeypatch, caplog):
+    """A sharding rule that raises and an op whose FLOPs cannot be counted are both in the plan
+    summary, described, and logged: never silently an empty rule or a free op."""
+    import autoshard._torch_compat as tc
+    import autoshard.problem
+
+    real = tc.op_strategy
+
+    def broken_relu(op, *args, **kwargs):
+        if "relu" in str(op):
+            raise RuntimeError("rule exploded\nsecond line")
+        return real(op, *args, **kwargs)
+
+    class NoFlops:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            raise NotImplementedError("cannot count")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(tc, "op_strategy", broken_relu)
+    monkeypatch.setattr(autoshard.problem, "FlopCounterMode", NoFlops)
+    model, inputs = MLP(dim=64, hidden=128), (torch.randn(64, 64),)
+    with caplog.at_level("WARNING", logger="autoshard"):
+        plan = autoshard.plan(model, inputs, mesh64, memory_budget=None, time_limit=10)
+    s = plan.summary
+    assert s["fallback_ops"]["aten.relu.default"] >= 1
+    assert s["rule_errors"] == {"aten.relu.default": "RuntimeError: rule exploded"}
+    assert "NotImplementedError: cannot count" in s["flops_uncounted"]["aten.mm.default"]
+    text = plan.describe()
+    assert "sharding rule of aten.relu.default raised (replicated): RuntimeError: rule exploded" in text
+    assert "FLOPs of aten.mm.default not counted" in text
+    logged = caplog.text
+    assert "rule of aten.relu.default raised" in logged and "FLOPs of aten.mm.default could not be counted" in logged

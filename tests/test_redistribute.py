@@ -16,8 +16,10 @@ from torch.distributed.tensor._redistribute import (
 from torch.distributed.tensor.debug import CommDebugMode
 
 from costmodel import MeshTopology, Spec, load_profile
-from costmodel._torch_compat import dtensor_spec, execute
-from costmodel.redistribute import RedistributeError, RedistributePlanner
+from costmodel._torch_compat import dtensor_spec
+from costmodel.executor import execute_plan
+from costmodel.redistribute import RedistributePlanner
+from costmodel.states import RedistributeError
 
 PROFILE = load_profile("h100-sxm")
 # Op names CommDebugMode records for each kind (DTensor's all_to_all is its own shard_dim_alltoall op).
@@ -51,7 +53,7 @@ def check_pairs(world, mesh_shape, shape, pairs):
         for src, dst in pairs:
             plan = planner.plan(src, dst, shape, 4)
             with CommDebugMode() as comm:
-                out = execute(local_of(src), plan, mesh, shape)
+                out = execute_plan(local_of(src), plan, mesh, shape)
             if "P(" in str(dst):
                 # Partial values are not unique per rank: compare what they reduce to. DTensor's
                 # flattened-merge optimization gathers nested uneven shards wrongly (torch 2.13:
@@ -87,11 +89,14 @@ def test_every_pair_on_2x2_uneven(world):
     check_pairs(world, (2, 2), (3, 5), list(itertools.product(specs, specs)))
 
 
-def test_every_pair_on_2x2x2(world):
+@pytest.mark.slow
+@pytest.mark.parametrize("part", range(6))
+def test_every_pair_on_2x2x2(world, part):
     # Every placement and shard order with P(sum); P(avg) is covered by the random pairs below
-    # (all 159^2 pairs with both partials take ~8 minutes here).
+    # (all 159^2 pairs with both partials take ~8 minutes here). Six parts, so that parallel
+    # test processes share the ~5 minutes this takes on one core.
     specs = all_specs(3, 2, partials=("P(sum)",))
-    check_pairs(world, (2, 2, 2), (4, 8), list(itertools.product(specs, specs)))
+    check_pairs(world, (2, 2, 2), (4, 8), list(itertools.product(specs, specs))[part::6])
 
 
 def test_random_pairs_with_avg_on_2x2x2_uneven(world):
@@ -100,6 +105,7 @@ def test_random_pairs_with_avg_on_2x2x2_uneven(world):
     check_pairs(world, (2, 2, 2), (6, 5), [(rng.choice(specs), rng.choice(specs)) for _ in range(250)])
 
 
+@pytest.mark.slow
 def test_random_pairs_on_2x2x2x2(world):
     specs = all_specs(4, 3, partials=("P(sum)",))
     rng = random.Random(1)

@@ -137,7 +137,7 @@ def test_planned_step_keeps_non_default_shard_orders(world):
                                   "RS(1)S(1)[2,1]"])
 def test_shard_orders_round_trip_through_dtensor_placements(world, text):
     from autoshard._torch_compat import from_placements, placements_for
-    from autoshard.parallelize import distribute
+    from autoshard.shards import distribute
     from costmodel import Spec
 
     world(8)

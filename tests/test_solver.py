@@ -192,7 +192,7 @@ def test_large_models_fall_back_to_heuristics_within_the_limit():
 
 @pytest.mark.skipif(not __import__("solver.cfn").cfn.available(), reason="pytoulbar2 not installed")
 @pytest.mark.parametrize("seed", range(3))
-def test_weight_search_finds_feasible_answers_above_its_bound(seed):
+def test_weight_search_finds_feasible_answers_above_its_bound(seed, caplog):
     import time
 
     from solver import weights
@@ -204,8 +204,9 @@ def test_weight_search_finds_feasible_answers_above_its_bound(seed):
     assert free.peak_usage > floor
     p.usage_limit = float((floor + free.peak_usage) / 2)  # binds: the memory-free optimum breaks it
     exact = solve(p, time_limit=30)
-    lines = []
-    found, bound = weights.weight_search(p, None, deadline=time.perf_counter() + 4, say=lines.append)
+    with caplog.at_level("INFO", logger="solver"):
+        found, bound = weights.weight_search(p, None, deadline=time.perf_counter() + 4)
+    lines = [r.getMessage() for r in caplog.records]
     assert sum("weights round" in m for m in lines) >= 2, lines
     assert found is not None
     ev = evaluate(p, found)
@@ -344,14 +345,14 @@ def test_elimination_reduces_a_chain_and_a_tree_to_nothing():
 def test_lns_window_prices_every_assignment_like_the_whole_problem(seed):
     """For every assignment of the free nodes, the window's cost difference equals the whole
     problem's, and it fits the window's memory exactly when the whole problem's."""
-    from solver import heuristic, lns
+    from solver import lns, local
 
     rng = np.random.default_rng(300 + seed)
     p = random_problem(rng, n=9, kmax=3, density=0.4, limit=True)
     choice = np.array([int(np.argmin(u)) for u in p.node_usages])
     p.usage_limit = float(max(p.usage_limit, evaluate(p, choice).peak_usage))
     free = np.sort(rng.choice(p.num_nodes, size=4, replace=False))
-    adj, mem = heuristic._Adjacency(p), heuristic._Memory(p, choice)
+    adj, mem = local.Adjacency(p), local.Memory(p, choice)
     sub = lns.subproblem(p, adj, mem, choice, free)
     fillers = sub.num_nodes - free.size
     assert all(sub.num_strategies(v) == 1 for v in range(free.size, sub.num_nodes))
@@ -414,7 +415,7 @@ def test_lns_child_takes_up_cheaper_offers_and_improves():
         child.close()
 
 
-def test_weight_path_with_windows_in_a_child(monkeypatch):
+def test_weight_path_with_windows_in_a_child(monkeypatch, caplog):
     """Models too large for the MILP on three cores: the weight search here, windows in two
     children; the answer is feasible and optimal on a small problem."""
     import importlib
@@ -423,8 +424,9 @@ def test_weight_path_with_windows_in_a_child(monkeypatch):
     monkeypatch.setattr(importlib.import_module("solver.solve"), "spare_cores", lambda: 2)
     rng = np.random.default_rng(403)
     p = random_problem(rng, n=9, kmax=3, density=0.3, limit=True)
-    lines = []
-    sol = solve(p, time_limit=14, max_nonzeros=10, pairwise=False, exact=False, log=lines.append)
+    with caplog.at_level("INFO", logger="solver"):
+        sol = solve(p, time_limit=14, max_nonzeros=10, pairwise=False, exact=False)
+    lines = [r.getMessage() for r in caplog.records]
     assert any("in 2 child process(es)" in m for m in lines), lines
     assert sum("lns (child" in m for m in lines) == 2, lines
     assert sol.cost == pytest.approx(brute_force(p))
@@ -481,3 +483,18 @@ def test_a_proof_of_infeasibility_in_the_milp_path_is_not_an_error(monkeypatch):
     monkeypatch.setattr(highs_model, "build", proves)
     sol = solve(p, time_limit=5, pairwise=False, exact=False)  # the heuristic's answer stands
     assert evaluate(p, sol.choice).feasible and sol.status != "optimal"
+
+
+def test_schedule_is_checked_and_used():
+    """Stage deadlines live in one documented dataclass; a bad one names the broken relation."""
+    from solver import Schedule
+
+    with pytest.raises(ValueError, match=r"schedule.pairwise: expected a share of the time limit in \(0, 1\]"):
+        Schedule(pairwise=1.5)
+    with pytest.raises(ValueError, match=r"weights \(0.9\) must end no later than windows \(0.5\)"):
+        Schedule(weights=0.9, windows=0.5)
+    assert Schedule().deadline("exact", 10.0, 100.0) == pytest.approx(80.0)
+    rng = np.random.default_rng(7)
+    p = random_problem(rng, n=8, kmax=3, density=0.3, limit=True)
+    sol = solve(p, time_limit=5, schedule=Schedule(pairwise=0.2, exact=0.3))
+    assert sol.cost == pytest.approx(brute_force(p))

@@ -32,6 +32,7 @@ from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from autoshard.errors import ConfigError
 from autoshard.serve.jobs import JobRunner, QueueFull
 from autoshard.serve.requests import PlanRequest, canonical_plan_request, fingerprint
 from autoshard.serve.store import Store
@@ -58,9 +59,9 @@ class ServiceConfig:
 
     def __post_init__(self):
         if self.workers < 1 or self.max_queue < 1:
-            raise ValueError(f"workers and max_queue must be >= 1, found {self.workers} and {self.max_queue}")
+            raise ConfigError(f"workers and max_queue must be >= 1, found {self.workers} and {self.max_queue}")
         if not 0 < self.max_time_limit <= self.job_seconds:
-            raise ValueError(f"need 0 < max_time_limit ({self.max_time_limit}) <= job_seconds ({self.job_seconds})")
+            raise ConfigError(f"need 0 < max_time_limit ({self.max_time_limit}) <= job_seconds ({self.job_seconds})")
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:

@@ -90,16 +90,10 @@ def build_model(spec: ModelSpec, batch: int, seq: int):
     import torch
 
     with torch.device("meta"):
-        if spec.reference == "llama":
-            from autoshard.models import llama
+        if spec.reference is not None:
+            from autoshard.models import reference
 
-            overrides = dict(spec.overrides)
-            overrides.setdefault("max_seq_len", seq)
-            model = llama(spec.preset, **overrides)
-        elif spec.reference == "gpt2":
-            from autoshard.models import gpt2
-
-            model = gpt2(spec.preset, **spec.overrides)
+            model = reference(spec.reference, spec.preset, seq=seq, **spec.overrides)
         else:
             import transformers
 

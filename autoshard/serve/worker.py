@@ -8,6 +8,7 @@ with the error. Nothing partial is ever stored.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import traceback
@@ -15,6 +16,20 @@ import traceback
 from autoshard.serve.store import Store
 
 _PHASES = (("traced", "building problem"), ("built problem", "solving"), ("solved", "assembling plan"))
+
+
+class _PhaseHandler(logging.Handler):
+    """The job's phase from the planner's progress messages, for clients polling its status."""
+
+    def __init__(self, store: Store, job_id: str):
+        super().__init__(logging.INFO)
+        self.store, self.job_id = store, job_id
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        for prefix, phase in _PHASES:
+            if msg.startswith(prefix):
+                self.store.set_phase(self.job_id, phase)
 
 
 def _die_with_parent() -> None:
@@ -71,14 +86,17 @@ def _plan(store: Store, job: dict):
     model, inputs = build_model(req.model, req.batch, req.seq)
     mesh = autoshard.fake_mesh(tuple(req.mesh.shape), tuple(req.mesh.axis_names))
 
-    def log(msg: str) -> None:
-        for prefix, phase in _PHASES:
-            if msg.startswith(prefix):
-                store.set_phase(job["id"], phase)
-
-    plan = autoshard.plan(model, inputs, mesh, profile=_profile(store, req.profile),
-                          memory_budget=req.memory_budget, time_limit=req.time_limit, log=log,
-                          pins=req.pins or None)
+    phases = _PhaseHandler(store, job["id"])
+    loggers = [logging.getLogger(name) for name in ("autoshard", "solver")]
+    for logger in loggers:
+        logger.addHandler(phases)
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+    try:
+        plan = autoshard.plan(model, inputs, mesh, profile=_profile(store, req.profile),
+                              memory_budget=req.memory_budget, time_limit=req.time_limit, pins=req.pins or None)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(phases)
     s = plan.summary
     summary = {"model": plan.model.get("class"), "mesh": plan.mesh_shape, "step_us": s["step_us"],
                "peak_mem_bytes": s["peak_mem_bytes"], "status": plan.solver.get("status")}

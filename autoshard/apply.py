@@ -10,35 +10,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from autoshard._torch_compat import from_placements, is_persistent_buffer, placements_for, quiet_tracing
-from autoshard.errors import MeshError, PlanError
+from autoshard._torch_compat import from_placements, is_persistent_buffer, quiet_tracing
+from autoshard.errors import ConfigError, MeshError, PlanError
 from autoshard.mesh import axis_names_of, check_mesh, several_processes
-from autoshard.plan import Plan
-from autoshard.runtime import _Step
-from costmodel import execute_plan, local_plan
+from autoshard.planfile import Plan
+from autoshard.runtime import StepFunction
+from autoshard.shards import distribute, unsharded_meta_copy
 from costmodel.spec import Spec
-
-
-def distribute(tensor: torch.Tensor, mesh, spec: Spec, src_data_rank: int | None = 0) -> DTensor:
-    """``tensor`` (the full tensor) as a DTensor of ``spec``, its shard order included.
-
-    A default-order spec is DTensor's ``distribute_tensor``. A spec with a shard order is
-    replicated and then chunked locally, axis by axis in the planned order (the planner's
-    own local steps), and carries ``_StridedShard`` placements: every rank keeps exactly the
-    slice the plan's redistributes expect. (``distribute_tensor`` with those placements also
-    slices correctly on real processes, but not under LocalTensorMode.)
-    """
-    if not spec.shard_order:
-        return distribute_tensor(tensor, mesh, placements_for(spec, mesh), src_data_rank=src_data_rank)
-    if any(p.startswith("P") for p in spec.placements):
-        raise PlanError(f"cannot distribute a full tensor as {spec}: a partial spec has no full-tensor layout")
-    replicated = Spec(("R",) * len(spec.placements))
-    local = distribute_tensor(tensor, mesh, placements_for(replicated, mesh), src_data_rank=src_data_rank).to_local()
-    local = execute_plan(local, local_plan(replicated, spec, tensor.ndim), mesh, tuple(tensor.shape))
-    return DTensor.from_local(local, mesh, placements_for(spec, mesh), run_check=False, shape=tensor.shape,
-                              stride=tensor.stride())
 
 
 def check_plan_matches(model: nn.Module, plan: Plan, mesh) -> None:
@@ -110,7 +90,7 @@ class _PlannedForward:
 
     def program(self, inputs: list[torch.Tensor], constants: dict):
         from autoshard.runtime import PlannedProgram
-        from autoshard.trace import trace
+        from autoshard.tracing import trace
 
         names = self.plan.keyword_inputs
         key = (tuple((tuple(x.shape), x.dtype) for x in inputs), repr(sorted(constants.items())))
@@ -144,14 +124,14 @@ class _PlannedForward:
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         flat = [params[f] for f in program.tg.param_fqns] + [buffers[f] for f in program.tg.buffer_fqns]
-        outs = iter(_Step.apply(program, *flat, *dist_inputs))
+        outs = iter(StepFunction.apply(program, *flat, *dist_inputs))
         if self.compute_loss:
             return next(outs)
         leaves = [next(outs) if isinstance(v, torch.fx.Node) else v for v in program.tg.outputs]
         return torch.utils._pytree.tree_unflatten(leaves, program.tg.output_tree)
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dict: dict | None = None,
+def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_dict: dict | None = None,
                 loss_fn=None, profile=None, bucket_mb: float = 25.0, overlap: bool = True,
                 compute_loss: bool = False) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
@@ -190,10 +170,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     """
     check_mesh(mesh)
     check_plan_matches(model, plan, mesh)
-    from autoshard.replay import _unsharded_meta_copy
-
     with quiet_tracing():
-        template = _unsharded_meta_copy(model)
+        template = unsharded_meta_copy(model)
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     done: dict[int, nn.Parameter] = {}  # a tied parameter is one DTensor, under each of its names
     done_buffers: dict[int, DTensor] = {}
@@ -232,32 +210,36 @@ def parallelize(model: nn.Module, plan: Plan, mesh, init_fn=None, full_state_dic
     if full_state_dict is not None:
         load_full_state_dict(model, full_state_dict)
     if bucket_mb < 0:
-        raise ValueError(f"bucket_mb must be >= 0 (0: one collective per planned step), found {bucket_mb}")
+        raise ConfigError(f"bucket_mb must be >= 0 (0: one collective per planned step), found {bucket_mb}")
     model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile, bucket_mb, overlap, compute_loss)
     model._autoshard_plan = plan
     return model
 
 
-def auto_parallel(model: nn.Module, example_inputs, mesh, loss_fn=None, compute_loss: bool = False,
-                  example_kwargs: dict | None = None, **plan_options) -> nn.Module:
+def auto_parallel(model: nn.Module, example_inputs, mesh, *, compute_loss: bool = False, bucket_mb: float = 25.0,
+                  overlap: bool = True, options=None, **plan_options) -> nn.Module:
     """Plan ``model`` for ``mesh`` and parallelize it with that plan: one call.
 
-    On several real processes rank 0 plans and broadcasts the plan (a time-limited solve
-    could differ between ranks); ``plan_options`` go to :func:`autoshard.plan`. The plan
-    is kept as ``model._autoshard_plan`` (save it to apply it later without planning).
-    ``compute_loss``: ``forward`` returns the loss, lowered with the model (see :func:`parallelize`)."""
+    ``options`` and ``plan_options`` are :class:`~autoshard.options.PlanOptions` (fields as
+    keywords: ``memory_budget``, ``loss_fn``, ``example_kwargs`` ...) for :func:`autoshard.plan`;
+    ``compute_loss``, ``bucket_mb`` and ``overlap`` go to :func:`parallelize`. On several real
+    processes rank 0 plans and broadcasts the plan (a time-limited solve could differ between
+    ranks). The plan is kept as ``model._autoshard_plan`` (save it to apply it later without
+    planning)."""
     import torch.distributed as dist
 
-    from autoshard.api import plan as make_plan
+    from autoshard.options import resolve
+    from autoshard.planner import plan as make_plan
 
+    opts = resolve(options, plan_options)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     shared = several_processes()
     box = [None]
     if not shared or dist.get_rank() == 0:
-        box[0] = make_plan(model, example_inputs, mesh, loss_fn=loss_fn, example_kwargs=example_kwargs,
-                           **plan_options).to_json()
+        box[0] = make_plan(model, example_inputs, mesh, options=opts).to_json()
     if shared:
         dist.broadcast_object_list(box, src=0)
     # The plan carries its profile (by name when shipped, whole otherwise).
-    return parallelize(model, Plan.from_json(box[0]), mesh, loss_fn=loss_fn, compute_loss=compute_loss)
+    return parallelize(model, Plan.from_json(box[0]), mesh, loss_fn=opts.loss_fn, compute_loss=compute_loss,
+                       bucket_mb=bucket_mb, overlap=overlap)

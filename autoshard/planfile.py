@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,14 @@ from autoshard.errors import PlanError
 from costmodel.spec import Spec
 
 PLAN_VERSION = 1
+
+
+def layer_of(fqn: str) -> str:
+    """``layers.3.attn.wq.weight`` -> ``layers.3``; ``embed.weight`` -> ``embed``."""
+    m = re.match(r"^(.*?\.\d+)\.", fqn)
+    if m:
+        return m.group(1)
+    return fqn.rsplit(".", 1)[0] if "." in fqn else fqn
 
 
 @dataclass
@@ -51,7 +61,9 @@ class Plan:
     redistributes: list[dict] = field(default_factory=list)
     """Every non-free redistribute: node, arg, from, to, steps, us."""
     summary: dict = field(default_factory=dict)
-    """Predicted step_us, compute_us, comm_us, peak_mem_bytes; fallback_ops; counts."""
+    """Predicted step_us, compute_us, comm_us, peak_mem_bytes; counts; every fallback:
+    fallback_ops (op -> nodes replicated for want of a sharding rule), rule_errors (op -> what
+    its rule raised), flops_uncounted (op -> why its FLOPs are costed as 0)."""
     solver: dict = field(default_factory=dict)
     profile: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
@@ -166,13 +178,52 @@ class Plan:
         ]
         if s.get("fallback_ops"):
             lines.append(f"  ops with no sharding rule (replicated): {s['fallback_ops']}")
+        for op, err in (s.get("rule_errors") or {}).items():
+            lines.append(f"  sharding rule of {op} raised (replicated): {err}")
+        for op, err in (s.get("flops_uncounted") or {}).items():
+            lines.append(f"  FLOPs of {op} not counted (costed as 0): {err}")
         lines.append("  inputs: " + ", ".join(self.inputs))
-        lines.append("  parameters:")
-        width = max((len(k) for k in self.params), default=0)
-        for k, (fqn, p) in enumerate(self.params.items()):
+        rows = self._param_rows()
+        lines.append(f"  parameters ({len(self.params)}; repeated layers with equal placements shown once):"
+                     if len(rows) < len(self.params) else "  parameters:")
+        width = max((len(name) for name, _, _ in rows), default=0)
+        for k, (name, text, count) in enumerate(rows):
             if k == max_params:
-                lines.append(f"    ... {len(self.params) - max_params} more")
+                lines.append(f"    ... {len(rows) - max_params} more")
                 break
-            pl = " ".join(f"{a}={p.placements[a]}" for a in self.axis_names)
-            lines.append(f"    {fqn:<{width}}  {pl}  {tuple(p.shape)}")
+            lines.append(f"    {name:<{width}}  {text}" + (f"  x{count}" if count > 1 else ""))
         return "\n".join(lines)
+
+    def local_elems(self, fqn: str) -> int:
+        """Elements of parameter ``fqn`` one device holds (the largest shard when uneven)."""
+        p = self.params[fqn]
+        return math.prod(self.param_spec(fqn).local_shape(tuple(p.shape), tuple(self.mesh_shape))) if p.shape else 0
+
+    def to_frame(self):
+        """One pandas row per parameter or buffer: ``fqn``, ``layer``, one placement column per
+        mesh axis, ``shard_order``, ``shape``, ``global_elems``, ``local_elems`` (per device)."""
+        import pandas as pd
+
+        rows = []
+        for fqn, p in self.params.items():
+            row = {"fqn": fqn, "layer": layer_of(fqn)}
+            row.update({axis: p.placements[axis] for axis in self.axis_names})
+            row.update(shard_order=p.shard_order or None, shape=tuple(p.shape),
+                       global_elems=math.prod(p.shape) if p.shape else 0, local_elems=self.local_elems(fqn))
+            rows.append(row)
+        columns = ["fqn", "layer", *self.axis_names, "shard_order", "shape", "global_elems", "local_elems"]
+        return pd.DataFrame(rows, columns=columns)
+
+    def _param_rows(self) -> list[tuple[str, str, int]]:
+        """(name, placements and shape, count) per row: parameters whose FQNs differ only in
+        layer indices and that have the same placement, shard order and shape share one row
+        (``layers.*.attn.wq``), so an 80-layer model prints one layer's worth."""
+        groups: dict[tuple, list[str]] = {}
+        for fqn, p in self.params.items():
+            text = " ".join(f"{a}={p.placements[a]}" for a in self.axis_names)
+            if p.shard_order:
+                text += f" order={p.shard_order}"
+            text += f"  {tuple(p.shape)}"
+            groups.setdefault((re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", fqn), text), []).append(fqn)
+        return [(members[0] if len(members) == 1 else pattern, text, len(members))
+                for (pattern, text), members in groups.items()]

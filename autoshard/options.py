@@ -1,0 +1,100 @@
+"""``PlanOptions``: everything a plan depends on besides the model, its inputs and the mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from autoshard.errors import ConfigError
+from costmodel import Profile
+from solver import BACKENDS
+
+#: Fields fixed once the model is traced and its problem built (a new Planner changes them).
+TRACE_FIELDS = ("profile", "loss_fn", "example_kwargs", "tie_layers")
+#: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
+SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "time_limit", "backend", "seed_baselines", "export_problem")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan. Give fields as keywords to :func:`autoshard.plan`, :class:`autoshard.Planner`
+    and :func:`autoshard.auto_parallel`, or build one and pass it as ``options=``."""
+
+    profile: str | Profile = "h100-sxm"
+    """Hardware profile: a shipped name (``costmodel.builtin_profiles()``), a profile
+    file written by ``autoshard calibrate``, or a :class:`costmodel.Profile`."""
+
+    memory_budget: float | str | None = "auto"
+    """Bytes per device the plan may use at its peak; ``"auto"`` takes the profile's device
+    memory, ``None`` plans without a memory constraint."""
+
+    time_limit: float = 60.0
+    """Seconds the solver may take (a proved optimum returns earlier)."""
+
+    backend: str = "highs"
+    """MILP backend: ``"highs"`` (default) or ``"cbc"`` (through PuLP)."""
+
+    tie_layers: bool = True
+    """Repeated layers (a ``ModuleList`` of identical blocks) take the same specs, so the solver
+    sees one layer however deep the model is."""
+
+    pins: Mapping[str, Any] | None = None
+    """``{FQN glob of a parameter or module: spec}`` fixes those parameters' specs; a spec is text
+    such as ``"S(0)[1,0]S(0)"`` or ``{axis name: placement}``."""
+
+    input_specs: Sequence[Any] | None = None
+    """One spec (or ``None``: the solver chooses) per planned input, positional inputs first, then
+    the tensor keywords of ``example_kwargs`` in their order."""
+
+    seed_baselines: bool = True
+    """Unless the first solve (60% of ``time_limit``) proves its plan optimal, the hand-written
+    plans (DDP, FSDP, TP, FSDP+TP) are solved under their pins and start a second solve with the
+    first answer, so the plan is never dearer than any of them."""
+
+    loss_fn: Callable | None = None
+    """Maps the model's output to a scalar loss (default: the output's mean, or the model's own
+    loss where it returns one)."""
+
+    example_kwargs: Mapping[str, Any] | None = None
+    """Keyword arguments of ``forward`` (``attention_mask``, ``labels`` ...): tensors are planned
+    inputs after the positional ones, other values constants of the plan."""
+
+    export_problem: str | None = None
+    """Also write the solver's problem (pins applied) to this path in the IOPDDL contest format
+    (``.json`` or ``.json.gz``; ties and pins as extra keys)."""
+
+    def __post_init__(self):
+        if not isinstance(self.profile, (str, Profile)):
+            raise ConfigError(f"profile: expected a profile name, a profile file or a Profile, "
+                              f"found {type(self.profile).__name__}")
+        b = self.memory_budget
+        if not (b is None or b == "auto" or (isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0)):
+            raise ConfigError(f"memory_budget: expected bytes > 0, 'auto' or None, found {b!r}")
+        if not (isinstance(self.time_limit, (int, float)) and self.time_limit > 0):
+            raise ConfigError(f"time_limit: expected seconds > 0, found {self.time_limit!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend: expected one of {BACKENDS}, found {self.backend!r}")
+        if self.pins is not None and not isinstance(self.pins, Mapping):
+            raise ConfigError(f"pins: expected {{FQN glob: spec}}, found {type(self.pins).__name__}")
+        if self.input_specs is not None and isinstance(self.input_specs, (str, Mapping)):
+            raise ConfigError(f"input_specs: expected one spec (or None) per input, found {self.input_specs!r}")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise ConfigError(f"loss_fn: expected a callable, found {type(self.loss_fn).__name__}")
+        if self.example_kwargs is not None and not isinstance(self.example_kwargs, Mapping):
+            raise ConfigError(f"example_kwargs: expected a dict, found {type(self.example_kwargs).__name__}")
+
+    def replace(self, **overrides) -> PlanOptions:
+        """A copy with ``overrides``; an unknown name is an error that lists the fields."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown plan options {unknown}; expected some of "
+                              f"{[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+
+def resolve(options: PlanOptions | None, overrides: Mapping[str, Any]) -> PlanOptions:
+    """``options`` (default ``PlanOptions()``) with keyword ``overrides`` applied."""
+    if options is not None and not isinstance(options, PlanOptions):
+        raise ConfigError(f"options: expected a PlanOptions, found {type(options).__name__}")
+    return (options or PlanOptions()).replace(**overrides)

@@ -1,0 +1,332 @@
+"""The planner: model + example inputs + mesh -> :class:`~autoshard.planfile.Plan`.
+
+    planner = Planner(model, example_inputs, mesh, memory_budget=70 * 2**30)   # traces and builds once
+    plan = planner.solve()                                # the plan
+    other = planner.solve(pins={"layers.*.attn.wq": "RS(0)"}, time_limit=10)  # same trace, other pins
+    table = planner.compare()                             # ours and the hand-written plans, costed alike
+
+:func:`plan` and :func:`compare` are the one-call forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+import solver
+from autoshard.baselines import BASELINES, baseline_pins
+from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError
+from autoshard.mesh import axis_names_of, check_mesh
+from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
+from autoshard.pins import resolve_pins, to_spec
+from autoshard.planfile import ParamPlacement, Plan
+from autoshard.problem import build_problem, pin_indices
+from autoshard.tracing import trace
+from autoshard.units import human_bytes
+from costmodel import MeshTopology, Profile, load_profile, plan_steps
+
+log = logging.getLogger(__name__)
+
+#: Share of ``time_limit`` for the first solve when ``seed_baselines`` is on, and for all the
+#: hand-written plans together; the second solve takes what is left.
+FIRST_SOLVE_SHARE = 0.6
+BASELINES_SHARE = 0.1
+
+
+def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *,
+         options: PlanOptions | None = None, **overrides) -> Plan:
+    """Choose a spec for every node of ``model``'s training step on ``mesh``.
+
+    Keywords are :class:`~autoshard.options.PlanOptions` fields (``memory_budget``, ``pins``,
+    ``time_limit``, ``profile``, ...), applied over ``options``. One call of
+    ``Planner(model, example_inputs, mesh, ...).solve()``; ``plan.solver["source"]`` names the
+    stage or start the answer came from.
+    """
+    return Planner(model, example_inputs, mesh, options=options, **overrides).solve()
+
+
+def compare(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *,
+            baselines: Sequence[str] = BASELINES, options: PlanOptions | None = None,
+            **overrides) -> dict[str, Plan | str]:
+    """Our plan and each hand-written baseline, costed alike: see :meth:`Planner.compare`."""
+    return Planner(model, example_inputs, mesh, options=options, **overrides).compare(baselines)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seed:
+    """A hand-written plan solved under its pins: the plan and the solver's choice."""
+
+    plan: Plan
+    choice: object
+
+
+class Planner:
+    """One traced model and its problem on one mesh, solved as many times as asked.
+
+    The trace and the problem depend on the model, the inputs, the mesh and the options in
+    :data:`~autoshard.options.TRACE_FIELDS`; each :meth:`solve` may change the others
+    (pins, budget, time limit ...). Solves and hand-written plans are cached by their
+    options, so ``solve()`` then ``compare()`` solves each once.
+    """
+
+    def __init__(self, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *,
+                 options: PlanOptions | None = None, **overrides):
+        self.options = opts = resolve(options, overrides)
+        check_mesh(mesh)
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        self.model, self.mesh = model, mesh
+        self.profile = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)
+        self.axis_names = axis_names_of(mesh)
+        self.phases: dict[str, float] = {}
+        t0 = time.perf_counter()
+        from autoshard._torch_compat import quiet_tracing
+
+        with quiet_tracing():  # called inside LocalTensorMode or CommDebugMode, the trace is the model's alone
+            self.traced = tg = trace(model, example_inputs, opts.loss_fn, tie_layers=opts.tie_layers,
+                                     example_kwargs=opts.example_kwargs)
+        self.phases["trace_s"] = time.perf_counter() - t0
+        log.info(f"traced {len(tg.gm.graph.nodes)} graph nodes in {self.phases['trace_s']:.2f}s"
+                 + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"
+                    if tg.layer_groups else ""))
+        t1 = time.perf_counter()
+        # The budget only sets the problem's usage limit: each solve replaces it.
+        self.built = gp = build_problem(tg, mesh, self.profile, self._budget(opts), tie_layers=opts.tie_layers)
+        self.phases["build_s"] = time.perf_counter() - t1
+        st = gp.problem.stats()
+        log.info(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
+                 f"{len(gp.problem.ties)} tie groups), {st['strategies']} strategies, {st['edges']} edges "
+                 f"in {self.phases['build_s']:.2f}s")
+        self._plans: dict[str, tuple[Plan, object]] = {}
+        self._seeds: dict[str, _Seed | str] = {}
+
+    def _budget(self, opts: PlanOptions) -> float | None:
+        return self.profile.memory_bytes if opts.memory_budget == "auto" else opts.memory_budget
+
+    def _options(self, overrides) -> PlanOptions:
+        fixed = sorted(set(overrides) & set(TRACE_FIELDS))
+        if fixed:
+            raise ConfigError(f"{fixed} are fixed when the model is traced: make a new Planner to change them "
+                              f"(a solve may change {list(SOLVE_FIELDS)})")
+        return self.options.replace(**overrides)
+
+    def problem(self, **overrides) -> solver.Problem:
+        """The solver's problem with these options' pins, input specs and memory budget applied."""
+        opts = self._options(overrides)
+        tg, gp = self.traced, self.built
+        pinned = resolve_pins(dict(opts.pins or {}), tg.param_fqns + tg.buffer_fqns, self.axis_names)
+        in_specs = None if opts.input_specs is None else [
+            None if s is None else to_spec(s, self.axis_names, f"input_specs[{k}]")
+            for k, s in enumerate(opts.input_specs)]
+        return dataclasses.replace(gp.problem, pins=pin_indices(gp, tg, pinned, in_specs),
+                                   usage_limit=self._budget(opts),
+                                   name=f"{type(self.model).__name__} on {tuple(self.mesh.shape)}")
+
+    def solve(self, **overrides) -> Plan:
+        """The plan under these options (:data:`~autoshard.options.SOLVE_FIELDS` may differ
+        from the planner's): a first solve, then, unless it proved its plan optimal and where
+        ``seed_baselines`` is on, a second solve started from its answer and from the
+        hand-written plans solved under their pins, so the plan is never dearer than any of
+        them. Raises :class:`~autoshard.errors.MemoryBudgetError` when nothing fits."""
+        opts = self._options(overrides)
+        key = _key(opts)
+        if key in self._plans:
+            return self._plans[key][0]
+        if opts.export_problem is not None:
+            solver.save_iopddl(self.problem(**_solve_fields(opts)), opts.export_problem)
+            log.info(f"wrote the solver problem to {opts.export_problem}")
+        if not opts.seed_baselines:
+            result = self._solve_once(opts, opts.time_limit)
+        else:
+            t0 = time.perf_counter()
+            first, choice = self._solve_once(opts, FIRST_SOLVE_SHARE * opts.time_limit)
+            if first.solver["status"] == "optimal":
+                result = first, choice  # a proved optimum: no hand-written plan can beat it
+            else:
+                seeds = self._baselines(BASELINES, opts, BASELINES_SHARE * opts.time_limit / len(BASELINES))
+                rest = max(1.0, opts.time_limit - (time.perf_counter() - t0))
+                starts = [(f"first solve ({first.solver['source']})", choice),
+                          *((name, s.choice) for name, s in seeds.items() if isinstance(s, _Seed))]
+                result = self._solve_once(opts, rest, starts)
+                result[0].solver["seeds"] = {name: s.plan.summary["step_us"] if isinstance(s, _Seed) else None
+                                             for name, s in seeds.items()}
+        self._plans[key] = result
+        return result[0]
+
+    def compare(self, baselines: Sequence[str] = BASELINES, **overrides) -> dict[str, Plan | str]:
+        """Our plan and each hand-written baseline (``ddp``, ``fsdp``, ``tp``, ``fsdp_tp``), costed alike.
+
+        ``"autoshard"`` is exactly what :meth:`solve` returns under the same options (pins
+        included); a baseline fixes the parameter and input specs as people write them by
+        hand (see :mod:`autoshard.baselines`; the pins given win over its own) and the
+        solver chooses the rest. A baseline that does not fit the memory budget maps to the
+        error's message.
+        """
+        opts = self._options(overrides)
+        out: dict[str, Plan | str] = {"autoshard": self.solve(**overrides)}
+        for name, seed in self._baselines(baselines, opts, opts.time_limit).items():
+            out[name] = seed.plan if isinstance(seed, _Seed) else seed
+        return out
+
+    def _baselines(self, names, opts: PlanOptions, time_limit: float) -> dict[str, _Seed | str]:
+        """Each hand-written plan solved under its pins (the user's pins, where given, win):
+        name -> :class:`_Seed`, or the error message when it breaks the budget or cannot be
+        written for this model (a batch smaller than the ranks it would be split over)."""
+        out: dict[str, _Seed | str] = {}
+        mine = resolve_pins(dict(opts.pins or {}), self.traced.param_fqns + self.traced.buffer_fqns,
+                            self.axis_names)
+        for name in names:
+            pins, inputs = baseline_pins(name, self.model, len(tuple(self.mesh.shape)))
+            inputs = inputs * len(self.traced.input_nodes())
+            seed_opts = dataclasses.replace(opts, pins={**pins, **mine}, input_specs=inputs, export_problem=None)
+            key = _key(seed_opts)
+            if key not in self._seeds:
+                try:
+                    plan_, choice = self._solve_once(seed_opts, time_limit)
+                except AutoshardError as exc:  # breaks the budget, or its specs do not fit this model
+                    self._seeds[key] = str(exc)
+                    log.info(f"baseline {name}: {exc}")
+                else:
+                    self._seeds[key] = _Seed(plan_, choice)
+                    log.info(f"baseline {name}: {plan_.summary['step_us'] / 1e3:.1f} ms predicted")
+            out[name] = self._seeds[key]
+        return out
+
+    def _solve_once(self, opts: PlanOptions, time_limit: float, starts=()) -> tuple[Plan, object]:
+        """(plan, the solver's choice per problem node): one solve under ``opts``."""
+        problem = self.problem(**_solve_fields(opts))
+        t1 = time.perf_counter()
+        budget = self._budget(opts)
+        try:
+            sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts)
+        except solver.InfeasibleError as exc:
+            raise MemoryBudgetError(
+                f"memory budget {human_bytes(budget)} per device is infeasible for this model"
+                f"{' with these pins' if problem.pins else ''} on mesh {tuple(self.mesh.shape)}: the smallest "
+                f"feasible budget is at least {human_bytes(exc.min_feasible_limit_bound)} "
+                f"({int(exc.min_feasible_limit_bound)} bytes)",
+                budget_bytes=budget, min_feasible_bytes=exc.min_feasible_limit_bound,
+            ) from exc
+        phases = dict(self.phases, solve_s=time.perf_counter() - t1)
+        t1 = time.perf_counter()
+        result = _assemble(self.model, self.traced, self.built, sol, self.mesh, self.profile, budget)
+        phases["assemble_s"] = time.perf_counter() - t1
+        result.summary["plan_seconds"] = round(sum(phases.values()), 3)
+        result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
+        if problem.pins:
+            result.summary["pinned"] = len(problem.pins)
+        return result, sol.choice
+
+
+def _solve_fields(opts: PlanOptions) -> dict:
+    """The fields of ``opts`` that shape the solver's problem."""
+    return {"pins": opts.pins, "input_specs": opts.input_specs, "memory_budget": opts.memory_budget}
+
+
+def _key(opts: PlanOptions) -> str:
+    """A solve's cache key: the options that change its answer."""
+    return json.dumps([opts.pins, opts.input_specs, opts.memory_budget, opts.time_limit, opts.backend,
+                       opts.seed_baselines], sort_keys=True, default=repr)
+
+
+def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
+    names = axis_names_of(mesh)
+    mesh_shape = tuple(mesh.shape)
+    topo = MeshTopology(mesh_shape, prof.devices_per_node)
+    choice = sol.choice
+    chosen = [gp.strategies[v][choice[v]] for v in range(len(gp.nodes))]
+
+    params, inputs, input_names, nodes = {}, [], [], {}
+    for v, n in enumerate(gp.nodes):
+        s = chosen[v]
+        if n.op == "placeholder":
+            kind = tg.kinds[n.name]
+            spec = s.outs[0]
+            if kind in ("param", "buffer"):
+                params[tg.fqn_of[n.name]] = ParamPlacement(
+                    placements=dict(zip(names, spec.placements)),
+                    shard_order={str(d): [names[a] for a in axes] for d, axes in spec.shard_order},
+                    shape=list(n.meta["val"].shape),
+                )
+            else:
+                inputs.append(str(spec))
+                input_names.append(tg.fqn_of[n.name])
+        else:
+            nodes[n.name] = {
+                "op": str(n.target),
+                "out": [str(o) if o is not None else None for o in s.outs] if len(s.outs) > 1 else str(s.outs[0]),
+                "in": [str(i) for i in s.ins],
+            }
+
+    redistributes, comm = [], 0.0
+    for e, ae in enumerate(gp.edges):
+        u, v = ae.producer, ae.consumer
+        src = chosen[u].outs[ae.out]
+        dst = chosen[v].ins[ae.arg] if ae.arg >= 0 else chosen[v].outs[0]
+        us = float(gp.problem.edge_costs[e][choice[u], choice[v]])
+        comm += us
+        if src == dst or us == 0:
+            continue
+        t = gp.nodes[u].meta["val"]
+        t = t[ae.out] if isinstance(t, (tuple, list)) else t
+        steps = plan_steps(src, dst, tuple(t.shape), t.element_size(), topo, prof)
+        node_name = gp.nodes[v].name if ae.arg >= 0 else tg.fqn_of[gp.nodes[v].name]
+        redistributes.append({
+            "node": node_name,
+            "arg": ae.arg if ae.arg >= 0 else "grad",
+            "from": str(src),
+            "to": str(dst),
+            "steps": [f"{st.kind}({','.join(names[a] for a in st.axes)})" for st in steps],
+            "us": round(us, 3),
+        })
+    compute = float(sum(gp.compute_us[v][choice[v]] for v in range(len(gp.nodes))))
+    total = float(sol.cost)
+    comm_total = max(0.0, total - compute)  # edges plus the loss reduction (input loading is negligible)
+    shapes = {fqn: list(p.shape) for fqn, p in list(model.named_parameters()) + list(model.named_buffers())}
+    summary = {
+        "step_us": round(total, 3),
+        "compute_us": round(compute, 3),
+        "comm_us": round(comm_total, 3),
+        "peak_mem_bytes": int(sol.peak_usage),
+        "memory_budget_bytes": int(budget) if budget is not None else None,
+        "graph_nodes": len(gp.nodes),
+        "strategies": int(sum(len(s) for s in gp.strategies)),
+        "edges": len(gp.edges),
+        "fallback_ops": gp.fallback_ops,
+        "rule_errors": gp.rule_errors,
+        "flops_uncounted": gp.flops_uncounted,
+    }
+    return Plan(
+        mesh_shape=list(mesh_shape),
+        axis_names=names,
+        params=params,
+        inputs=inputs,
+        input_names=input_names,
+        nodes=nodes,
+        redistributes=redistributes,
+        summary=summary,
+        solver={"backend": sol.backend, "status": sol.status, "objective": round(sol.cost, 3),
+                "bound": None if sol.lower_bound is None else round(sol.lower_bound, 3),
+                "gap": None if sol.gap is None else round(sol.gap, 6), "seconds": round(sol.seconds, 3),
+                "source": sol.source,
+                "variables": sol.stats.get("variables"), "constraints": sol.stats.get("constraints")},
+        profile=_profile_entry(prof),
+        model={"class": type(model).__name__, "fingerprint": Plan.fingerprint(shapes)},
+    )
+
+
+def _profile_entry(prof) -> dict:
+    """The plan's record of its profile: the name of a shipped one, or the whole profile (a
+    calibrated or custom one), so that the plan can be lowered where that file is absent (the
+    profile decides each redistribute's steps)."""
+    from costmodel import builtin_profiles, load_profile
+
+    entry = {"name": prof.name, "device": prof.device}
+    if prof.name not in builtin_profiles() or load_profile(prof.name).to_json() != prof.to_json():
+        entry["data"] = prof.to_json()
+    return entry
