@@ -81,9 +81,10 @@ class _PlannedForward:
     programs (one per input signature, lowered on first use)."""
 
     def __init__(self, model: nn.Module, template: nn.Module, plan: Plan, mesh, loss_fn, profile, bucket_mb,
-                 overlap, compute_loss):
+                 overlap, compute_loss, compile=False):
         self.model, self.template, self.plan, self.mesh = model, template, plan, mesh
         self.bucket_mb, self.overlap, self.compute_loss = bucket_mb, overlap, compute_loss
+        self.compile = compile
         self.loss_fn, self.profile = loss_fn, profile
         self.input_specs = [Spec.parse(s) for s in plan.inputs]
         self.programs: dict[tuple, object] = {}
@@ -102,7 +103,7 @@ class _PlannedForward:
                 keywords = {**constants, **dict(zip(names, shapes[len(positional):]))}
                 tg = trace(self.template, positional, self.loss_fn, example_kwargs=keywords)
             self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile, self.bucket_mb,
-                                                 self.overlap, self.compute_loss)
+                                                 self.overlap, self.compute_loss, compile=self.compile)
         return self.programs[key]
 
     def __call__(self, *args, **kwargs):
@@ -133,7 +134,7 @@ class _PlannedForward:
 
 def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_dict: dict | None = None,
                 loss_fn=None, profile=None, bucket_mb: float = 25.0, overlap: bool = True,
-                compute_loss: bool = False) -> nn.Module:
+                compute_loss: bool = False, compile: bool | str = False) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
 
     Parameters and buffers become DTensors with the planned placements (a tied parameter
@@ -153,6 +154,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
     (torch's bucketing passes on the lowered programs; 0 with ``overlap=False``: exactly one
     collective per planned step). ``overlap``: torch's overlap scheduler starts each collective
     early and waits late, costed by the plan's profile (:mod:`autoshard.passes`).
+    ``compile``: ``torch.compile`` each rank's lowered forward and backward program (``True``:
+    Inductor; a string names another backend, e.g. ``"aot_eager"``), whole-graph, static shapes,
+    compiled on first use. On real processes only: under LocalTensorMode the programs of every
+    rank run side by side, eagerly (the check of what the plan computes).
     ``compute_loss``: ``forward`` returns ``loss_fn(outputs)`` (the plan's loss; default the mean
     of the output), a replicated scalar DTensor, and the loss and its backward run as planned
     inside the lowered programs. The fast path for training: a loss computed outside the model
@@ -211,18 +216,21 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
         load_full_state_dict(model, full_state_dict)
     if bucket_mb < 0:
         raise ConfigError(f"bucket_mb must be >= 0 (0: one collective per planned step), found {bucket_mb}")
-    model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile, bucket_mb, overlap, compute_loss)
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile)):
+        raise ConfigError(f"compile: expected True, False or a torch.compile backend name, found {compile!r}")
+    model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile, bucket_mb, overlap, compute_loss,
+                                    compile)
     model._autoshard_plan = plan
     return model
 
 
 def auto_parallel(model: nn.Module, example_inputs, mesh, *, compute_loss: bool = False, bucket_mb: float = 25.0,
-                  overlap: bool = True, options=None, **plan_options) -> nn.Module:
+                  overlap: bool = True, compile: bool | str = False, options=None, **plan_options) -> nn.Module:
     """Plan ``model`` for ``mesh`` and parallelize it with that plan: one call.
 
     ``options`` and ``plan_options`` are :class:`~autoshard.options.PlanOptions` (fields as
     keywords: ``memory_budget``, ``loss_fn``, ``example_kwargs`` ...) for :func:`autoshard.plan`;
-    ``compute_loss``, ``bucket_mb`` and ``overlap`` go to :func:`parallelize`. On several real
+    ``compute_loss``, ``bucket_mb``, ``overlap`` and ``compile`` go to :func:`parallelize`. On several real
     processes rank 0 plans and broadcasts the plan (a time-limited solve could differ between
     ranks). The plan is kept as ``model._autoshard_plan`` (save it to apply it later without
     planning)."""
@@ -242,4 +250,4 @@ def auto_parallel(model: nn.Module, example_inputs, mesh, *, compute_loss: bool 
         dist.broadcast_object_list(box, src=0)
     # The plan carries its profile (by name when shipped, whole otherwise).
     return parallelize(model, Plan.from_json(box[0]), mesh, loss_fn=opts.loss_fn, compute_loss=compute_loss,
-                       bucket_mb=bucket_mb, overlap=overlap)
+                       bucket_mb=bucket_mb, overlap=overlap, compile=compile)

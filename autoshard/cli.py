@@ -49,17 +49,40 @@ def _log(msg: str) -> None:
     logging.getLogger("autoshard.cli").info(msg)
 
 
-def _setup_logging(verbosity: int) -> None:
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (tests swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def _setup_logging(verbosity: int):
     """Progress of every package on stderr, one ``[autoshard]`` line each: INFO by default,
-    DEBUG with ``-v``, warnings only with ``-q``."""
+    DEBUG with ``-v``, warnings only with ``-q``. Returns the function that undoes it (the
+    CLI can be called in-process, by tests or notebooks)."""
     level = logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(logging.Formatter("[autoshard] %(message)s"))
+    saved = []
     for name in ("autoshard", "solver", "costmodel"):
         logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
+        saved.append((logger, logger.level, logger.propagate))
+        logger.addHandler(handler)
         logger.setLevel(level)
-        logger.propagate = False
+        logger.propagate = False  # one line per record, whatever the root logger does
+
+    def restore() -> None:
+        for logger, old_level, old_propagate in saved:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+            logger.propagate = old_propagate
+
+    return restore
 
 
 def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
@@ -397,13 +420,15 @@ def main(argv=None) -> int:
     from autoshard.errors import USER_ERRORS
 
     args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose - args.quiet)
+    restore = _setup_logging(args.verbose - args.quiet)
     try:
         return args.func(args)
     except USER_ERRORS as exc:
         print(f"autoshard: error: {exc}", file=sys.stderr)
         return 2
     # Anything else is a bug: Python prints the traceback and exits 1.
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
         nodes=nodes,
         redistributes=redistributes,
         summary=summary,
-        solver={"backend": sol.backend, "status": sol.status, "objective": round(sol.cost, 3),
+        solver={"backend": sol.backend, "status": sol.status.value, "objective": round(sol.cost, 3),
                 "bound": None if sol.lower_bound is None else round(sol.lower_bound, 3),
                 "gap": None if sol.gap is None else round(sol.gap, 6), "seconds": round(sol.seconds, 3),
                 "source": sol.source,

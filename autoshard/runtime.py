@@ -13,6 +13,8 @@ rank's program is lowered and all run side by side (:func:`autoshard.spmd.run_ra
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -28,6 +30,8 @@ from autoshard.planfile import Plan
 from autoshard.spmd import run_ranks
 from autoshard.tracing import TracedGraph
 from costmodel import Spec
+
+log = logging.getLogger(__name__)
 
 
 def _meta(node: fx.Node) -> tuple:
@@ -47,8 +51,10 @@ class PlannedProgram:
     """The lowered forward and backward of one traced step, per rank, built on first use."""
 
     def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile=None, bucket_mb: float = 25.0,
-                 overlap: bool = True, with_loss: bool = False):
+                 overlap: bool = True, with_loss: bool = False, compile: bool | str = False):
         self.tg, self.plan, self.mesh = tg, plan, mesh
+        self.compile = compile
+        self._compiled: dict[tuple[str, int], object] = {}
         self.bucket_mb, self.overlap, self.with_loss = bucket_mb, overlap, with_loss
         self.split = split(tg, with_loss)
         self.lowering = Lowering(tg, plan, mesh, profile, ops=self.split.forward + self.split.backward)
@@ -172,6 +178,21 @@ class PlannedProgram:
         self._runs += 1
         return self._base_seed + self._runs
 
+    def _callable(self, which: str, rank: int, program: RankProgram):
+        """The program's graph module, or that module compiled by torch.compile (on first use)."""
+        if not self.compile:
+            return program.gm
+        key = (which, rank)
+        if key not in self._compiled:
+            backend = "inductor" if self.compile is True else self.compile
+            log.info(f"compiling the {which} program of rank {rank} ({backend})")
+            self._compiled[key] = torch.compile(program.gm, backend=backend, fullgraph=True, dynamic=False)
+        return self._compiled[key]
+
+    def compiled(self) -> list[str]:
+        """``"forward@rank"`` / ``"backward@rank"`` for each program this process runs compiled."""
+        return sorted(f"{which}@{rank}" for which, rank in (k for k in self._compiled if k != "eager"))
+
     def run(self, which: str, locals_: list) -> list:
         """Run every local rank's ``forward`` or ``backward`` program on its shards."""
         get = self.forward_program if which == "forward" else self.backward_program
@@ -179,7 +200,11 @@ class PlannedProgram:
             rng.next_run(self._next_seed())
         ranks = tc.local_tensor_ranks()
         if ranks is None:
-            return list(get(dist.get_rank()).gm(*locals_))
+            rank = dist.get_rank()
+            return list(self._callable(which, rank, get(rank))(*locals_))
+        if self.compile and not self._compiled:
+            self._compiled["eager"] = True
+            log.warning("compile applies to real processes: under LocalTensorMode every rank's program runs eagerly")
         programs = {r: get(r).gm for r in ranks}
         args = {r: [] for r in ranks}
         for t in locals_:

@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start-step", type=int, default=0)
     ap.add_argument("--replay", action="store_true",
                     help="run the planned graph op by op with the planner's redistributes (autoshard.replay)")
+    ap.add_argument("--compile", default=None, metavar="BACKEND",
+                    help="torch.compile each rank's lowered programs with this backend (inductor, aot_eager, ...)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = build(args.seed, args.dim, args.layers, args.vocab)
@@ -136,11 +138,12 @@ def main(argv=None) -> int:
     if args.resume:
         with torch.device("meta"):
             model = build(args.seed, args.dim, args.layers, args.vocab)
-        model = autoshard.parallelize(model, plan, mesh)  # shards allocated, left for the checkpoint
+        # Shards allocated, left for the checkpoint.
+        model = autoshard.parallelize(model, plan, mesh, compile=args.compile or False)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         load_checkpoint(args.resume, model, opt)
     else:
-        model = autoshard.parallelize(model, plan, mesh)
+        model = autoshard.parallelize(model, plan, mesh, compile=args.compile or False)
     planned = None
     if args.replay:
         from autoshard.replay import PlannedStep
@@ -148,6 +151,9 @@ def main(argv=None) -> int:
         planned = PlannedStep(model, plan, mesh, (data[0],), loss_fn, profile=args.profile)
     opt = train(model, data, args.lr, report=dist.get_rank() == 0, opt=opt, start=args.start_step,
                 planned_step=planned)
+    if args.compile and dist.get_rank() == 0:
+        compiled = [c for prog in model.forward.programs.values() for c in prog.compiled()]
+        print(f"compiled programs ({args.compile}): {', '.join(compiled) or 'none'}", flush=True)
     if args.save:
         save_checkpoint(args.save, model, opt)
     # No rank may tear its gloo pairs down while a peer still talks to it: the last

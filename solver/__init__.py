@@ -8,7 +8,7 @@ from solver.iopddl import load as load_iopddl
 from solver.iopddl import save as save_iopddl
 from solver.problem import FORBIDDEN, Problem, ProblemError
 from solver.schedule import Schedule
-from solver.solve import BACKENDS, InfeasibleError, Solution, solve
+from solver.solve import BACKENDS, InfeasibleError, Solution, Status, solve
 
 __all__ = [
     "BACKENDS",
@@ -19,6 +19,7 @@ __all__ = [
     "ProblemError",
     "Schedule",
     "Solution",
+    "Status",
     "evaluate",
     "load_iopddl",
     "save_iopddl",

@@ -1,19 +1,35 @@
-r"""The same integer program as :mod:`solver.ilp`, built straight into HiGHS from numpy arrays.
+r"""The MILP, built as numpy arrays and solved with HiGHS (:mod:`solver.ilp` hands the same
+arrays to CBC through PuLP, so both backends solve one model).
 
-PuLP creates one Python object per variable and per coefficient: on the IOPDDL
-instances (2-3 million edge variables) its model build alone took over 10 minutes
-and 13 GB, so the time limit meant nothing. This builder makes the columns and a
-row-wise sparse matrix with numpy and hands them to HiGHS in a few calls.
+The problem first goes through the exact reductions it shares with the exact CFN
+(:func:`reduce`): tied nodes become one node (one set of columns, costs summed, edges
+re-attached, :func:`_tie_map`), parallel edges are summed, and dominated strategies dropped
+(:func:`drop_dominated`). Over what is left (``A_v``: the allowed strategies of v):
 
-Formulation (see :mod:`solver.ilp` for the derivation): binaries x[v,i]; edge
-variables y[e,i,j] in [0,1] with two marginal rows per edge; one-hot rows; ties by
-shared columns (tied nodes are one node: costs summed, edges re-attached);
-memory rows at maximal live sets, where nodes whose usage does not depend on
-their strategy move to the right-hand side.
+Variables (:func:`_node_columns`, :func:`_edge_columns`)
+    x[v,i] in {0,1}    node v takes strategy i, i in A_v        (nodes with |A_v| > 1)
+    y[e,i,j] in [0,1]  edge e=(u,v) takes the pair (i,j)        (non-forbidden pairs only;
+                        integral whenever x is, by the marginal rows)
 
-Reductions done while building (each exact): nodes with one allowed strategy are
-constants; edges touching such a node fold into the other node's cost; parallel
-edges are summed; constant and rank-one (r[i] + s[j]) matrices fold into node costs.
+Objective (:func:`_node_columns`, :func:`_edge_columns`; folds in :func:`_fold_edges`)
+    min  sum_v sum_i c_v[i] x[v,i]  +  sum_e sum_(i,j) C_e[i,j] y[e,i,j]  +  const
+    where an edge with a fixed endpoint (|A| = 1) folds into the other endpoint's cost, a
+    rank-one matrix C[i,j] = r[i] + s[j] into both endpoints' costs, and fixed nodes into
+    ``const``; none of them adds a y.
+
+Constraints
+    one strategy per node   sum_i x[v,i] = 1                        (:func:`_one_hot_rows`)
+    edge marginals          sum_j y[e,i,j] = x[u,i]   for all i     (:func:`_edge_columns`)
+                            sum_i y[e,i,j] = x[v,j]   for all j
+    memory                  sum_v sum_i m_v[i] x[v,i] <= rhs_t      (:func:`_memory_rows`)
+                            one row per distinct live set that matters, tie groups aggregated
+                            and strategy-independent usage moved to the right-hand side
+                            (:func:`solver.memrows.memory_rows`)
+    ties                    by construction: tied nodes share their columns
+
+PuLP creates one Python object per variable and per coefficient: on the IOPDDL instances
+(2-3 million edge variables) its model build alone took over 10 minutes and 13 GB, so
+the model is arrays and HiGHS gets them in a few calls.
 """
 
 from __future__ import annotations
@@ -186,14 +202,34 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True,
     """
     n = problem.num_nodes
     red = reduced if reduced is not None else reduce(problem, memory)
-    allowed, rep, all_pairs, dropped = red.allowed, red.rep, red.pairs, red.dropped
-    linear = [x.copy() for x in red.linear]  # folded into below
+    linear, const, fixed, pairs = _fold_edges(red)
+    n_y = sum(int((sub < FORBIDDEN).sum()) for _, _, sub in pairs)
+    if 3 * n_y > max_nonzeros:
+        raise ModelTooLarge(f"{n_y} edge variables ({3 * n_y:.3g} nonzeros) exceed the budget of {max_nonzeros:.3g}")
+    model = _node_columns(problem, red, linear, const, fixed)
+    _edge_columns(model, red, pairs)
+    _one_hot_rows(model, red, n)
+    if memory:
+        _memory_rows(model, problem, red.rep, red.allowed, max_nonzeros - 3 * n_y)
+    else:
+        model.stats["memory_rows"] = 0
+    ncol = int(model.integer.sum())
+    model.stats.update(dominated_strategies=red.dropped, tied_nodes=int((red.rep != np.arange(n)).sum()),
+                       variables=int(model.cost.size), edge_variables=int(model.cost.size - ncol),
+                       constraints=model.n_rows, kept_edges=len(pairs),
+                       nonzeros=int(sum(r[0].size for r in model.row_index)))
+    return model
+
+
+def _fold_edges(red: Reduced):
+    """(node costs, constant, fixed nodes, edges kept): edges at a fixed node fold into the
+    other node's cost (or the constant), rank-one edges into both nodes' costs."""
+    allowed = red.allowed
+    linear = [x.copy() for x in red.linear]
     const = 0.0
     fixed = {v: int(a[0]) for v, a in enumerate(allowed) if a.size == 1}
-
-    # Fold edges at fixed nodes into costs; keep the rest.
     merged: dict[tuple[int, int], np.ndarray] = {}
-    for (u, v), m in all_pairs.items():
+    for (u, v), m in red.pairs.items():
         if u in fixed and v in fixed:
             const += float(m[fixed[u], fixed[v]])
         elif u in fixed:
@@ -213,11 +249,13 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True,
                 linear[v][allowed[v]] += s
                 continue
         pairs.append((u, v, sub))
+    return linear, const, fixed, pairs
 
-    n_y = sum(int((sub < FORBIDDEN).sum()) for _, _, sub in pairs)
-    if 3 * n_y > max_nonzeros:
-        raise ModelTooLarge(f"{n_y} edge variables ({3 * n_y:.3g} nonzeros) exceed the budget of {max_nonzeros:.3g}")
-    # Node columns.
+
+def _node_columns(problem: Problem, red: Reduced, linear, const: float, fixed: dict) -> ArrayModel:
+    """The x columns (one per allowed strategy of each free tie head; tied nodes share their
+    head's) with their costs; fixed nodes add their cost to the constant."""
+    n, allowed, rep = problem.num_nodes, red.allowed, red.rep
     node_cols = [np.full(problem.num_strategies(v), -1, dtype=np.int64) for v in range(n)]
     cost_parts, ncol = [], 0
     for v in range(n):
@@ -238,19 +276,22 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True,
     for v in np.nonzero(rep != np.arange(n))[0].tolist():
         node_cols[v] = node_cols[rep[v]]
     x_cost = np.concatenate(cost_parts) if cost_parts else np.zeros(0)
-    x_upper = np.where(x_cost >= FORBIDDEN, 0.0, 1.0)
-    x_cost = np.where(x_cost >= FORBIDDEN, 0.0, x_cost)
+    return ArrayModel(cost=np.where(x_cost >= FORBIDDEN, 0.0, x_cost), upper=np.where(x_cost >= FORBIDDEN, 0.0, 1.0),
+                      integer=np.ones(ncol, bool), const=const, node_cols=node_cols, fixed=fixed)
 
-    # Edge columns and marginal rows.
-    y_cost, blocks, row_r, row_c, row_v = [], [], [], [], []
-    n_marg = 0
-    ycol = ncol
+
+def _edge_columns(model: ArrayModel, red: Reduced, pairs) -> None:
+    """The y columns of each kept edge (its non-forbidden pairs) and its two marginal rows per
+    endpoint strategy: sum_j y[e,i,j] - x[u,i] = 0 and sum_i y[e,i,j] - x[v,j] = 0."""
+    allowed, node_cols = red.allowed, model.node_cols
+    y_cost, row_r, row_c, row_v = [], [], [], []
+    n_marg, ycol = 0, model.cost.size
     for u, v, sub in pairs:
         ii, jj = np.nonzero(sub < FORBIDDEN)
         k = ii.size
         cols = np.arange(ycol, ycol + k)
         y_cost.append(sub[ii, jj])
-        blocks.append((u, v, ycol, allowed[u][ii], allowed[v][jj]))
+        model.edge_blocks.append((u, v, ycol, allowed[u][ii], allowed[v][jj]))
         ku, kv = sub.shape
         # rows n_marg + i (for u's strategy i) and n_marg + ku + j (for v's strategy j)
         row_r += [n_marg + ii, n_marg + ku + jj, n_marg + np.arange(ku), n_marg + ku + np.arange(kv)]
@@ -258,29 +299,23 @@ def build(problem: Problem, max_nonzeros: float = np.inf, memory: bool = True,
         row_v += [np.ones(k), np.ones(k), -np.ones(ku), -np.ones(kv)]
         n_marg += ku + kv
         ycol += k
-    model = ArrayModel(
-        cost=np.concatenate([x_cost] + y_cost) if y_cost else x_cost,
-        upper=np.concatenate([x_upper, np.ones(ycol - ncol)]),
-        integer=np.concatenate([np.ones(ncol, bool), np.zeros(ycol - ncol, bool)]),
-        const=const, node_cols=node_cols, fixed=fixed, edge_blocks=blocks,
-    )
-    # One-hot rows.
-    var_nodes = [v for v in range(n) if v not in fixed and rep[v] == v]
-    if var_nodes:
-        cols = np.concatenate([node_cols[v][allowed[v]] for v in var_nodes])
-        rows = np.concatenate([np.full(allowed[v].size, k) for k, v in enumerate(var_nodes)])
-        model.add_rows(np.ones(len(var_nodes)), np.ones(len(var_nodes)), rows, cols, np.ones(cols.size))
+    added = ycol - model.cost.size
+    if y_cost:
+        model.cost = np.concatenate([model.cost, *y_cost])
+    model.upper = np.concatenate([model.upper, np.ones(added)])
+    model.integer = np.concatenate([model.integer, np.zeros(added, bool)])
     if n_marg:
         model.add_rows(np.zeros(n_marg), np.zeros(n_marg), np.concatenate(row_r), np.concatenate(row_c),
                        np.concatenate(row_v))
-    if memory:
-        _memory_rows(model, problem, rep, allowed, max_nonzeros - 3 * n_y)
-    else:
-        model.stats["memory_rows"] = 0
-    model.stats.update(dominated_strategies=dropped, tied_nodes=int((rep != np.arange(n)).sum()),
-                       variables=int(model.cost.size), edge_variables=int(ycol - ncol), constraints=model.n_rows,
-                       kept_edges=len(pairs), nonzeros=int(sum(r[0].size for r in model.row_index)))
-    return model
+
+
+def _one_hot_rows(model: ArrayModel, red: Reduced, n: int) -> None:
+    """sum_i x[v,i] = 1 for each free tie head v."""
+    var_nodes = [v for v in range(n) if v not in model.fixed and red.rep[v] == v]
+    if var_nodes:
+        cols = np.concatenate([model.node_cols[v][red.allowed[v]] for v in var_nodes])
+        rows = np.concatenate([np.full(red.allowed[v].size, k) for k, v in enumerate(var_nodes)])
+        model.add_rows(np.ones(len(var_nodes)), np.ones(len(var_nodes)), rows, cols, np.ones(cols.size))
 
 
 def check_memory_rows(problem: Problem, max_entries: float) -> None:
@@ -334,6 +369,17 @@ def _interrupt_after(h, deadline: float) -> None:
     h.cbIpmInterrupt += check
 
 
+def row_matrix(model: ArrayModel):
+    """The rows in compressed form: (row starts, columns, values, lower bounds, upper bounds)."""
+    r = np.concatenate([b[0] for b in model.row_index])
+    c = np.concatenate([b[1] for b in model.row_index])
+    v = np.concatenate([b[2] for b in model.row_index])
+    order = np.argsort(r, kind="stable")
+    r, c, v = r[order], c[order], v[order]
+    starts = np.searchsorted(r, np.arange(model.n_rows)).astype(np.int32)
+    return starts, c.astype(np.int32), v, np.concatenate(model.row_lower), np.concatenate(model.row_upper)
+
+
 def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int = 1, log: bool = False):
     import highspy
 
@@ -351,16 +397,9 @@ def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int 
     if ints.size:
         h.changeColsIntegrality(ints.size, ints, np.ones(ints.size, dtype=np.uint8))
     if model.n_rows:
-        r = np.concatenate([b[0] for b in model.row_index])
-        c = np.concatenate([b[1] for b in model.row_index])
-        v = np.concatenate([b[2] for b in model.row_index])
-        order = np.argsort(r, kind="stable")
-        r, c, v = r[order], c[order], v[order]
-        starts = np.searchsorted(r, np.arange(model.n_rows)).astype(np.int32)
-        lower = np.concatenate(model.row_lower)
-        upper = np.concatenate(model.row_upper)
+        starts, c, v, lower, upper = row_matrix(model)
         h.addRows(model.n_rows, np.where(np.isinf(lower), -highspy.kHighsInf, lower),
-                  np.where(np.isinf(upper), highspy.kHighsInf, upper), c.size, starts, c.astype(np.int32), v)
+                  np.where(np.isinf(upper), highspy.kHighsInf, upper), c.size, starts, c, v)
     return h
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
@@ -10,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-import pulp
 
 from solver import cfn, heuristic, highs_model, ilp, lns, weights
 from solver.evaluate import evaluate, memory_profile
@@ -40,6 +40,21 @@ class InfeasibleError(ValueError):
         """Time points where even the least-usage choices exceed the limit."""
 
 
+class Status(str, enum.Enum):
+    """How good a :class:`Solution` is known to be. A ``str`` (``Status.OPTIMAL == "optimal"``),
+    so it reads and serializes as its value."""
+
+    OPTIMAL = "optimal"
+    """Proved optimal (within ``mip_gap``)."""
+    FEASIBLE = "feasible"
+    """Feasible, found by the MILP, not proved (time limit or gap)."""
+    HEURISTIC = "heuristic"
+    """Feasible, from a start, a heuristic or a search with no proof."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Solution:
     """One strategy per node, with how good it is known to be."""
@@ -48,8 +63,8 @@ class Solution:
     """``choice[v]``: the strategy index of node v."""
     cost: float
     """Exact objective of ``choice``."""
-    status: str
-    """``optimal``, ``feasible`` (time limit or gap reached) or ``heuristic`` (MILP found nothing better)."""
+    status: Status
+    """:class:`Status`: ``optimal``, ``feasible`` (time limit or gap reached) or ``heuristic``."""
     lower_bound: float | None = None
     """Best proven lower bound on the optimum, when the backend reports one."""
     seconds: float = 0.0
@@ -86,37 +101,37 @@ def memory_lower_bound(problem: Problem) -> tuple[float, list[int]]:
     return peak, [int(t) for t in binding]
 
 
-def _solve_highs(problem, start, t0, time_limit, mip_gap, max_nonzeros, sched, relaxed_bound=None):
+def _solve_milp(problem, start, t0, time_limit, mip_gap, max_nonzeros, sched, backend, relaxed_bound=None):
     """Lazy memory: the MILP without memory rows first. Its optimum, when it fits the
     limit, is optimal for the full problem too (a relaxation's optimum that is feasible),
     and on planner graphs the limit often does not bind: the memory rows (thousands of
     them, half the nonzeros) then cost nothing. Otherwise its bound still holds and the
-    full MILP gets the remaining time."""
+    full MILP gets the remaining time. Both backends solve the same model."""
     if problem.usage_limit is not None and relaxed_bound is None:
         # Never spend half the time on a relaxation whose full model cannot be built.
         highs_model.check_memory_rows(problem, max_nonzeros)
         deadline = sched.deadline("relaxation", t0, time_limit)
-        choice, lower, optimal, stats = _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros,
-                                                   memory=False)
+        choice, lower, optimal, stats = _run_milp(problem, start, t0, deadline, mip_gap, max_nonzeros, backend,
+                                                  memory=False)
         if choice is not None and optimal and evaluate(problem, choice).feasible:
             stats["memory_rows_needed"] = False
             return choice, lower, True, stats
         relaxed_bound = lower  # a bound of the relaxation bounds the full problem too
         log.info("milp without memory rows breaks the limit: adding them")
-    choice, lower, optimal, stats = _run_highs(problem, start, t0, t0 + time_limit, mip_gap, max_nonzeros)
+    choice, lower, optimal, stats = _run_milp(problem, start, t0, t0 + time_limit, mip_gap, max_nonzeros, backend)
     if relaxed_bound is not None and (lower is None or relaxed_bound > lower):
         lower = relaxed_bound
     return choice, lower, optimal, stats
 
 
-def _run_highs(problem, start, t0, deadline, mip_gap, max_nonzeros, memory=True):
+def _run_milp(problem, start, t0, deadline, mip_gap, max_nonzeros, backend, memory=True):
     model = highs_model.build(problem, max_nonzeros=max_nonzeros, memory=memory)
-    log.info(f"milp{'' if memory else ' (memory rows left out)'}: {model.stats['variables']} variables "
-        f"({model.stats['edge_variables']} edge, {model.stats['dominated_strategies']} dominated strategies "
-        f"dropped), {model.stats['constraints']} rows, {model.stats['nonzeros']} nonzeros "
-        f"after {time.perf_counter() - t0:.2f}s")
-    choice, lower, optimal = highs_model.solve_model(model, problem.num_nodes, deadline - time.perf_counter(),
-                                                     mip_gap, start)
+    log.info(f"milp ({backend}{'' if memory else ', memory rows left out'}): {model.stats['variables']} variables "
+             f"({model.stats['edge_variables']} edge, {model.stats['dominated_strategies']} dominated strategies "
+             f"dropped), {model.stats['constraints']} rows, {model.stats['nonzeros']} nonzeros "
+             f"after {time.perf_counter() - t0:.2f}s")
+    run = highs_model.solve_model if backend == "highs" else ilp.solve_model
+    choice, lower, optimal = run(model, problem.num_nodes, deadline - time.perf_counter(), mip_gap, start)
     return choice, lower, optimal, model.stats
 
 
@@ -196,19 +211,6 @@ def _exact_said(res, t_start):
     log.info(f"exact (toulbar2, {st['groups']} tie groups, {st['memory_rows']} memory rows of "
         f"{st['memory_segments']} segments): {found}, {'proved optimal' if res.proved else 'not proved'}, "
         f"bound {res.lower_bound}, {time.perf_counter() - t_start:.2f}s")
-
-
-def _solve_cbc(problem, start, t0, time_limit, mip_gap):
-    model = ilp.build(problem)
-    log.info(f"ilp (PuLP): {model.stats['variables']} variables, {model.stats['constraints']} constraints "
-        f"after {time.perf_counter() - t0:.2f}s")
-    if start is not None:
-        ilp.set_start(model, problem, start)
-    remaining = max(0.1, time_limit - (time.perf_counter() - t0))
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=remaining, gapRel=mip_gap, warmStart=start is not None,
-                               options=["randomSeed 0", "randomCbcSeed 0"])
-    lp_status = model.lp.solve(solver)
-    return ilp.extract(model, problem), None, pulp.LpStatus[lp_status] == "Optimal", model.stats
 
 
 class _Incumbent:
@@ -318,7 +320,7 @@ def solve(
             lower = inc.cost
         seconds = time.perf_counter() - t0
         log.info(f"solved: {status} ({inc.source}), cost {inc.cost:.6g}, bound {lower}, {seconds:.2f}s")
-        return Solution(choice=inc.choice, cost=inc.cost, status=status, lower_bound=lower, seconds=seconds,
+        return Solution(choice=inc.choice, cost=inc.cost, status=Status(status), lower_bound=lower, seconds=seconds,
                         peak_usage=inc.ev.peak_usage, backend=backend, stats=stats, source=inc.source)
 
     groups = len(np.unique(tie_heads(problem)))
@@ -398,13 +400,8 @@ def _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_
     status, lower = "heuristic", None
     try:
         warm = inc.choice if inc.feasible else None
-        if backend == "highs":
-            choice, lower, optimal, mstats = _solve_highs(problem, warm, t0, time_limit, mip_gap, max_nonzeros,
-                                                          sched, relaxed_bound)
-        else:
-            choice, lower, optimal, mstats = _solve_cbc(problem, warm, t0, time_limit, mip_gap)
-            if relaxed_bound is not None and (lower is None or relaxed_bound > lower):
-                lower = relaxed_bound
+        choice, lower, optimal, mstats = _solve_milp(problem, warm, t0, time_limit, mip_gap, max_nonzeros,
+                                                     sched, backend, relaxed_bound)
         stats.update(mstats)
         if inc.offer(choice, "milp") and inc.feasible:
             status = "optimal" if optimal else "feasible"

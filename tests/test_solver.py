@@ -498,3 +498,27 @@ def test_schedule_is_checked_and_used():
     p = random_problem(rng, n=8, kmax=3, density=0.3, limit=True)
     sol = solve(p, time_limit=5, schedule=Schedule(pairwise=0.2, exact=0.3))
     assert sol.cost == pytest.approx(brute_force(p))
+
+
+@pytest.mark.parametrize("seed", [901, 902, 906, 909])
+def test_both_backends_solve_one_model(seed):
+    """CBC (through PuLP) and HiGHS get the same array model: same columns and rows, same
+    optimum, on problems with memory, ties, pins and forbidden pairs."""
+    from solver import highs_model, ilp
+
+    rng = np.random.default_rng(seed)
+    p = random_problem(rng, n=8, kmax=3, density=0.35, limit=True, ties=True, pins=True, forbid=True)
+    best = brute_force(p)
+    assert best is not None  # these seeds give feasible problems
+    model = highs_model.build(p)
+    pm = ilp.to_pulp(model)
+    assert len(pm.cols) == model.cost.size
+    lower, upper = np.concatenate(model.row_lower), np.concatenate(model.row_upper)
+    assert len(pm.lp.constraints) == int(np.sum(lower == upper) + np.sum((lower != upper) & np.isfinite(upper))
+                                         + np.sum((lower != upper) & np.isfinite(lower)))
+    runs = {b: solve(p, time_limit=20, backend=b, pairwise=False, exact=False) for b in ("highs", "cbc")}
+    for b, sol in runs.items():
+        assert sol.cost == pytest.approx(best), b
+        assert sol.status == "optimal", b
+    assert runs["highs"].stats["variables"] == runs["cbc"].stats["variables"]
+    assert runs["highs"].stats["constraints"] == runs["cbc"].stats["constraints"]

@@ -111,7 +111,7 @@ def _solve(store: Store, job: dict):
     store.set_phase(job["id"], "solving")
     problem = iopddl.from_dict(req["problem"], name="request")
     sol = solver.solve(problem, time_limit=float(req["time_limit"]))
-    body = {"choice": sol.to_list(), "cost": sol.cost, "status": sol.status,
+    body = {"choice": sol.to_list(), "cost": sol.cost, "status": sol.status.value,
             "lower_bound": sol.lower_bound if sol.lower_bound is None or math.isfinite(sol.lower_bound) else None,
             "seconds": sol.seconds}
-    return body, {"nodes": problem.num_nodes, "cost": sol.cost, "status": sol.status}
+    return body, {"nodes": problem.num_nodes, "cost": sol.cost, "status": sol.status.value}
