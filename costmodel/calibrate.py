@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import itertools
+import logging
 import math
 import os
 import platform
@@ -31,6 +32,8 @@ from costmodel.errors import CostModelError
 from costmodel.fit import fit_collective
 from costmodel.links import LinkModel
 from costmodel.profile import Profile, load_profile
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -175,10 +178,10 @@ def measure_matmul(device, n: int, dtype) -> float:
     return 2 * n**3 / best / 1e12
 
 
-def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int, log=None) -> SweepResult:
-    """Run the microbenchmarks on ``mesh`` (every rank calls this)."""
+def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
+    """Run the microbenchmarks on ``mesh`` (every rank calls this; rank 0 logs progress)."""
     rank = dist.get_rank()
-    say = log if (log is not None and rank == 0) else (lambda _m: None)
+    say = log.info if rank == 0 else (lambda _m: None)
     names = tuple(mesh.mesh_dim_names or [f"axis{k}" for k in range(mesh.ndim)])
     topo = MeshTopology(tuple(mesh.shape), devices_per_node)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
@@ -271,8 +274,15 @@ def base_profile_for(device_type: str) -> Profile:
     return load_profile("h100-sxm")
 
 
-def progress(msg: str) -> None:
-    print(f"[calibrate] {msg}", file=sys.stderr, flush=True)
+def _progress_to_stderr() -> None:
+    """A calibration rank runs in its own process (torchrun, or spawned): unless the program
+    configured logging, progress goes to stderr, one ``[calibrate]`` line per step."""
+    logger = logging.getLogger("costmodel")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[calibrate] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def worker(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: str | None,
@@ -292,13 +302,14 @@ def worker(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
     mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(axis_names))
     dpn = devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    result = sweep(mesh, cfg, dpn, log=progress)
+    _progress_to_stderr()
+    result = sweep(mesh, cfg, dpn)
     if dist.get_rank() != 0:
         return None
     profile = build_profile(result, mesh, base_profile_for(device_type), backend, dpn, name=name)
     if output:
         profile.save(output)
-        progress(f"wrote {output}: {len(profile.collectives)} fits from {len(profile.samples)} samples")
+        log.info(f"wrote {output}: {len(profile.collectives)} fits from {len(profile.samples)} samples")
     return profile
 
 

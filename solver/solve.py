@@ -273,7 +273,76 @@ def solve(
         raise ValueError(f"backend must be one of {BACKENDS}, found {backend!r}")
     if time_limit <= 0:
         raise ValueError(f"time_limit must be > 0 seconds, found {time_limit}")
-    t0, sched = time.perf_counter(), schedule
+    _check_memory_floor(problem)
+    run = _Run(problem, time.perf_counter(), time_limit, backend, mip_gap, max_nonzeros, schedule)
+    _first_incumbent(run, starts)
+    if pairwise and cfn.available():
+        done = _pairwise_stage(run)
+        if done is not None:
+            return done
+    model = None
+    groups = len(np.unique(tie_heads(problem)))
+    if exact and problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
+        model = _exact_model(problem, run.inc.cost if run.inc.feasible else None)
+    if model is None:
+        return _milp_or_weights(run)
+    return _exact_stage(run, model)
+
+
+@dataclass
+class _Run:
+    """One call of :func:`solve`: its problem, limits and schedule, the incumbent, what the
+    stages found (``stats``) and the best lower bound a stage proved (``bound``)."""
+
+    problem: Problem
+    t0: float
+    time_limit: float
+    backend: str
+    mip_gap: float
+    max_nonzeros: float
+    sched: Schedule
+    inc: _Incumbent = None
+    stats: dict = field(default_factory=dict)
+    bound: float | None = None
+
+    def __post_init__(self):
+        self.inc = _Incumbent(self.problem)
+        self.stats = dict(self.problem.stats())
+
+    def deadline(self, stage: str) -> float:
+        return self.sched.deadline(stage, self.t0, self.time_limit)
+
+    def raise_bound(self, lower: float | None) -> None:
+        if lower is not None and (self.bound is None or lower > self.bound):
+            self.bound = lower
+
+    def finish(self, status: str, lower: float | None) -> Solution:
+        """The incumbent as the :class:`Solution`; :class:`InfeasibleError` when nothing fits."""
+        inc, problem = self.inc, self.problem
+        if not inc.feasible:
+            floor, binding = memory_lower_bound(problem)
+            raise InfeasibleError(
+                f"found no feasible assignment within {self.time_limit:g}s (the problem may still be feasible): "
+                f"{inc.ev.reason}; the least-usage strategies peak at {floor:g}",
+                floor,
+                binding,
+            )
+        if status == "optimal":
+            # Proved within mip_gap: no weaker bound carried from an earlier stage (CI once saw the
+            # memory-free relaxation's 97 beside a proved 194, the MILP's own bound not finite).
+            if lower is None or lower < inc.cost - self.mip_gap * abs(inc.cost):
+                lower = inc.cost
+        if lower is not None and lower > inc.cost:
+            lower = inc.cost
+        seconds = time.perf_counter() - self.t0
+        log.info(f"solved: {status} ({inc.source}), cost {inc.cost:.6g}, bound {lower}, {seconds:.2f}s")
+        return Solution(choice=inc.choice, cost=inc.cost, status=Status(status), lower_bound=lower,
+                        seconds=seconds, peak_usage=inc.ev.peak_usage, backend=self.backend, stats=self.stats,
+                        source=inc.source)
+
+
+def _check_memory_floor(problem: Problem) -> None:
+    """:class:`InfeasibleError` when even the least-usage strategies break the memory limit."""
     if problem.usage_limit is not None:
         floor, binding = memory_lower_bound(problem)
         if floor > problem.usage_limit:
@@ -283,7 +352,11 @@ def solve(
                 floor,
                 binding,
             )
-    inc = _Incumbent(problem)
+
+
+def _first_incumbent(run: _Run, starts) -> None:
+    """The given starts, then the heuristic start (least usage, local search, pair repair)."""
+    problem, inc = run.problem, run.inc
     for name, choice in starts:
         choice = np.asarray(choice, dtype=np.int64)
         if choice.shape != (problem.num_nodes,):
@@ -293,93 +366,68 @@ def solve(
         inc.offer(choice, f"start:{name}", ev)
         log.info(f"start {name}: cost {ev.cost:.6g} ({'feasible' if ev.feasible else ev.reason})")
     start = heuristic.initial_choice(problem)
-    start = heuristic.local_search(problem, start, deadline=sched.deadline("start_descent", t0, time_limit))
-    start = heuristic.repair_pairs(problem, start, deadline=sched.deadline("start_repair", t0, time_limit))
-    start = heuristic.local_search(problem, start, deadline=sched.deadline("start_polish", t0, time_limit))
+    start = heuristic.local_search(problem, start, deadline=run.deadline("start_descent"))
+    start = heuristic.repair_pairs(problem, start, deadline=run.deadline("start_repair"))
+    start = heuristic.local_search(problem, start, deadline=run.deadline("start_polish"))
     inc.offer(start, "heuristic")
     log.info(f"incumbent: cost {inc.ev.cost:.6g} (feasible={inc.feasible}, {inc.source}) "
-        f"after {time.perf_counter() - t0:.2f}s")
-    stats = dict(problem.stats())
-    relaxed_bound = None
+             f"after {time.perf_counter() - run.t0:.2f}s")
 
-    def finish(status, lower):
-        if not inc.feasible:
-            floor, binding = memory_lower_bound(problem)
-            raise InfeasibleError(
-                f"found no feasible assignment within {time_limit:g}s (the problem may still be feasible): "
-                f"{inc.ev.reason}; the least-usage strategies peak at {floor:g}",
-                floor,
-                binding,
-            )
-        if status == "optimal":
-            # Proved within mip_gap: no weaker bound carried from an earlier stage (CI once saw the
-            # memory-free relaxation's 97 beside a proved 194, the MILP's own bound not finite).
-            if lower is None or lower < inc.cost - mip_gap * abs(inc.cost):
-                lower = inc.cost
-        if lower is not None and lower > inc.cost:
-            lower = inc.cost
-        seconds = time.perf_counter() - t0
-        log.info(f"solved: {status} ({inc.source}), cost {inc.cost:.6g}, bound {lower}, {seconds:.2f}s")
-        return Solution(choice=inc.choice, cost=inc.cost, status=Status(status), lower_bound=lower, seconds=seconds,
-                        peak_usage=inc.ev.peak_usage, backend=backend, stats=stats, source=inc.source)
 
-    groups = len(np.unique(tie_heads(problem)))
-    if pairwise and cfn.available():
-        found = _pairwise_first(problem, sched.deadline("pairwise", t0, time_limit))
-        if found is not None:
-            choice, ev, bound, proved = found
-            stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - t0, 3)}
-            inc.offer(choice, "pairwise", ev)
-            if proved:
-                relaxed_bound = bound
-                if ev.feasible:
-                    return finish("optimal", min(bound, inc.cost))
-    model = None
-    if exact and problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
-        model = _exact_model(problem, inc.cost if inc.feasible else None)
-    if model is None:
-        return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros,
-                                relaxed_bound, finish, sched)
+def _pairwise_stage(run: _Run) -> Solution | None:
+    """toulbar2 without memory (:func:`_pairwise_first`): the answer when proved and it fits;
+    otherwise its proved optimum bounds the rest from below."""
+    found = _pairwise_first(run.problem, run.deadline("pairwise"))
+    if found is None:
+        return None
+    choice, ev, bound, proved = found
+    run.stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - run.t0, 3)}
+    run.inc.offer(choice, "pairwise", ev)
+    if not proved:
+        return None
+    run.bound = bound
+    return run.finish("optimal", min(bound, run.inc.cost)) if ev.feasible else None
+
+
+def _exact_stage(run: _Run, model) -> Solution:
+    """toulbar2 with the memory rows (:mod:`solver.exact`), with the MILP beside it in a child
+    process when a core is free (killed once toulbar2 proves), else the MILP after it."""
+    problem, inc = run.problem, run.inc
     milp = None
-    if backend == "highs" and second_core_free() and _milp_fits(model, max_nonzeros):
-        # Two searches at once: the MILP in a child (killed once toulbar2 proves), toulbar2 here.
+    if run.backend == "highs" and second_core_free() and _milp_fits(model, run.max_nonzeros):
         milp = MilpChild(problem, model.reduced, inc.choice if inc.feasible else None,
-                         t0 + time_limit - time.perf_counter() - 1.0, mip_gap, max_nonzeros)
+                         run.t0 + run.time_limit - time.perf_counter() - 1.0, run.mip_gap, run.max_nonzeros)
         log.info(f"milp runs beside the exact search in a child process ({cores()} cores)")
     try:
-        stage = "exact_beside_milp" if milp is not None else "exact"
-        seconds = sched.deadline(stage, t0, time_limit) - time.perf_counter()
+        seconds = run.deadline("exact_beside_milp" if milp is not None else "exact") - time.perf_counter()
         if seconds >= 1:
             t_start = time.perf_counter()
             upper = inc.cost if inc.feasible else None
             res = exact_answer(problem, model, *cfn.solve_tables(model.costs, model.tables, seconds, model.scale,
                                                                 upper, model.rows))
             _exact_said(res, t_start)
-            stats["exact"] = dict(res.stats, proved=res.proved, seconds=round(time.perf_counter() - t0, 3))
+            run.stats["exact"] = dict(res.stats, proved=res.proved, seconds=round(time.perf_counter() - run.t0, 3))
             inc.offer(res.choice, "exact", res.evaluation)
-            if res.lower_bound is not None:
-                relaxed_bound = max(relaxed_bound if relaxed_bound is not None else -math.inf, res.lower_bound)
+            run.raise_bound(res.lower_bound)
             if res.proved:
-                return finish("optimal", relaxed_bound)
+                return run.finish("optimal", run.bound)
         if milp is None:
-            return _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros,
-                                    relaxed_bound, finish, sched)
-        ans = milp.answer(timeout=max(0.0, t0 + time_limit - time.perf_counter()))
-        status, lower = "heuristic", relaxed_bound
+            return _milp_or_weights(run)
+        ans = milp.answer(timeout=max(0.0, run.t0 + run.time_limit - time.perf_counter()))
+        status = "heuristic"
         if ans is None:
             log.info("milp (child): no answer within the time limit")
         elif ans.too_large or ans.infeasible:
             log.info(f"milp (child): {ans.too_large or ans.infeasible}")
         else:
-            stats.update(ans.stats)
-            if ans.lower is not None:
-                lower = max(lower if lower is not None else -math.inf, ans.lower)
+            run.stats.update(ans.stats)
+            run.raise_bound(ans.lower)
             if inc.offer(ans.choice, "milp") and inc.feasible:
                 status = "feasible"
             if ans.optimal and inc.feasible:
                 status = "optimal"
             log.info(f"milp (child): {'optimal' if ans.optimal else 'not proved'}, bound {ans.lower}")
-        return finish(status, lower)
+        return run.finish(status, run.bound)
     finally:
         if milp is not None:
             milp.close()
@@ -393,25 +441,23 @@ def _milp_fits(model, max_nonzeros: float) -> bool:
     return 3 * n_y + model.stats["knapsack_entries"] <= max_nonzeros
 
 
-def _milp_or_weights(problem, inc, stats, t0, time_limit, backend, mip_gap, max_nonzeros, relaxed_bound,
-                     finish, sched):
-    """The MILP in this process (or, on models too large for it, the weight search and LNS);
-    returns the :class:`Solution`."""
-    status, lower = "heuristic", None
+def _milp_or_weights(run: _Run) -> Solution:
+    """The MILP in this process (or, on models too large for it, the weight search and LNS)."""
+    status, lower, inc = "heuristic", None, run.inc
     try:
         warm = inc.choice if inc.feasible else None
-        choice, lower, optimal, mstats = _solve_milp(problem, warm, t0, time_limit, mip_gap, max_nonzeros,
-                                                     sched, backend, relaxed_bound)
-        stats.update(mstats)
+        choice, lower, optimal, mstats = _solve_milp(run.problem, warm, run.t0, run.time_limit, run.mip_gap,
+                                                     run.max_nonzeros, run.sched, run.backend, run.bound)
+        run.stats.update(mstats)
         if inc.offer(choice, "milp") and inc.feasible:
             status = "optimal" if optimal else "feasible"
     except highs_model.ModelTooLarge as exc:
         log.info(f"milp skipped: {exc}; per-node weight search, then windowed MILPs, for the remaining time")
-        stats["milp_skipped"] = str(exc)
-        lower = _weights_and_windows(problem, inc, t0, time_limit, relaxed_bound, sched)
+        run.stats["milp_skipped"] = str(exc)
+        lower = _weights_and_windows(run.problem, inc, run.t0, run.time_limit, run.bound, run.sched)
     except ProvedInfeasible as exc:
         log.info(f"milp: {exc}")
-    return finish(status, lower)
+    return run.finish(status, lower)
 
 
 def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
