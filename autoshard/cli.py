@@ -27,6 +27,7 @@ EXAMPLES = """examples:
   autoshard demo --model gpt --dim 512 --heads 8 --layers 2 --batch 8 --seq 128
   autoshard plan mypkg.models:make --mesh dp=8,tp=8 --pin 'layers.*.attn.wq=RS(0)' -o plan.json
   autoshard plan mypkg.models:make --mesh dp=8,tp=8 --memory-budget 70GiB -o plan.json
+  autoshard plan mypkg.models:make --ranks 64 -o plan.json          # the mesh shape chosen too
   autoshard show plan.json
   torchrun --nproc-per-node 8 -m autoshard calibrate --mesh dp=2,tp=4 -o h100-node.json
   autoshard calibrate --backend gloo --nproc 4 --mesh dp=2,tp=2 --max-bytes 4MiB -o cpu.json
@@ -86,8 +87,11 @@ def _setup_logging(verbosity: int):
 
 
 def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
-    p.add_argument("--mesh", default=default_mesh, required=default_mesh is None,
-                   help="mesh axes as name=size,... (e.g. dp=8,tp=8)")
+    p.add_argument("--mesh", default=default_mesh,
+                   help="mesh axes as name=size,... (e.g. dp=8,tp=8)" + (f"; default {default_mesh}" if default_mesh
+                                                                        else "; or --ranks N"))
+    p.add_argument("--ranks", type=int, default=None,
+                   help="choose the mesh shape too: plan every 1-3 axis shape of N ranks, keep the best")
     p.add_argument("--profile", default="h100-sxm", help="shipped profile name or profile file")
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB (default: the profile's device memory)")
@@ -106,14 +110,18 @@ def _run_plan(model, inputs, args) -> int:
     import autoshard
     from autoshard.errors import AutoshardError
 
-    shape, names = autoshard.parse_mesh(args.mesh)
-    mesh = autoshard.fake_mesh(shape, names)
     pins = {}
     for item in args.pin:
         fqn, sep, spec = item.partition("=")
         if not sep or not fqn or not spec:
             raise AutoshardError(f"--pin {item!r}: expected FQN=SPEC, e.g. 'layers.*.attn.wq=RS(0)'")
         pins[fqn] = spec
+    if args.ranks is not None:
+        return _run_mesh_search(model, inputs, args, pins)
+    if args.mesh is None:
+        raise AutoshardError("plan: expected --mesh name=size,... (e.g. dp=8,tp=8) or --ranks N")
+    shape, names = autoshard.parse_mesh(args.mesh)
+    mesh = autoshard.fake_mesh(shape, names)
     t0 = time.perf_counter()
     planner = autoshard.Planner(model, inputs, mesh, profile=args.profile,
                                 memory_budget=args.memory_budget if args.memory_budget else "auto",
@@ -131,6 +139,26 @@ def _run_plan(model, inputs, args) -> int:
             sm = res.summary
             print(f"{name:10s} {sm['step_us'] / 1e3:10.2f} {sm['compute_us'] / 1e3:11.2f} {sm['comm_us'] / 1e3:9.2f} "
                   f"{sm['peak_mem_bytes'] / 2**30:9.2f}")
+    print(f"planned in {time.perf_counter() - t0:.1f} s")
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _run_mesh_search(model, inputs, args, pins) -> int:
+    import autoshard
+    from autoshard.errors import AutoshardError
+    from autoshard.explain import mesh_search_table
+
+    if args.compare or args.export_problem:
+        raise AutoshardError("--ranks chooses the mesh: --compare and --export-problem need a given --mesh")
+    t0 = time.perf_counter()
+    plan = autoshard.plan(model, inputs, "auto", ranks=args.ranks, profile=args.profile,
+                          memory_budget=args.memory_budget if args.memory_budget else "auto",
+                          time_limit=args.time_limit, pins=pins or None)
+    print(plan.describe())
+    print("\n".join(mesh_search_table(plan)))
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     if args.output:
         plan.save(args.output)
@@ -161,7 +189,8 @@ def cmd_demo(args) -> int:
             what = f"{args.model} shapes ({model.cfg.n_layers} layers)"
     vocab = model.embed.num_embeddings
     tokens = torch.randint(0, vocab, (args.batch, args.seq), device="meta")
-    _log(f"demo: {what}, batch {args.batch} x seq {args.seq}, mesh {args.mesh} (fake process group, no GPU)")
+    where = f"{args.ranks} ranks, mesh shape chosen" if args.ranks else f"mesh {args.mesh}"
+    _log(f"demo: {what}, batch {args.batch} x seq {args.seq}, {where} (fake process group, no GPU)")
     return _run_plan(model, (tokens,), args)
 
 

@@ -31,6 +31,7 @@ def explain(plan: Plan, top: int = 10) -> str:
             order = f"  order {p.shard_order}" if p.shard_order else ""
             lines.append(f"  {fqn:<{width}}  {pl}  {g:>14,}  {loc:>12,}{order}")
     lines.append("")
+    lines += mesh_search_table(plan)
     lines.append(f"parameters: {total_g:,} elements, {total_l:,} per device "
                  f"({total_l / max(total_g, 1):.1%}); {len(plan.redistributes)} redistributes, "
                  f"{sum(r['us'] for r in plan.redistributes):.1f} us predicted")
@@ -41,6 +42,23 @@ def explain(plan: Plan, top: int = 10) -> str:
             lines.append(f"  {r['us']:>10.1f} us  {r['node']} arg {r['arg']}: {r['from']} -> {r['to']}  "
                          f"[{', '.join(r['steps'])}]")
     return "\n".join(lines)
+
+
+def mesh_search_table(plan: Plan) -> list[str]:
+    """The shapes a ``mesh="auto"`` plan tried, one line each (nothing for a plan on a given mesh)."""
+    rows = plan.summary.get("mesh_search")
+    if not rows:
+        return []
+    out = [f"mesh search: {len(rows)} shapes in {plan.summary.get('mesh_search_seconds', 0):.1f} s",
+           f"  {'shape':>12}  {'outcome':>10}  {'step ms':>10}  {'bound ms':>10}  {'peak GiB':>8}  {'s':>6}  note"]
+    for r in rows:
+        step = f"{r['step_us'] / 1e3:10.3f}" if r.get("step_us") is not None else f"{'-':>10}"
+        bound = f"{r['bound_us'] / 1e3:10.3f}" if r.get("bound_us") is not None else f"{'-':>10}"
+        peak = f"{r['peak_mem_bytes'] / 2**30:8.2f}" if r.get("peak_mem_bytes") is not None else f"{'-':>8}"
+        note = (r.get("note") or "")[:80]
+        out.append(f"  {'x'.join(map(str, r['shape'])):>12}  {r['outcome']:>10}  {step}  {bound}  {peak}  "
+                   f"{r.get('seconds', 0):6.1f}  {note}")
+    return out + [""]
 
 
 def diff(a: Plan, b: Plan) -> str:

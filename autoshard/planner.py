@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 import solver
@@ -38,15 +39,28 @@ FIRST_SOLVE_SHARE = 0.6
 BASELINES_SHARE = 0.1
 
 
-def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *,
+def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *, ranks: int | None = None,
          options: PlanOptions | None = None, **overrides) -> Plan:
     """Choose a spec for every node of ``model``'s training step on ``mesh``.
 
     Keywords are :class:`~autoshard.options.PlanOptions` fields (``memory_budget``, ``pins``,
     ``time_limit``, ``profile``, ...), applied over ``options``. One call of
     ``Planner(model, example_inputs, mesh, ...).solve()``; ``plan.solver["source"]`` names the
-    stage or start the answer came from.
+    stage or start the answer came from. ``mesh="auto"`` with ``ranks=N`` chooses the mesh
+    shape too (:mod:`autoshard.meshsearch`: every shape of N ranks planned within ``time_limit``,
+    the table in ``plan.summary["mesh_search"]``; axes named ``axis0``, ``axis1`` ...).
     """
+    if isinstance(mesh, str):
+        if mesh != "auto" or ranks is None:
+            raise ConfigError(f"mesh: expected a DeviceMesh, or 'auto' with ranks=N, found {mesh!r} "
+                              f"with ranks={ranks}")
+        from autoshard.meshsearch import search
+
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        return search(model, example_inputs, ranks, resolve(options, overrides))
+    if ranks is not None:
+        raise ConfigError(f"ranks={ranks} is for mesh='auto'; the mesh given has its own shape {tuple(mesh.shape)}")
     return Planner(model, example_inputs, mesh, options=options, **overrides).solve()
 
 
@@ -71,11 +85,12 @@ class Planner:
     The trace and the problem depend on the model, the inputs, the mesh and the options in
     :data:`~autoshard.options.TRACE_FIELDS`; each :meth:`solve` may change the others
     (pins, budget, time limit ...). Solves and hand-written plans are cached by their
-    options, so ``solve()`` then ``compare()`` solves each once.
+    options, so ``solve()`` then ``compare()`` solves each once. ``traced``: another planner's
+    trace of the same model, inputs and trace options, reused on this mesh.
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *,
-                 options: PlanOptions | None = None, **overrides):
+                 options: PlanOptions | None = None, traced=None, **overrides):
         self.options = opts = resolve(options, overrides)
         check_mesh(mesh)
         if isinstance(example_inputs, torch.Tensor):
@@ -87,9 +102,12 @@ class Planner:
         t0 = time.perf_counter()
         from autoshard._torch_compat import quiet_tracing
 
-        with quiet_tracing():  # called inside LocalTensorMode or CommDebugMode, the trace is the model's alone
-            self.traced = tg = trace(model, example_inputs, opts.loss_fn, tie_layers=opts.tie_layers,
-                                     example_kwargs=opts.example_kwargs)
+        if traced is not None:  # another planner's trace of this model: it does not depend on the mesh
+            self.traced = tg = traced
+        else:
+            with quiet_tracing():  # called inside LocalTensorMode or CommDebugMode, the trace is the model's alone
+                self.traced = tg = trace(model, example_inputs, opts.loss_fn, tie_layers=opts.tie_layers,
+                                         example_kwargs=opts.example_kwargs)
         self.phases["trace_s"] = time.perf_counter() - t0
         log.info(f"traced {len(tg.gm.graph.nodes)} graph nodes in {self.phases['trace_s']:.2f}s"
                  + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"
@@ -126,6 +144,13 @@ class Planner:
         return dataclasses.replace(gp.problem, pins=pin_indices(gp, tg, pinned, in_specs),
                                    usage_limit=self._budget(opts),
                                    name=f"{type(self.model).__name__} on {tuple(self.mesh.shape)}")
+
+    def cheapest_bound(self, **overrides) -> float:
+        """A proved lower bound on every plan's predicted step (microseconds): each node's cheapest
+        allowed strategy, edges free (redistributes and memory only add)."""
+        problem = self.problem(**overrides)
+        return float(sum(np.min(problem.node_costs[v][problem.allowed(v)], initial=np.inf)
+                         for v in range(problem.num_nodes)))
 
     def solve(self, **overrides) -> Plan:
         """The plan under these options (:data:`~autoshard.options.SOLVE_FIELDS` may differ

@@ -141,3 +141,19 @@ def test_a_bug_is_a_traceback_and_bad_input_is_exit_2(world, tmp_path, monkeypat
     assert main(["demo", "--mesh", "dp=2", "--dim", "64"]) == 2
     assert "--dim size the small GPT: expected --model gpt with them, found --model llama-8b" in capsys.readouterr().err
     assert not issubclass(autoshard.AutoshardError, ValueError)
+
+
+def test_ranks_chooses_the_mesh(world, tmp_path, monkeypatch, capsys):
+    world(4)
+    small = ["--model", "gpt", "--layers", "1", "--dim", "64", "--heads", "4", "--vocab", "128", "--batch", "8",
+             "--seq", "16", "--time-limit", "10"]
+    assert main(["demo", *small, "--ranks", "4", "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"mesh search: 2 shapes", out), out  # (4,) and (2, 2)
+    assert re.search(r"^\s+2x2\s+(chosen|planned|pruned)", out, flags=re.M), out
+    assert main(["explain", str(tmp_path / "p.json")]) == 0 and "mesh search" in capsys.readouterr().out
+    (tmp_path / "m.py").write_text("import torch\nfrom autoshard.models import MLP\n"
+                                   "def make():\n    return MLP(8, 16), (torch.randn(8, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "m:make"]) == 2
+    assert "expected --mesh name=size,... (e.g. dp=8,tp=8) or --ranks N" in capsys.readouterr().err

@@ -1,0 +1,52 @@
+"""mesh="auto": the mesh shape chosen with the plan."""
+
+import pytest
+import torch
+from helpers import SHARDING_PROFILE
+
+import autoshard
+from autoshard.meshsearch import mesh_shapes
+from autoshard.models import llama
+
+
+def test_shapes_are_factorizations_with_the_inner_axis_in_a_node():
+    assert mesh_shapes(8, 8) == [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    shapes = mesh_shapes(64, 8)
+    assert shapes[0] == (64,) and (8, 8) in shapes and (2, 4, 8) in shapes
+    assert (4, 2, 8) not in shapes  # the same as (2, 4, 8): both outer axes cross nodes
+    assert (8, 16) not in shapes  # its inner axis (16) spans two nodes
+    for s in mesh_shapes(512, 8):
+        assert torch.Size(s).numel() == 512 and len(s) <= 3
+    with pytest.raises(autoshard.ConfigError, match="max_axes: expected 1 to 4, found 5"):
+        mesh_shapes(8, 8, max_axes=5)
+
+
+@pytest.mark.slow
+def test_auto_mesh_plan_is_the_best_shape_and_lists_every_shape(world):
+    world(8)
+    with torch.device("meta"):
+        model = llama("tiny", n_layers=2)
+    tokens = torch.empty(8, 32, dtype=torch.long, device="meta")
+    plan = autoshard.plan(model, (tokens,), "auto", ranks=8, profile=SHARDING_PROFILE, memory_budget=None,
+                          time_limit=30)
+    rows = plan.summary["mesh_search"]
+    assert [tuple(r["shape"]) for r in rows] == mesh_shapes(8, SHARDING_PROFILE.devices_per_node)
+    chosen = [r for r in rows if r["outcome"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["shape"] == plan.mesh_shape
+    assert plan.axis_names == [f"axis{k}" for k in range(len(plan.mesh_shape))]
+    assert {r["outcome"] for r in rows} <= {"chosen", "planned", "pruned"}
+    for r in rows:  # every shape planned on its own is no cheaper than the chosen one
+        mesh = autoshard.fake_mesh(tuple(r["shape"]), tuple(f"axis{k}" for k in range(len(r["shape"]))))
+        alone = autoshard.plan(model, (tokens,), mesh, profile=SHARDING_PROFILE, memory_budget=None, time_limit=30)
+        assert plan.summary["step_us"] <= alone.summary["step_us"] * (1 + 1e-6), r
+        if r["bound_us"] is not None:
+            assert r["bound_us"] <= alone.summary["step_us"] * (1 + 1e-6), r
+    from autoshard.explain import explain
+
+    assert "mesh search: 4 shapes" in explain(plan)
+    again = autoshard.Plan.from_json(plan.to_json())
+    assert again.summary["mesh_search"] == rows
+    with pytest.raises(autoshard.ConfigError, match="'auto' with ranks=N"):
+        autoshard.plan(model, (tokens,), "auto")
+    with pytest.raises(autoshard.ConfigError, match="ranks=8 is for mesh='auto'"):
+        autoshard.plan(model, (tokens,), autoshard.fake_mesh((8,), ("dp",)), ranks=8)
