@@ -97,7 +97,7 @@ def axis_names(k: int) -> tuple[str, ...]:
 SCREEN_SHARE = 0.5
 
 
-def search(model, example_inputs, ranks: int, options: PlanOptions, max_axes: int = 3) -> Plan:
+def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner, max_axes: int = 3) -> Plan:
     """The best plan over :func:`mesh_shapes`, its table in ``plan.summary["mesh_search"]``.
 
     A screening pass solves each shape not pruned by its bound with an equal share of half the
@@ -106,14 +106,13 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, max_axes: in
     import torch.distributed as dist
 
     from autoshard.mesh import fake_mesh
-    from autoshard.planner import Planner
 
     if dist.is_initialized() and dist.get_world_size() != ranks:
         raise ConfigError(f"ranks={ranks}, but a process group of world size {dist.get_world_size()} exists: "
                           "plan with mesh='auto' on a fake process group of that size (or none)")
     t0 = time.perf_counter()
     limit = options.time_limit
-    first = Planner(model, example_inputs, fake_mesh((ranks,), axis_names(1)), options=options)
+    first = make_planner(model, example_inputs, fake_mesh((ranks,), axis_names(1)), options=options)
     shapes = mesh_shapes(ranks, first.profile.devices_per_node, max_axes)
     log.info(f"mesh search over {len(shapes)} shapes of {ranks} ranks: "
              f"{', '.join('x'.join(map(str, s)) for s in shapes)}")
@@ -122,8 +121,9 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, max_axes: in
     infeasible: list[MemoryBudgetError] = []
     for k, shape in enumerate(shapes):
         started = time.perf_counter()
-        planner = first if k == 0 else Planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
-                                               options=options, traced=first.traced)
+        planner = first if k == 0 else make_planner(model, example_inputs,
+                                                    fake_mesh(shape, axis_names(len(shape))),
+                                                    options=options, traced=first.traced)
         try:
             bound = planner.cheapest_bound()
         except AutoshardError as exc:  # e.g. a pin written for another number of axes

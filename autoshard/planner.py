@@ -58,7 +58,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *
 
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
-        return search(model, example_inputs, ranks, resolve(options, overrides))
+        return search(model, example_inputs, ranks, resolve(options, overrides), Planner)
     if ranks is not None:
         raise ConfigError(f"ranks={ranks} is for mesh='auto'; the mesh given has its own shape {tuple(mesh.shape)}")
     return Planner(model, example_inputs, mesh, options=options, **overrides).solve()
