@@ -5,7 +5,7 @@ import torch
 from helpers import SHARDING_PROFILE
 
 import autoshard
-from autoshard.meshsearch import mesh_shapes
+from autoshard.meshsearch import mesh_shapes, search_order
 from autoshard.models import llama
 
 
@@ -19,6 +19,8 @@ def test_shapes_are_factorizations_with_the_inner_axis_in_a_node():
         assert torch.Size(s).numel() == 512 and len(s) <= 3
     with pytest.raises(autoshard.ConfigError, match="max_axes: expected 1 to 4, found 5"):
         mesh_shapes(8, 8, max_axes=5)
+    # 1-D first, then a whole node as the inner axis, fewer axes first
+    assert search_order(mesh_shapes(64, 8), 8)[:3] == [(64,), (8, 8), (2, 4, 8)]
 
 
 @pytest.mark.slow
@@ -28,9 +30,10 @@ def test_auto_mesh_plan_is_the_best_shape_and_lists_every_shape(world):
         model = llama("tiny", n_layers=2)
     tokens = torch.empty(8, 32, dtype=torch.long, device="meta")
     plan = autoshard.plan(model, (tokens,), "auto", ranks=8, profile=SHARDING_PROFILE, memory_budget=None,
-                          time_limit=30)
+                          time_limit=120)  # every shape proves in a second or two: none is skipped
     rows = plan.summary["mesh_search"]
-    assert [tuple(r["shape"]) for r in rows] == mesh_shapes(8, SHARDING_PROFILE.devices_per_node)
+    dpn = SHARDING_PROFILE.devices_per_node
+    assert [tuple(r["shape"]) for r in rows] == search_order(mesh_shapes(8, dpn), dpn)
     chosen = [r for r in rows if r["outcome"] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["shape"] == plan.mesh_shape
     assert plan.axis_names == [f"axis{k}" for k in range(len(plan.mesh_shape))]
