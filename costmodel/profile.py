@@ -124,6 +124,30 @@ class Profile:
         alpha, per_byte = link.line(kind, group_size)
         return lambda b: alpha + b * per_byte if b > 0 else 0.0
 
+    def samples_frame(self):
+        """The raw calibration samples as a pandas DataFrame, one row per timed repeat, with the
+        fitted time beside each: ``kind``, ``group``, ``group_size``, ``intra_node``, ``bytes``,
+        ``us``, ``predicted_us`` (the profile's prediction for that collective and size)."""
+        import pandas as pd
+
+        frame = pd.DataFrame([tuple(x) for x in self.samples],
+                             columns=["kind", "group", "group_size", "intra_node", "bytes", "us"])
+        predict = {}
+        frame["predicted_us"] = [
+            predict.setdefault((k, n, i), self.collective_predictor(k, int(n), bool(i)))(float(b))
+            for k, n, i, b in zip(frame["kind"], frame["group_size"], frame["intra_node"], frame["bytes"])]
+        return frame
+
+    def fits_frame(self):
+        """One row per fitted collective: ``kind``, ``group``, ``group_size``, ``intra_node``,
+        ``alpha_us``, ``busbw_gbps`` and the number of knots of its monotone correction."""
+        import pandas as pd
+
+        return pd.DataFrame([{"kind": f.kind, "group": f.group, "group_size": f.group_size,
+                              "intra_node": f.intra_node, "alpha_us": f.alpha_us, "busbw_gbps": f.busbw_gbps,
+                              "knots": len(f.knots_bytes)} for f in self.collectives],
+                            columns=["kind", "group", "group_size", "intra_node", "alpha_us", "busbw_gbps", "knots"])
+
     def with_calibration(self, fits, samples, mesh: dict, identity: dict, **changes) -> "Profile":
         return replace(self, collectives=tuple(fits), samples=tuple(samples), mesh=dict(mesh),
                        identity=dict(identity), **changes)

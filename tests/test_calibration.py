@@ -152,3 +152,15 @@ def test_vectorized_prediction_matches_scalar():
     f = fit_collective("all_to_all", "dp+tp", 16, False, b, np.abs(t))
     q = np.concatenate([[0.0, 1.0, 100.0], np.logspace(0, 12, 300)])
     np.testing.assert_allclose(f.predict(q), [f.predict_one(x) for x in q], rtol=1e-12)
+
+
+def test_samples_and_fits_as_frames():
+    """A calibrated profile's samples and fits as tables: every sample with what the profile
+    predicts for it, every fit with its latency and bus bandwidth."""
+    prof = load_profile("cpu-gloo")
+    samples = prof.samples_frame()
+    assert len(samples) == len(prof.samples) > 0
+    assert list(samples.columns) == ["kind", "group", "group_size", "intra_node", "bytes", "us", "predicted_us"]
+    assert (samples["predicted_us"] > 0).all()
+    fits = prof.fits_frame()
+    assert len(fits) == len(prof.collectives) and (fits["busbw_gbps"] > 0).all()
