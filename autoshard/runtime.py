@@ -55,6 +55,7 @@ class PlannedProgram:
         self.tg, self.plan, self.mesh = tg, plan, mesh
         self.compile = compile
         self._compiled: dict[tuple[str, int], object] = {}
+        self._warned_eager = False
         self.bucket_mb, self.overlap, self.with_loss = bucket_mb, overlap, with_loss
         self.split = split(tg, with_loss)
         self.lowering = Lowering(tg, plan, mesh, profile, ops=self.split.forward + self.split.backward)
@@ -191,7 +192,7 @@ class PlannedProgram:
 
     def compiled(self) -> list[str]:
         """``"forward@rank"`` / ``"backward@rank"`` for each program this process runs compiled."""
-        return sorted(f"{which}@{rank}" for which, rank in (k for k in self._compiled if k != "eager"))
+        return sorted(f"{which}@{rank}" for which, rank in self._compiled)
 
     def run(self, which: str, locals_: list) -> list:
         """Run every local rank's ``forward`` or ``backward`` program on its shards."""
@@ -202,8 +203,8 @@ class PlannedProgram:
         if ranks is None:
             rank = dist.get_rank()
             return list(self._callable(which, rank, get(rank))(*locals_))
-        if self.compile and not self._compiled:
-            self._compiled["eager"] = True
+        if self.compile and not self._warned_eager:
+            self._warned_eager = True
             log.warning("compile applies to real processes: under LocalTensorMode every rank's program runs eagerly")
         programs = {r: get(r).gm for r in ranks}
         args = {r: [] for r in ranks}

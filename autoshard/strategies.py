@@ -144,7 +144,7 @@ class StrategyEnumerator:
             if fallback:
                 self._count_fallback(node, [])
             return NodeStrategies(node, strategies, targs, fallback)
-        errors: list[str] = []
+        errors: list[Exception] = []
         strategies = self._enumerate(node, targs, errors)
         fallback = not strategies
         if fallback:
@@ -155,14 +155,16 @@ class StrategyEnumerator:
             self.cache[key] = (strategies, fallback)
         return NodeStrategies(node, strategies, targs, fallback)
 
-    def _count_fallback(self, node: fx.Node, errors: list[str]) -> None:
+    def _count_fallback(self, node: fx.Node, errors: list[Exception]) -> None:
         """Every node with no strategy is counted; the first error of a rule that raised is kept
         and logged (a rule that raised is a fallback, never silently an empty rule)."""
         name = str(node.target)
         self.stats.fallback_ops[name] = self.stats.fallback_ops.get(name, 0) + 1
         if errors and name not in self.stats.rule_errors:
-            self.stats.rule_errors[name] = errors[0]
-            log.warning(f"the sharding rule of {name} raised (its node {node.name} is replicated): {errors[0]}")
+            # Formatted only here: rules reject specs by raising on every view, a hot path.
+            self.stats.rule_errors[name] = first_line(errors[0])
+            log.warning(f"the sharding rule of {name} raised (its node {node.name} is replicated): "
+                        f"{self.stats.rule_errors[name]}")
 
     def _replicate(self, node, targs) -> Strategy:
         r = Spec(("R",) * len(self.mesh_shape))
@@ -197,7 +199,7 @@ class StrategyEnumerator:
             return tuple(tc.tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
         return None
 
-    def _enumerate(self, node: fx.Node, targs: list[fx.Node], errors: list[str]) -> list[Strategy]:
+    def _enumerate(self, node: fx.Node, targs: list[fx.Node], errors: list[Exception]) -> list[Strategy]:
         """The node's strategies from its DTensor rule; what the rule raised goes to ``errors``."""
         op = node.target
         val = _val(node)
@@ -220,18 +222,18 @@ class StrategyEnumerator:
             try:
                 results.append(tc.op_strategy(op, self._schema(node, seed), self.mesh, out_meta))
             except Exception as exc:  # counted as a fallback with its error when nothing else is found
-                errors.append(first_line(exc))
+                errors.append(exc)
         else:
             try:
                 results.append(tc.op_strategy(op, self._schema(node, cands), self.mesh, out_meta))
             except Exception as exc:
-                errors.append(first_line(exc))
+                errors.append(exc)
                 # Some rules (views) reject whole candidate lists; ask per spec of the first argument.
                 for s in cands[0] if cands else []:
                     try:
                         results.append(tc.op_strategy(op, self._schema(node, [[s]] + cands[1:]), self.mesh, out_meta))
                     except Exception as exc:  # a spec the rule rejects by raising
-                        errors.append(first_line(exc))
+                        errors.append(exc)
         out = [st for st in self._collect(results, node, targs) if executable(node, st)]
         if not self.partial_inputs:
             out = [st for st in out if not any(i.partial_axes() for i in st.ins)]
