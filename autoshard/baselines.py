@@ -11,6 +11,8 @@ its best execution. Ours is unpinned, so it is never dearer than any baseline.
   output features, row-parallel output/down projections on the input features,
   vocabulary-parallel embedding and head), data parallel (replicated) on the others.
 - ``fsdp_tp``: Megatron on the last axis, FSDP (dim 0, sharded after TP) on the others.
+- ``fsdp_tp_ac``: ``fsdp_tp`` with full activation checkpointing of every repeated layer
+  (torchtitan's setting for 70B and larger).
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ COLUMN = re.compile(r"(^|\.)(wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|gate_proj|up_pr
 ROW = re.compile(r"(^|\.)(wo|w2|o_proj|down_proj|c_proj|dense|fc2)$")
 EMBED = re.compile(r"(^|\.)(embed|embed_tokens|wte|tok_embeddings)$")
 
-BASELINES = ("ddp", "fsdp", "tp", "fsdp_tp")
+BASELINES = ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac")
+
+
+def baseline_recompute(name: str) -> str:
+    """The activation checkpointing a hand-written plan uses (:mod:`autoshard.recompute`)."""
+    return "full" if name.endswith("_ac") else "none"
 
 
 def _param_dims(model: nn.Module):
@@ -65,6 +72,7 @@ def baseline_pins(name: str, model: nn.Module, mesh_ndim: int) -> tuple[dict[str
     """(parameter pins by FQN, input specs) of a hand-written plan on a mesh of ``mesh_ndim`` axes."""
     if name not in BASELINES:
         raise ConfigError(f"baseline: expected one of {BASELINES}, found {name!r}")
+    name = name.removesuffix("_ac")
     batch_all = Spec(("S(0)",) * mesh_ndim)
     pins: dict[str, Spec] = {}
     if name in ("ddp", "fsdp"):

@@ -31,6 +31,7 @@ from autoshard import _torch_compat as tc
 from autoshard import rng
 from autoshard.errors import PlanError
 from autoshard.planfile import Plan
+from autoshard.recompute import NONE, Recompute, recomputed
 from autoshard.tracing import TracedGraph
 from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, make_groups
 from costmodel.profile import Profile
@@ -86,22 +87,29 @@ def _frontier(tg: TracedGraph, tangent_of: dict) -> dict:
     return roots
 
 
-def split(tg: TracedGraph, with_loss: bool = False) -> Split:
+def split(tg: TracedGraph, with_loss: bool = False, recompute: Recompute = NONE) -> Split:
     """Forward, backward, saved values and tangents of a traced step (see :class:`Split`).
 
     ``with_loss``: the forward ends at the loss (``loss_fn`` of the outputs, as planned) and the
-    backward starts from the loss's gradient; else at the model's outputs and their gradients."""
+    backward starts from the loss's gradient; else at the model's outputs and their gradients.
+    ``recompute``: the plan's activation checkpointing: its nodes are not saved but run again in
+    the backward, each layer's just before the first backward op that reads one of them."""
     nodes = list(tg.gm.graph.nodes)
     phases = ("forward", "loss") if with_loss else ("forward",)
     forward = [n for n in nodes if n.op in ("call_function", "get_attr") and tg.phase(n) in phases]
     fwd = set(forward)
     tangent_of = {loss_seed(tg): 0} if with_loss else _frontier(tg, {n: k for k, n in tg.output_grads.items()})
+    rec = recomputed(tg.gm, recompute)
     wanted: set[fx.Node] = set()
     saved: dict[fx.Node, None] = {}
     stack = [g for g in tg.grad_of.values()]
     while stack:
         n = stack.pop()
         if n in wanted or n in saved or n in tangent_of:
+            continue
+        if n in rec:
+            wanted.add(n)
+            stack.extend(n.all_input_nodes)
             continue
         if n.op == "placeholder" or n in fwd:
             saved[n] = None
@@ -114,8 +122,10 @@ def split(tg: TracedGraph, with_loss: bool = False) -> Split:
                              "model's outputs: the loss cannot be left to the caller")
         wanted.add(n)
         stack.extend(n.all_input_nodes)
-    backward = [n for n in nodes if n in wanted]
     order = {n: i for i, n in enumerate(nodes)}
+    # A layer's recomputed ops run, in forward order, just before the first backward op reading one.
+    backward = sorted((n for n in nodes if n in wanted),
+                      key=lambda n: (order[rec[n]], 0, order[n]) if n in rec else (order[n], 1, 0))
     used = {a for n in backward for a in n.all_input_nodes} | set(tg.grad_of.values())
     tangents = sorted(((k, n) for n, k in tangent_of.items() if n in used), key=lambda kn: kn[0])
     return Split(forward=forward, backward=backward, saved=sorted(saved, key=order.__getitem__),

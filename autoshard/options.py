@@ -13,7 +13,10 @@ from solver import BACKENDS
 #: Fields fixed once the model is traced and its problem built (a new Planner changes them).
 TRACE_FIELDS = ("profile", "loss_fn", "example_kwargs", "tie_layers")
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
-SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "time_limit", "backend", "seed_baselines", "export_problem")
+SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
+                "export_problem")
+#: Values of ``PlanOptions.recompute``.
+RECOMPUTE = ("auto", "none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,14 @@ class PlanOptions:
     """One spec (or ``None``: the solver chooses) per planned input, positional inputs first, then
     the tensor keywords of ``example_kwargs`` in their order."""
 
+    recompute: str = "auto"
+    """Activation checkpointing of the repeated layers (:mod:`autoshard.recompute`): ``"none"``
+    keeps every activation the backward reads; ``"selective"`` keeps matmul and attention
+    outputs and recomputes the rest; ``"full"`` keeps each layer's input and recomputes its
+    forward; ``"auto"`` lets the plan choose: ``none`` when its plan is the memory-free optimum
+    (recomputing can then only add time), else the cheapest of the three, each solved in an
+    equal share of what is left of ``time_limit``."""
+
     seed_baselines: bool = True
     """Unless the first solve (60% of ``time_limit``) proves its plan optimal, the hand-written
     plans (DDP, FSDP, TP, FSDP+TP) are solved under their pins and start a second solve with the
@@ -75,6 +86,8 @@ class PlanOptions:
             raise ConfigError(f"time_limit: expected seconds > 0, found {self.time_limit!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {BACKENDS}, found {self.backend!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute: expected one of {RECOMPUTE}, found {self.recompute!r}")
         if self.pins is not None and not isinstance(self.pins, Mapping):
             raise ConfigError(f"pins: expected {{FQN glob: spec}}, found {type(self.pins).__name__}")
         if self.input_specs is not None and isinstance(self.input_specs, (str, Mapping)):

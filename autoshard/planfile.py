@@ -29,6 +29,21 @@ def layer_of(fqn: str) -> str:
     return fqn.rsplit(".", 1)[0] if "." in fqn else fqn
 
 
+def _recompute_entry(data) -> dict:
+    """A plan's ``recompute`` field, checked (absent in plans made before it: nothing recomputed)."""
+    if data is None:
+        return {"mode": "none", "nodes": {}, "at": {}}
+    modes = ("none", "selective", "full")
+    if not isinstance(data, dict) or data.get("mode") not in modes:
+        raise PlanError(f"plan recompute: expected {{'mode': one of {modes}, 'nodes', 'at'}}, found {data!r:.200}")
+    nodes, at = data.get("nodes", {}), data.get("at", {})
+    if not (isinstance(nodes, dict) and isinstance(at, dict)) or set(nodes) != set(at) \
+            or not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in nodes.values()):
+        raise PlanError("plan recompute: expected 'nodes' {layer: [node names]} and 'at' {layer: node name} "
+                        f"for the same layers, found layers {sorted(nodes)[:5]} and {sorted(at)[:5]}")
+    return {"mode": data["mode"], "nodes": {k: list(v) for k, v in nodes.items()}, "at": dict(at)}
+
+
 @dataclass
 class ParamPlacement:
     """Placement of one parameter (or buffer) by mesh axis name."""
@@ -68,6 +83,9 @@ class Plan:
     profile: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
     """``{"class": name, "fingerprint": sha256 of FQNs and shapes}``."""
+    recompute: dict = field(default_factory=lambda: {"mode": "none", "nodes": {}, "at": {}})
+    """Activation checkpointing (:class:`autoshard.recompute.Recompute`): the mode, and per
+    repeated layer the nodes its backward recomputes and the backward node they run before."""
     input_names: list[str] = field(default_factory=list)
     """Name of each input: ``input{k}`` for positional input k, else the keyword (empty in plans
     written before keyword inputs: all positional)."""
@@ -101,6 +119,7 @@ class Plan:
             "redistributes": self.redistributes,
             "summary": self.summary,
             "solver": self.solver,
+            "recompute": self.recompute,
         }
 
     @staticmethod
@@ -129,6 +148,7 @@ class Plan:
                 solver=data.get("solver", {}),
                 profile=data.get("profile", {}),
                 model=data.get("model", {}),
+                recompute=_recompute_entry(data.get("recompute")),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise PlanError(f"plan: missing or malformed field {exc}") from None

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 import solver
-from autoshard.baselines import BASELINES, baseline_pins
-from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError
+from autoshard.baselines import BASELINES, baseline_pins, baseline_recompute
+from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
 from autoshard.pins import resolve_pins, to_spec
 from autoshard.planfile import ParamPlacement, Plan
-from autoshard.problem import build_problem, pin_indices
+from autoshard.problem import GraphProblem, build_problem, pin_indices
+from autoshard.recompute import NONE, Recompute, choose, with_recompute
 from autoshard.tracing import trace
 from autoshard.units import human_bytes
 from costmodel import MeshTopology, Profile, load_profile, plan_steps
@@ -120,6 +121,7 @@ class Planner:
         log.info(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
                  f"{len(gp.problem.ties)} tie groups), {st['strategies']} strategies, {st['edges']} edges "
                  f"in {self.phases['build_s']:.2f}s")
+        self._variants: dict[str, tuple[Recompute, GraphProblem]] = {"none": (NONE, gp)}
         self._plans: dict[str, tuple[Plan, object]] = {}
         self._seeds: dict[str, _Seed | str] = {}
 
@@ -136,7 +138,7 @@ class Planner:
     def problem(self, **overrides) -> solver.Problem:
         """The solver's problem with these options' pins, input specs and memory budget applied."""
         opts = self._options(overrides)
-        tg, gp = self.traced, self.built
+        tg, gp = self.traced, self.variant(opts.recompute)[1]
         pinned = resolve_pins(dict(opts.pins or {}), tg.param_fqns + tg.buffer_fqns, self.axis_names)
         in_specs = None if opts.input_specs is None else [
             None if s is None else to_spec(s, self.axis_names, f"input_specs[{k}]")
@@ -144,6 +146,21 @@ class Planner:
         return dataclasses.replace(gp.problem, pins=pin_indices(gp, tg, pinned, in_specs),
                                    usage_limit=self._budget(opts),
                                    name=f"{type(self.model).__name__} on {tuple(self.mesh.shape)}")
+
+    def variant(self, mode: str) -> tuple[Recompute, GraphProblem]:
+        """The recomputation of ``mode`` (``"auto"``: ``"none"``) and the problem with it."""
+        mode = "none" if mode == "auto" else mode
+        if mode not in self._variants:
+            if not self.traced.layer_groups:
+                raise ConfigError(f"recompute={mode!r}: recomputation is chosen per repeated layer, and "
+                                  f"{type(self.model).__name__} has none found (a ModuleList of identical blocks, "
+                                  "traced with tie_layers=True)")
+            t0 = time.perf_counter()
+            rc = choose(self.traced, mode)
+            self._variants[mode] = (rc, with_recompute(self.built, self.traced, rc))
+            log.info(f"recompute {mode}: {rc.count} nodes recomputed in {len(rc.nodes)} layers "
+                     f"({time.perf_counter() - t0:.2f}s)")
+        return self._variants[mode]
 
     def cheapest_bound(self, **overrides) -> float:
         """A proved lower bound on every plan's predicted step (microseconds): each node's cheapest
@@ -165,23 +182,68 @@ class Planner:
         if opts.export_problem is not None:
             solver.save_iopddl(self.problem(**_solve_fields(opts)), opts.export_problem)
             log.info(f"wrote the solver problem to {opts.export_problem}")
-        if not opts.seed_baselines:
-            result = self._solve_once(opts, opts.time_limit)
+        if opts.recompute != "auto":
+            result = self._solve_mode(opts, opts.time_limit)
+        elif not self.traced.layer_groups or self._budget(opts) is None:  # nothing to trade memory for
+            result = self._solve_mode(opts.replace(recompute="none"), opts.time_limit)
         else:
-            t0 = time.perf_counter()
-            first, choice = self._solve_once(opts, FIRST_SOLVE_SHARE * opts.time_limit)
-            if first.solver["status"] == "optimal":
-                result = first, choice  # a proved optimum: no hand-written plan can beat it
-            else:
-                seeds = self._baselines(BASELINES, opts, BASELINES_SHARE * opts.time_limit / len(BASELINES))
-                rest = max(1.0, opts.time_limit - (time.perf_counter() - t0))
-                starts = [(f"first solve ({first.solver['source']})", choice),
-                          *((name, s.choice) for name, s in seeds.items() if isinstance(s, _Seed))]
-                result = self._solve_once(opts, rest, starts)
-                result[0].solver["seeds"] = {name: s.plan.summary["step_us"] if isinstance(s, _Seed) else None
-                                             for name, s in seeds.items()}
+            result = self._solve_auto(opts)
         self._plans[key] = result
         return result[0]
+
+    def _solve_auto(self, opts: PlanOptions) -> tuple[Plan, object]:
+        """``recompute="auto"``: the cheapest of the three modes, each solved in an equal share of
+        the time left, except those a proved bound rules out: a plan that recomputes costs at
+        least the memory-free optimum without recomputation plus its copies' cheapest costs."""
+        t0 = time.perf_counter()
+        modes = ("none", "selective", "full")
+        best, tried, failed, floor = None, {}, None, None
+        for k, mode in enumerate(modes):
+            if best is not None and floor is not None \
+                    and best[0].summary["step_us"] <= floor + self.recompute_floor(mode, opts):
+                tried[mode] = "pruned"
+                continue
+            share = max(1.0, (opts.time_limit - (time.perf_counter() - t0)) / (len(modes) - k))
+            try:
+                result = self._solve_mode(opts.replace(recompute=mode), share)
+            except MemoryBudgetError as exc:
+                tried[mode], failed = "infeasible", exc
+                log.info(f"recompute {mode}: {first_line(exc)}")
+                continue
+            tried[mode] = result[0].summary["step_us"]
+            if best is None or tried[mode] < best[0].summary["step_us"]:
+                best = result
+            if mode == "none":
+                floor = result[0].solver.get("memory_free_bound")
+        if best is None:
+            raise failed
+        best[0].summary["recompute_tried"] = tried
+        return best
+
+    def recompute_floor(self, mode: str, opts: PlanOptions | None = None) -> float:
+        """What recomputing in ``mode`` adds to any plan at least: each copy's cheapest allowed cost."""
+        problem = self.problem(**_solve_fields((opts or self.options).replace(recompute=mode)))
+        gp = self.variant(mode)[1]
+        return float(sum(np.min(problem.node_costs[c][problem.allowed(c)], initial=np.inf) for c in gp.copy_of))
+
+    def _solve_mode(self, opts: PlanOptions, time_limit: float) -> tuple[Plan, object]:
+        """The plan in ``opts.recompute``'s mode: a first solve, then (unless it proved its plan
+        optimal, where ``seed_baselines`` is on) a second one started from it and from the
+        hand-written plans."""
+        if not opts.seed_baselines:
+            return self._solve_once(opts, time_limit)
+        t0 = time.perf_counter()
+        first, choice = self._solve_once(opts, FIRST_SOLVE_SHARE * time_limit)
+        if first.solver["status"] == "optimal":
+            return first, choice  # a proved optimum: no hand-written plan can beat it
+        seeds = self._baselines(BASELINES, opts, BASELINES_SHARE * time_limit / len(BASELINES))
+        rest = max(1.0, time_limit - (time.perf_counter() - t0))
+        starts = [(f"first solve ({first.solver['source']})", choice),
+                  *((name, s.choice) for name, s in seeds.items() if isinstance(s, _Seed))]
+        result = self._solve_once(opts, rest, starts)
+        result[0].solver["seeds"] = {name: s.plan.summary["step_us"] if isinstance(s, _Seed) else None
+                                     for name, s in seeds.items()}
+        return result
 
     def compare(self, baselines: Sequence[str] = BASELINES, **overrides) -> dict[str, Plan | str]:
         """Our plan and each hand-written baseline (``ddp``, ``fsdp``, ``tp``, ``fsdp_tp``), costed alike.
@@ -208,7 +270,8 @@ class Planner:
         for name in names:
             pins, inputs = baseline_pins(name, self.model, len(tuple(self.mesh.shape)))
             inputs = inputs * len(self.traced.input_nodes())
-            seed_opts = dataclasses.replace(opts, pins={**pins, **mine}, input_specs=inputs, export_problem=None)
+            seed_opts = dataclasses.replace(opts, pins={**pins, **mine}, input_specs=inputs, export_problem=None,
+                                            recompute=baseline_recompute(name))
             key = _key(seed_opts)
             if key not in self._seeds:
                 try:
@@ -225,21 +288,24 @@ class Planner:
     def _solve_once(self, opts: PlanOptions, time_limit: float, starts=()) -> tuple[Plan, object]:
         """(plan, the solver's choice per problem node): one solve under ``opts``."""
         problem = self.problem(**_solve_fields(opts))
+        rc, gp = self.variant(opts.recompute)
         t1 = time.perf_counter()
         budget = self._budget(opts)
+        starts = [(name, _project(choice, gp)) for name, choice in starts]
+        recomputing = f" and recompute={rc.mode!r}" if rc.mode != "none" else ""
         try:
             sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts)
         except solver.InfeasibleError as exc:
             raise MemoryBudgetError(
                 f"memory budget {human_bytes(budget)} per device is infeasible for this model"
-                f"{' with these pins' if problem.pins else ''} on mesh {tuple(self.mesh.shape)}: the smallest "
-                f"feasible budget is at least {human_bytes(exc.min_feasible_limit_bound)} "
+                f"{' with these pins' if problem.pins else ''}{recomputing} on mesh {tuple(self.mesh.shape)}: "
+                f"the smallest feasible budget is at least {human_bytes(exc.min_feasible_limit_bound)} "
                 f"({int(exc.min_feasible_limit_bound)} bytes)",
                 budget_bytes=budget, min_feasible_bytes=exc.min_feasible_limit_bound,
             ) from exc
         phases = dict(self.phases, solve_s=time.perf_counter() - t1)
         t1 = time.perf_counter()
-        result = _assemble(self.model, self.traced, self.built, sol, self.mesh, self.profile, budget)
+        result = _assemble(self.model, self.traced, gp, rc, sol, self.mesh, self.profile, budget)
         phases["assemble_s"] = time.perf_counter() - t1
         result.summary["plan_seconds"] = round(sum(phases.values()), 3)
         result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
@@ -250,16 +316,25 @@ class Planner:
 
 def _solve_fields(opts: PlanOptions) -> dict:
     """The fields of ``opts`` that shape the solver's problem."""
-    return {"pins": opts.pins, "input_specs": opts.input_specs, "memory_budget": opts.memory_budget}
+    return {"pins": opts.pins, "input_specs": opts.input_specs, "memory_budget": opts.memory_budget,
+            "recompute": opts.recompute}
+
+
+def _project(choice, gp: GraphProblem) -> np.ndarray:
+    """A choice made in any recompute mode as a start for ``gp``: its original nodes' strategies,
+    each copy taking its original's (they are tied)."""
+    base = np.asarray(choice)[:gp.num_originals]
+    return np.concatenate([base, base[[gp.copy_of[c] for c in range(gp.num_originals, len(gp.nodes))]]
+                           ]).astype(base.dtype)
 
 
 def _key(opts: PlanOptions) -> str:
     """A solve's cache key: the options that change its answer."""
-    return json.dumps([opts.pins, opts.input_specs, opts.memory_budget, opts.time_limit, opts.backend,
-                       opts.seed_baselines], sort_keys=True, default=repr)
+    return json.dumps([opts.pins, opts.input_specs, opts.memory_budget, opts.recompute, opts.time_limit,
+                       opts.backend, opts.seed_baselines], sort_keys=True, default=repr)
 
 
-def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
+def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profile, budget) -> Plan:
     names = axis_names_of(mesh)
     mesh_shape = tuple(mesh.shape)
     topo = MeshTopology(mesh_shape, prof.devices_per_node)
@@ -267,7 +342,7 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
     chosen = [gp.strategies[v][choice[v]] for v in range(len(gp.nodes))]
 
     params, inputs, input_names, nodes = {}, [], [], {}
-    for v, n in enumerate(gp.nodes):
+    for v, n in enumerate(gp.nodes[:gp.num_originals]):  # a recomputed copy takes its original's specs
         s = chosen[v]
         if n.op == "placeholder":
             kind = tg.kinds[n.name]
@@ -301,14 +376,17 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
         t = t[ae.out] if isinstance(t, (tuple, list)) else t
         steps = plan_steps(src, dst, tuple(t.shape), t.element_size(), topo, prof)
         node_name = gp.nodes[v].name if ae.arg >= 0 else tg.fqn_of[gp.nodes[v].name]
-        redistributes.append({
+        entry = {
             "node": node_name,
             "arg": ae.arg if ae.arg >= 0 else "grad",
             "from": str(src),
             "to": str(dst),
             "steps": [f"{st.kind}({','.join(names[a] for a in st.axes)})" for st in steps],
             "us": round(us, 3),
-        })
+        }
+        if v in gp.copy_of:
+            entry["recompute"] = True  # run again in the backward, before the recomputed op
+        redistributes.append(entry)
     compute = float(sum(gp.compute_us[v][choice[v]] for v in range(len(gp.nodes))))
     total = float(sol.cost)
     comm_total = max(0.0, total - compute)  # edges plus the loss reduction (input loading is negligible)
@@ -319,12 +397,14 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
         "comm_us": round(comm_total, 3),
         "peak_mem_bytes": int(sol.peak_usage),
         "memory_budget_bytes": int(budget) if budget is not None else None,
-        "graph_nodes": len(gp.nodes),
-        "strategies": int(sum(len(s) for s in gp.strategies)),
+        "graph_nodes": gp.num_originals,
+        "strategies": int(sum(len(s) for s in gp.strategies[:gp.num_originals])),
         "edges": len(gp.edges),
         "fallback_ops": gp.fallback_ops,
         "rule_errors": gp.rule_errors,
         "flops_uncounted": gp.flops_uncounted,
+        "recompute": {"mode": rc.mode, "nodes": rc.count, "layers": len(rc.nodes),
+                      "compute_us": round(float(sum(gp.compute_us[c][choice[c]] for c in gp.copy_of)), 3)},
     }
     return Plan(
         mesh_shape=list(mesh_shape),
@@ -338,10 +418,12 @@ def _assemble(model, tg, gp, sol, mesh, prof: Profile, budget) -> Plan:
         solver={"backend": sol.backend, "status": sol.status.value, "objective": round(sol.cost, 3),
                 "bound": None if sol.lower_bound is None else round(sol.lower_bound, 3),
                 "gap": None if sol.gap is None else round(sol.gap, 6), "seconds": round(sol.seconds, 3),
+                "memory_free_bound": (sol.stats.get("pairwise") or {}).get("bound"),
                 "source": sol.source,
                 "variables": sol.stats.get("variables"), "constraints": sol.stats.get("constraints")},
         profile=_profile_entry(prof),
         model={"class": type(model).__name__, "fingerprint": Plan.fingerprint(shapes)},
+        recompute=rc.to_json(),
     )
 
 

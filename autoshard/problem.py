@@ -15,8 +15,10 @@ producer). Costs, all in microseconds:
 
 Memory (bytes per device): each node's output shard is live from the node to
 its last use; parameters, their optimizer state and buffers for the whole step;
-gradients from their producer to the end of the step. View ops alias their input
-and add nothing.
+gradients from their producer to the end of the step. View ops alias their input:
+they add nothing, and reading a view keeps its source alive (:func:`node_intervals`).
+Recomputed activations (:mod:`autoshard.recompute`) are copies of their nodes, live
+in the backward only.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ class GraphProblem:
     """Op name -> the error its DTensor rule raised, for ops that fell back because of it."""
     flops_uncounted: dict[str, str] = field(default_factory=dict)
     """Op name -> why its FLOPs could not be counted (costed as 0)."""
+    copy_of: dict[int, int] = field(default_factory=dict)
+    """Recomputed copy's ILP index -> its original's (:func:`autoshard.recompute.with_recompute`);
+    copies come after every original node."""
+
+    @property
+    def num_originals(self) -> int:
+        return len(self.nodes) - len(self.copy_of)
 
 
 def _itemsize(t: torch.Tensor) -> int:
@@ -170,6 +179,72 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
     return c, usage
 
 
+def live_root(a: fx.Node, recomputed=None, in_backward=None) -> tuple[fx.Node, bool]:
+    """(the node whose output holds ``a``'s memory, whether that is its recomputed copy).
+
+    Through ``getitem`` to the producer, through views to their source: a view aliases its
+    source, so reading it keeps the source alive. ``recomputed``: the nodes a backward
+    recomputes (:func:`autoshard.recompute.recomputed`), read from the backward
+    (``in_backward(node)`` tells the backward's own views, which alias what they view): a
+    recomputed value is held by the recomputed copy of its source, unless the chain reaches
+    a value that is kept."""
+    copy = None if recomputed is not None else False
+    while True:
+        if copy is None and not in_backward(a):
+            copy = a in recomputed
+        elif copy:
+            copy = a in recomputed
+        if not (is_getitem(a) or (a.op == "call_function" and _is_view(a) and a.args
+                                  and isinstance(a.args[0], fx.Node))):
+            return a, bool(copy)
+        a = a.args[0]
+
+
+def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tuple[np.ndarray, np.ndarray]:
+    """Liveness ``[lo, hi)`` (graph positions) of each ILP node, and of the recomputed copy of each
+    of ``nodes`` in ``recomputed`` (node -> the backward node its recompute runs before), in order.
+
+    An output lives from its node to its last read (through views); parameters, optimizer state
+    and buffers for the whole step, gradients and the loss to the end. With recomputation the
+    backward reads the copies, which live from the recompute point to their last backward read,
+    and the recompute reads its inputs at that point."""
+    order = list(tg.gm.graph.nodes)
+    pos = {n: k for k, n in enumerate(order)}
+    end = len(order)
+    rec = recomputed or {}
+    last: dict[fx.Node, int] = {}
+    last_copy: dict[fx.Node, int] = {}
+
+    def in_backward(n):
+        return tg.phase(n) == "backward"
+
+    def read(a, at, by_backward):
+        r, copy = live_root(a, rec, in_backward) if by_backward else live_root(a)
+        into = last_copy if copy else last
+        into[r] = max(into.get(r, -1), at)
+
+    for u in order:
+        bwd = bool(rec) and tg.phase(u) == "backward"
+        for a in u.all_input_nodes:
+            read(a, pos[u], bwd)
+    for n, at in rec.items():
+        for a in n.all_input_nodes:
+            read(a, pos[at], True)
+    held = {live_root(g)[0] for g in tg.grad_of.values()}
+    if tg.loss_node is not None:
+        held.add(live_root(tg.loss_node)[0])
+    out = []
+    for n in nodes:
+        if n.op == "get_attr" or (n.op == "placeholder" and tg.kinds[n.name] != "input"):
+            out.append((0, end))
+        elif n.op == "placeholder":
+            out.append((0, last.get(n, 0) + 1))
+        else:
+            out.append((pos[n], end if n in held else max(last.get(n, pos[n]), pos[n]) + 1))
+    copies = [(pos[rec[n]], max(last_copy.get(n, pos[rec[n]]), pos[rec[n]]) + 1) for n in nodes if n in rec]
+    return np.array(out, dtype=np.int64).reshape(-1, 2), np.array(copies, dtype=np.int64).reshape(-1, 2)
+
+
 def build_problem(
     tg: TracedGraph,
     mesh,
@@ -185,9 +260,6 @@ def build_problem(
     redist = _RedistCost(topo, profile)
     en = StrategyEnumerator(mesh, partial_inputs)
     order = list(tg.gm.graph.nodes)
-    pos = {n: k for k, n in enumerate(order)}
-    end = len(order)
-
     nodes: list[fx.Node] = []
     leaf_strats: dict = {}
     strategies: list[list[Strategy]] = []
@@ -215,31 +287,23 @@ def build_problem(
             return index[a.args[0].name], int(a.args[1])
         return index[a.name], 0
 
-    # Last use of each ILP node's outputs (through getitem).
-    last = {}
-    for n in order:
-        for a in n.all_input_nodes:
-            src = a.args[0] if is_getitem(a) else a
-            last[src] = max(last.get(src, -1), pos[n])
-    grad_producers = {resolve(g)[0] for g in tg.grad_of.values()}
+    intervals = node_intervals(tg, nodes)[0]
     loss_idx, loss_out = resolve(tg.loss_node) if tg.loss_node is not None else (None, 0)
 
     flop_memo: dict = {}
     flop_failures: dict[str, str] = {}
     node_memo: dict = {}
-    costs, usages, intervals, compute = [], [], [], []
+    costs, usages, compute = [], [], []
     for v, (n, strats) in enumerate(zip(nodes, strategies)):
         val = n.meta["val"]
         outs_vals = list(val) if isinstance(val, (tuple, list)) else [val]
         if n.op == "get_attr":  # a constant: every rank has it, any shard of it is free
             usage = np.array([local_bytes(s.outs[0], val, mesh_shape) for s in strats], dtype=np.float64)
             c = np.zeros(len(strats))
-            lo, hi = 0, end
         elif n.op == "placeholder":
             kind = tg.kinds[n.name]
             factor = 1 + (optimizer_states if kind == "param" and tg.fqn_of[n.name] in tg.grad_of else 0)
             usage = np.array([local_bytes(s.outs[0], val, mesh_shape) * factor for s in strats], dtype=np.float64)
-            lo, hi = (0, end) if kind != "input" else (0, last.get(n, 0) + 1)
             c = np.zeros(len(strats))
             if kind == "input":
                 # Loading the batch: a rank that holds a shard reads less, so ties go to sharded inputs.
@@ -253,8 +317,6 @@ def build_problem(
                 c, usage = node_memo.setdefault(memo_key, _node_costs(n, strats, per_node[v], outs_vals,
                                                                        mesh_shape, profile, flop_memo,
                                                                        flop_failures))
-            lo = pos[n]
-            hi = end if v in grad_producers or v == loss_idx else last.get(n, pos[n]) + 1
         compute.append(c.copy())
 
         if v == loss_idx:
@@ -265,7 +327,6 @@ def build_problem(
             c = c + np.array([redist.cost(s.outs[loss_out], r, lv) for s in strats])
         costs.append(c)
         usages.append(usage)
-        intervals.append((lo, hi))
 
     edges: list[ArgEdge] = []
     mats = []
@@ -294,7 +355,7 @@ def build_problem(
     problem = solver.Problem(
         node_costs=costs,
         node_usages=usages,
-        intervals=np.array(intervals, dtype=np.int64).reshape(-1, 2),
+        intervals=intervals,
         edges=np.array([(e.producer, e.consumer) for e in edges], dtype=np.int64).reshape(-1, 2),
         edge_costs=mats,
         usage_limit=memory_budget,

@@ -27,6 +27,7 @@ from autoshard.lower import Lowering, RankProgram, split
 from autoshard.mesh import several_processes
 from autoshard.passes import optimize
 from autoshard.planfile import Plan
+from autoshard.recompute import Recompute
 from autoshard.spmd import run_ranks
 from autoshard.tracing import TracedGraph
 from costmodel import Spec
@@ -57,7 +58,7 @@ class PlannedProgram:
         self._compiled: dict[tuple[str, int], object] = {}
         self._warned_eager = False
         self.bucket_mb, self.overlap, self.with_loss = bucket_mb, overlap, with_loss
-        self.split = split(tg, with_loss)
+        self.split = split(tg, with_loss, Recompute(**plan.recompute))
         self.lowering = Lowering(tg, plan, mesh, profile, ops=self.split.forward + self.split.backward)
         ph = tg.placeholders
         self.inputs = ph

@@ -381,7 +381,10 @@ def _pairwise_stage(run: _Run) -> Solution | None:
     if found is None:
         return None
     choice, ev, bound, proved = found
-    run.stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - run.t0, 3)}
+    # The proved memory-free optimum bounds every plan whose costs only add to these (a plan
+    # that recomputes activations): the planner prunes with it.
+    run.stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - run.t0, 3),
+                             "bound": float(bound) if proved else None}
     run.inc.offer(choice, "pairwise", ev)
     if not proved:
         return None

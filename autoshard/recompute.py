@@ -1,0 +1,184 @@
+"""Activation checkpointing as a planning choice: which forward values each repeated layer
+recomputes in its backward instead of keeping them alive from the forward.
+
+Modes, one for every repeated layer (the layers are tied, so one choice serves all):
+
+- ``none``: the backward reads every forward value it needs as saved by the forward;
+- ``selective``: each layer keeps the outputs of its expensive ops (matmuls, attention,
+  convolutions: :data:`EXPENSIVE`) and recomputes the cheap ones (norms, activations,
+  elementwise ops, views) from them;
+- ``full``: each layer keeps only what enters it (its input, the parameters, values made
+  outside it) and recomputes its whole forward before its backward.
+
+Random and in-place ops are always kept, never recomputed (a recomputed draw would differ),
+and so is every value a layer hands to anything outside it (its output).
+
+:func:`choose` finds, for one mode, the nodes each layer recomputes and where its backward
+starts needing them. In the problem (:func:`with_recompute`) each recomputed node gets a
+*copy*: tied to the original (so it takes the same strategy), charged the original's compute
+and its input redistributes once more, and live in the backward from the layer's recompute
+point to its last backward use, while the original now dies at its last forward use. The
+lowering (:func:`autoshard.lower.split`) runs the same nodes again in the backward program at
+that point, with the planned specs, so what runs is what was costed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autoshard import rng
+from autoshard.layers import node_layer
+from autoshard.problem import ArgEdge, GraphProblem, node_intervals
+from autoshard.tracing import TracedGraph
+
+MODES = ("none", "selective", "full")
+
+_A = torch.ops.aten
+#: Ops whose outputs ``selective`` keeps: the ones that dominate a layer's compute.
+EXPENSIVE = {
+    _A.mm.default, _A.addmm.default, _A.bmm.default, _A.baddbmm.default, _A.convolution.default,
+    _A._scaled_dot_product_flash_attention.default, _A._scaled_dot_product_efficient_attention.default,
+    _A._scaled_dot_product_cudnn_attention.default, _A._scaled_dot_product_flash_attention_for_cpu.default,
+    _A._scaled_dot_product_fused_attention_overrideable.default,
+}
+if hasattr(_A, "_grouped_mm"):
+    EXPENSIVE.add(_A._grouped_mm.default)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What one mode recomputes: per repeated layer, the nodes and the point they run at."""
+
+    mode: str
+    nodes: dict[str, list[str]] = field(default_factory=dict)
+    """Layer FQN -> names of the forward nodes its backward recomputes, in graph order."""
+    at: dict[str, str] = field(default_factory=dict)
+    """Layer FQN -> name of the first backward node that reads a recomputed value: the layer's
+    recompute runs just before it."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"recompute mode: expected one of {MODES}, found {self.mode!r}")
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self.nodes.values())
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "nodes": self.nodes, "at": self.at}
+
+
+NONE = Recompute("none")
+
+
+def _always_kept(n: fx.Node) -> bool:
+    target = n.target
+    return target in rng.RANDOM_OPS or (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable)
+
+
+def _kept_by(mode: str, n: fx.Node) -> bool:
+    if n.target is operator.getitem:  # an output of a multi-output op: kept with its producer
+        n = n.args[0]
+    return _always_kept(n) or (mode == "selective" and n.target in EXPENSIVE)
+
+
+def choose(tg: TracedGraph, mode: str) -> Recompute:
+    """The nodes each tagged layer of ``tg`` recomputes under ``mode`` (see the module doc)."""
+    if mode == "none":
+        return NONE
+    if mode not in MODES:
+        raise ValueError(f"recompute mode: expected one of {MODES}, found {mode!r}")
+    def _is_backward(n: fx.Node) -> bool:
+        return tg.phase(n) == "backward"
+
+    order = list(tg.gm.graph.nodes)
+    pos = {n: k for k, n in enumerate(order)}
+    layer: dict[fx.Node, str] = {}
+    for n in order:
+        tag = node_layer(n)
+        if tag is not None and tag[1] == "fwd" and n.op == "call_function":
+            layer[n] = tag[0]
+    # A layer's outputs (read by a forward op outside it) are kept: they are the next one's input.
+    kept = {n for n, fqn in layer.items()
+            if _kept_by(mode, n) or any(not _is_backward(u) and layer.get(u) != fqn for u in n.users)}
+    while True:
+        chosen: dict[str, set[fx.Node]] = {}
+        for n, fqn in layer.items():
+            if n not in kept and any(_is_backward(u) for u in n.users):
+                _close(n, fqn, layer, kept, chosen.setdefault(fqn, set()))
+        # A value one layer recomputes and another's recompute reads is kept instead.
+        shared = {a for fqn, nodes in chosen.items() for n in nodes for a in n.all_input_nodes
+                  if a in layer and layer[a] != fqn and a not in kept}
+        if not shared:
+            break
+        kept |= shared
+    nodes, at = {}, {}
+    for fqn in dict.fromkeys(layer.values()):  # layers in graph order
+        group = chosen.get(fqn, set())
+        readers = [u for n in group for u in n.users if _is_backward(u)]
+        if readers:
+            nodes[fqn] = [n.name for n in sorted(group, key=pos.__getitem__)]
+            at[fqn] = min(readers, key=pos.__getitem__).name
+    return Recompute(mode, nodes, at)
+
+
+def _close(n: fx.Node, fqn: str, layer: dict, kept: set, into: set) -> None:
+    """Add ``n`` and every value of its layer it is recomputed from (unless kept) to ``into``."""
+    stack = [n]
+    while stack:
+        m = stack.pop()
+        if m in into:
+            continue
+        into.add(m)
+        stack.extend(a for a in m.all_input_nodes if layer.get(a) == fqn and a not in kept and a not in into)
+
+
+def recomputed(gm: fx.GraphModule, rc: Recompute) -> dict[fx.Node, fx.Node]:
+    """Recomputed node -> the backward node its layer's recompute runs before."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    return {by_name[name]: by_name[rc.at[fqn]] for fqn, names in rc.nodes.items() for name in names}
+
+
+def with_recompute(gp: GraphProblem, tg: TracedGraph, rc: Recompute) -> GraphProblem:
+    """``gp`` with ``rc``'s recomputation: a tied copy per recomputed node (its compute and its
+    input redistributes charged again, its memory live in the backward only) and every
+    interval re-derived (:func:`autoshard.problem.node_intervals`)."""
+    rec = recomputed(tg.gm, rc)
+    if not rec:
+        return gp
+    nodes = gp.nodes[:gp.num_originals]
+    originals, copy_iv = node_intervals(tg, nodes, rec)
+    copied = [v for v, n in enumerate(nodes) if n in rec]
+    copy_index = {v: len(nodes) + k for k, v in enumerate(copied)}
+    p = gp.problem
+    edges, mats = list(gp.edges[:len(p.edge_costs)]), list(p.edge_costs)
+    for e, ae in enumerate(gp.edges):
+        if ae.arg >= 0 and ae.consumer in copy_index:
+            # A recomputed op reads the recomputed value where its producer is recomputed too.
+            u = copy_index.get(ae.producer, ae.producer)
+            edges.append(ArgEdge(copy_index[ae.consumer], ae.arg, u, ae.out))
+            mats.append(p.edge_costs[e])
+    grouped = {v for group in p.ties for v in group}
+    ties = [group + [copy_index[v] for v in group if v in copy_index] for group in p.ties]
+    ties += [[v, copy_index[v]] for v in copied if v not in grouped]
+    problem = dataclasses.replace(
+        p,
+        node_costs=p.node_costs + [gp.compute_us[v] for v in copied],  # a layer never holds the loss
+        node_usages=p.node_usages + [p.node_usages[v] for v in copied],
+        intervals=np.concatenate([originals, copy_iv]),
+        edges=np.array([(e.producer, e.consumer) for e in edges], dtype=np.int64).reshape(-1, 2),
+        edge_costs=mats,
+        node_names=p.node_names + [f"{nodes[v].name}@recompute" for v in copied],
+        ties=ties,
+    )
+    return dataclasses.replace(
+        gp, problem=problem, nodes=nodes + [nodes[v] for v in copied],
+        strategies=gp.strategies + [gp.strategies[v] for v in copied], edges=edges,
+        compute_us=gp.compute_us + [gp.compute_us[v] for v in copied],
+        copy_of={c: v for v, c in copy_index.items()})
