@@ -96,6 +96,8 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB (default: the profile's device memory)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
+                   help="activation checkpointing of the repeated layers (default auto: chosen with the plan)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--pin", action="append", default=[], metavar="FQN=SPEC",
                    help="fix parameters (FQN glob, or a module) to a spec, e.g. 'layers.*.attn.wq=RS(0)'; repeatable")
@@ -103,7 +105,8 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
                    help="also write the solver's problem in the IOPDDL contest format (.json or .json.gz; "
                         "ties and pins as extra keys)")
     p.add_argument("--compare", action="store_true",
-                   help="also cost the hand-written plans (DDP, FSDP, TP, FSDP+TP) and print a table")
+                   help="also cost the hand-written plans (DDP, FSDP, TP, FSDP+TP, FSDP+TP with full activation "
+                        "checkpointing) and print a table")
 
 
 def _run_plan(model, inputs, args) -> int:
@@ -125,7 +128,8 @@ def _run_plan(model, inputs, args) -> int:
     t0 = time.perf_counter()
     planner = autoshard.Planner(model, inputs, mesh, profile=args.profile,
                                 memory_budget=args.memory_budget if args.memory_budget else "auto",
-                                time_limit=args.time_limit, pins=pins or None, export_problem=args.export_problem)
+                                time_limit=args.time_limit, pins=pins or None, export_problem=args.export_problem,
+                                recompute=args.recompute)
     plan = planner.solve()
     print(plan.describe())
     if args.compare:
@@ -156,7 +160,7 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
     t0 = time.perf_counter()
     plan = autoshard.plan(model, inputs, "auto", ranks=args.ranks, profile=args.profile,
                           memory_budget=args.memory_budget if args.memory_budget else "auto",
-                          time_limit=args.time_limit, pins=pins or None)
+                          time_limit=args.time_limit, pins=pins or None, recompute=args.recompute)
     print(plan.describe())
     print("\n".join(mesh_search_table(plan)))
     print(f"planned in {time.perf_counter() - t0:.1f} s")

@@ -59,7 +59,7 @@ class PlanOptions:
     equal share of what is left of ``time_limit``."""
 
     seed_baselines: bool = True
-    """Unless the first solve (60% of ``time_limit``) proves its plan optimal, the hand-written
+    """Unless the first solve (half of ``time_limit``) proves its plan optimal, the hand-written
     plans (DDP, FSDP, TP, FSDP+TP) are solved under their pins and start a second solve with the
     first answer, so the plan is never dearer than any of them."""
 

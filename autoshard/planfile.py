@@ -196,6 +196,14 @@ class Plan:
             f"in {self.solver.get('seconds', 0):.2f} s (gap {self.solver.get('gap')}"
             + (f", from {self.solver['source']}" if self.solver.get("source") else "") + ")",
         ]
+        rc = s.get("recompute") or {}
+        if rc.get("mode", "none") != "none":
+            lines.append(f"  activation checkpointing: {rc['mode']}, {rc.get('nodes', 0)} ops recomputed in "
+                         f"{rc.get('layers', 0)} layers (+{rc.get('compute_us', 0) / 1e3:.3f} ms compute)")
+        if s.get("recompute_tried"):
+            tried = ", ".join(f"{m} {v / 1e3:.1f} ms" if isinstance(v, (int, float)) else f"{m} {v}"
+                              for m, v in s["recompute_tried"].items())
+            lines.append(f"  recompute modes tried: {tried}")
         if s.get("fallback_ops"):
             lines.append(f"  ops with no sharding rule (replicated): {s['fallback_ops']}")
         for op, err in (s.get("rule_errors") or {}).items():

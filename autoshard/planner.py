@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 #: Share of ``time_limit`` for the first solve when ``seed_baselines`` is on, and for all the
 #: hand-written plans together; the second solve takes what is left.
-FIRST_SOLVE_SHARE = 0.6
-BASELINES_SHARE = 0.1
+FIRST_SOLVE_SHARE = 0.5
+BASELINES_SHARE = 0.25
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *, ranks: int | None = None,
@@ -123,7 +123,8 @@ class Planner:
                  f"in {self.phases['build_s']:.2f}s")
         self._variants: dict[str, tuple[Recompute, GraphProblem]] = {"none": (NONE, gp)}
         self._plans: dict[str, tuple[Plan, object]] = {}
-        self._seeds: dict[str, _Seed | str] = {}
+        self._seeds: dict[str, tuple[_Seed | str, float]] = {}
+        """Hand-written plans by options: (the plan or why it failed, the seconds it was given)."""
 
     def _budget(self, opts: PlanOptions) -> float | None:
         return self.profile.memory_bytes if opts.memory_budget == "auto" else opts.memory_budget
@@ -236,7 +237,7 @@ class Planner:
         first, choice = self._solve_once(opts, FIRST_SOLVE_SHARE * time_limit)
         if first.solver["status"] == "optimal":
             return first, choice  # a proved optimum: no hand-written plan can beat it
-        seeds = self._baselines(BASELINES, opts, BASELINES_SHARE * time_limit / len(BASELINES))
+        seeds = self._baselines(BASELINES, opts, BASELINES_SHARE * time_limit)
         rest = max(1.0, time_limit - (time.perf_counter() - t0))
         starts = [(f"first solve ({first.solver['source']})", choice),
                   *((name, s.choice) for name, s in seeds.items() if isinstance(s, _Seed))]
@@ -261,28 +262,35 @@ class Planner:
         return out
 
     def _baselines(self, names, opts: PlanOptions, time_limit: float) -> dict[str, _Seed | str]:
-        """Each hand-written plan solved under its pins (the user's pins, where given, win):
-        name -> :class:`_Seed`, or the error message when it breaks the budget or cannot be
-        written for this model (a batch smaller than the ranks it would be split over)."""
+        """Each hand-written plan solved under its pins (the user's pins, where given, win) and in
+        its own recompute mode: name -> :class:`_Seed`, or the error message when it breaks the
+        budget or cannot be written for this model (a batch smaller than the ranks it would be
+        split over). ``time_limit`` is for all of them: each takes an equal share of what the
+        ones before it left (a pinned plan is often proved in a second). A cached answer is
+        reused when it was proved optimal or had at least the time offered now."""
         out: dict[str, _Seed | str] = {}
         mine = resolve_pins(dict(opts.pins or {}), self.traced.param_fqns + self.traced.buffer_fqns,
                             self.axis_names)
-        for name in names:
+        end = time.perf_counter() + time_limit
+        for k, name in enumerate(names):
+            share = max(1.0, (end - time.perf_counter()) / (len(names) - k))
             pins, inputs = baseline_pins(name, self.model, len(tuple(self.mesh.shape)))
             inputs = inputs * len(self.traced.input_nodes())
             seed_opts = dataclasses.replace(opts, pins={**pins, **mine}, input_specs=inputs, export_problem=None,
                                             recompute=baseline_recompute(name))
-            key = _key(seed_opts)
-            if key not in self._seeds:
+            key = _key(seed_opts.replace(time_limit=1.0))
+            cached = self._seeds.get(key)
+            if cached is None or (cached[1] < share and not _proved(cached[0])):
                 try:
-                    plan_, choice = self._solve_once(seed_opts, time_limit)
+                    plan_, choice = self._solve_once(seed_opts, share)
                 except AutoshardError as exc:  # breaks the budget, or its specs do not fit this model
-                    self._seeds[key] = str(exc)
-                    log.info(f"baseline {name}: {exc}")
+                    self._seeds[key] = (str(exc), share)
+                    log.info(f"baseline {name}: {first_line(exc)}")
                 else:
-                    self._seeds[key] = _Seed(plan_, choice)
-                    log.info(f"baseline {name}: {plan_.summary['step_us'] / 1e3:.1f} ms predicted")
-            out[name] = self._seeds[key]
+                    self._seeds[key] = (_Seed(plan_, choice), share)
+                    log.info(f"baseline {name}: {plan_.summary['step_us'] / 1e3:.1f} ms predicted "
+                             f"({plan_.solver['status']})")
+            out[name] = self._seeds[key][0]
         return out
 
     def _solve_once(self, opts: PlanOptions, time_limit: float, starts=()) -> tuple[Plan, object]:
@@ -318,6 +326,14 @@ def _solve_fields(opts: PlanOptions) -> dict:
     """The fields of ``opts`` that shape the solver's problem."""
     return {"pins": opts.pins, "input_specs": opts.input_specs, "memory_budget": opts.memory_budget,
             "recompute": opts.recompute}
+
+
+def _proved(seed) -> bool:
+    """A hand-written plan that more time cannot improve: proved optimal, or unwritable for this
+    model (a ConfigError's message is not about the budget)."""
+    if isinstance(seed, _Seed):
+        return seed.plan.solver["status"] == "optimal"
+    return "memory budget" not in seed
 
 
 def _project(choice, gp: GraphProblem) -> np.ndarray:

@@ -13,10 +13,15 @@ Per case: each plan's predicted step time (ms), ours split into compute and
 communication, peak memory per device. Last line: the worst ratio (ours / best
 feasible baseline) over all cases; it must be <= 1.
 
-Then LLaMA-70B shapes on (8, 8, 8) = 512 ranks with global batch 512 x 2048 (``--no-scale``
-skips it): compared the same way (ours seeded by the baselines), then planned twice
-more without the seeds, which must land within 5% of the best baseline and give the
-same plan in both runs.
+Then the cases at scale (``--no-scale`` skips them):
+
+- LLaMA-70B shapes on (8, 8, 8) = 512 ranks with global batch 512 x 2048: compared the same
+  way (ours seeded by the baselines), then planned twice more without the seeds, which must
+  land within 5% of the best baseline and give the same plan in both runs;
+- LLaMA-8B with sequence 8192 (global batch 64) on (8, 8), 80 GiB: no plan fits without
+  recomputing activations (the reference models' attention is the math path, whose scores
+  are batch x heads x seq x seq), so the baseline to beat is ``fsdp_tp_ac`` (FSDP+TP with
+  full activation checkpointing) and ours chooses its recomputation with the plan.
 """
 
 from __future__ import annotations
@@ -35,14 +40,15 @@ import autoshard  # noqa: E402
 from autoshard.baselines import BASELINES  # noqa: E402
 from autoshard.models import gpt2, llama  # noqa: E402
 
+#: name -> (factory of a model for a sequence length, default sequence length).
 MODELS = {
-    "gpt2-small": (lambda: gpt2("small"), 1024),
-    "llama-1b": (lambda: llama("1b"), 2048),
-    "llama-8b": (lambda: llama("8b"), 2048),
-    "llama-70b": (lambda: llama("70b"), 2048),
+    "gpt2-small": (lambda seq: gpt2("small"), 1024),  # its positions are not embedded: any length
+    "llama-1b": (lambda seq: llama("1b", max_seq_len=seq), 2048),
+    "llama-8b": (lambda seq: llama("8b", max_seq_len=seq), 2048),
+    "llama-70b": (lambda seq: llama("70b", max_seq_len=seq), 2048),
 }
-#: Cases at the scale people train, beyond the grid: (model, mesh, global batch).
-SCALE_CASES = [("llama-70b", (8, 8, 8), 512)]
+#: Cases at the scale people train, beyond the grid: (model, mesh, global batch, sequence).
+SCALE_CASES = [("llama-70b", (8, 8, 8), 512, 2048), ("llama-8b", (8, 8), 64, 8192)]
 MESH_NAMES = {1: ("tp",), 2: ("dp", "tp"), 3: ("rep", "dp", "tp")}
 
 
@@ -53,20 +59,24 @@ def main() -> None:
     ap.add_argument("--profile", default="h100-sxm")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=60.0)
-    ap.add_argument("--no-scale", action="store_true", help="skip LLaMA-70B on (8, 8, 8), batch 512")
+    ap.add_argument("--no-scale", action="store_true", help="skip the cases at scale (LLaMA-70B on (8, 8, 8), "
+                    "LLaMA-8B at sequence 8192)")
+    ap.add_argument("--only-scale", action="store_true", help="run the cases at scale alone")
     args = ap.parse_args()
-    cases = [(name, tuple(int(x) for x in mesh_text.split("x")), args.batch)
+    cases = [(name, tuple(int(x) for x in mesh_text.split("x")), args.batch, MODELS[name][1])
              for mesh_text in args.meshes.split(",") for name in args.models.split(",")]
+    if args.only_scale:
+        cases = []
     if not args.no_scale:
         cases += SCALE_CASES
     worst = 0.0
-    for name, shape, batch in cases:
+    for name, shape, batch, seq in cases:
         if dist.is_initialized():
             dist.destroy_process_group()
         mesh = autoshard.fake_mesh(shape, MESH_NAMES[len(shape)])
-        factory, seq = MODELS[name]
+        factory = MODELS[name][0]
         with torch.device("meta"):
-            model = factory()
+            model = factory(seq)
         tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
         t0 = time.perf_counter()
         res = autoshard.compare(model, (tokens,), mesh, baselines=BASELINES, profile=args.profile,
@@ -79,7 +89,9 @@ def main() -> None:
             v = res[k]
             cells.append(f"{k}=" + ("infeasible" if isinstance(v, str) else f"{v.summary['step_us'] / 1e3:.1f}"))
         s = ours.summary
-        line = (f"{name:10s} mesh={shape!s:10s} batch={batch} ours={s['step_us'] / 1e3:.1f}ms "
+        rc = ours.recompute["mode"]
+        line = (f"{name:10s} mesh={shape!s:10s} batch={batch}x{seq} ours={s['step_us'] / 1e3:.1f}ms "
+                + (f"(recompute {rc}) " if rc != "none" else "") +
                 f"(compute {s['compute_us'] / 1e3:.1f} + comm {s['comm_us'] / 1e3:.1f}, "
                 f"peak {s['peak_mem_bytes'] / 2**30:.1f}GiB, {ours.solver['status']}, from "
                 f"{ours.solver['source']}) " + " ".join(cells))
@@ -92,7 +104,7 @@ def main() -> None:
         else:
             line += " best=none (every baseline breaks the budget)"
         print(line + f" [{seconds:.0f}s]", flush=True)
-        if (name, shape, batch) in SCALE_CASES:
+        if (name, shape, batch, seq) == SCALE_CASES[0]:
             _unseeded(model, tokens, mesh, args, best, s["step_us"])
     print(f"worst ratio ours/best baseline: {worst:.4f}")
 
