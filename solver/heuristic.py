@@ -138,3 +138,47 @@ def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.n
         mem.move([v], int(choice[v]), i)
         choice[v] = i
     return None
+
+
+def repair_memory_groups(problem: Problem, choice: np.ndarray, deadline: float) -> np.ndarray | None:
+    """From a choice that breaks the memory limit (the memory-free optimum), move one tie group
+    at a time to a strategy of less usage at the fullest segment, the one that costs least per
+    byte it frees there, until every segment fits; None when no move frees anything or at
+    ``deadline``. Tied groups move whole, so the answer keeps the ties."""
+    if problem.usage_limit is None:
+        return choice
+    choice = choice.copy()
+    mem = Memory(problem, choice)
+    adj = Adjacency(problem)
+    groups = tie_groups(problem)
+    group_of = np.zeros(problem.num_nodes, dtype=np.int64)
+    for k, g in enumerate(groups):
+        group_of[g] = k
+    allowed = [np.logical_and.reduce([problem.allowed(v) for v in g]) for g in groups]
+    limit = problem.usage_limit
+    while time.perf_counter() < deadline:
+        k = int(np.argmax(mem.total))
+        if mem.total[k] <= limit:
+            return choice
+        live = np.nonzero((mem.a <= k) & (k < mem.b))[0]
+        best, best_rate = None, np.inf
+        for gk in np.unique(group_of[live]).tolist():
+            g = groups[gk]
+            here = [v for v in g if mem.a[v] <= k < mem.b[v]]
+            cur = int(choice[g[0]])
+            freed = sum(problem.node_usages[v][cur] - problem.node_usages[v] for v in here)
+            ok = allowed[gk] & (freed > 0)
+            if not ok.any():
+                continue
+            lc = sum(local_cost(problem, adj, choice, v) for v in g)
+            rate = np.where(ok & (lc < FORBIDDEN), (lc - lc[cur]) / np.where(ok, freed, 1.0), np.inf)
+            i = int(np.argmin(rate))
+            if rate[i] < best_rate:
+                best, best_rate = (gk, i), rate[i]
+        if best is None:
+            return None
+        gk, i = best
+        g = groups[gk]
+        mem.move(g, int(choice[g[0]]), i)
+        choice[g] = i
+    return None

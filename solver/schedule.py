@@ -22,6 +22,8 @@ class Schedule:
     """Its second local search: the heuristic start takes a tenth of the time at most."""
     pairwise: float = 0.5
     """toulbar2 on the tie quotient without memory (proved optimum = answer when it fits)."""
+    repair: float = 0.6
+    """The memory-free optimum, when it breaks the limit, repaired into it and locally searched."""
     relaxation: float = 0.5
     """HiGHS without memory rows (lazy memory); its bound holds for the full MILP after it."""
     exact: float = 0.7

@@ -74,7 +74,8 @@ class Solution:
     source: str = ""
     """The stage whose answer this is: ``start:<name>`` (a given start), ``heuristic``, ``pairwise``
     (memory-free optimum that fits), ``exact`` (toulbar2 with memory rows), ``milp``,
-    ``weights`` (per-node penalty search), ``lns`` or ``polish`` (local search at the end)."""
+    ``weights`` (per-node penalty search), ``lns`` or ``polish`` (local search at the end), ``repair``
+    (the memory-free optimum moved group by group into the memory limit)."""
 
     @property
     def gap(self) -> float | None:
@@ -386,6 +387,17 @@ def _pairwise_stage(run: _Run) -> Solution | None:
     run.stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - run.t0, 3),
                              "bound": float(bound) if proved else None}
     run.inc.offer(choice, "pairwise", ev)
+    if not ev.feasible:
+        # Where memory binds, the memory-free optimum given up a little at a time is often a far
+        # better start than the least-usage one (LLaMA-8B at sequence 8192: 3.6 s against 210 s).
+        until, t1 = run.deadline("repair"), time.perf_counter()
+        fixed = heuristic.repair_memory_groups(run.problem, choice, until)
+        if fixed is not None:
+            fixed = heuristic.local_search(run.problem, fixed, max_rounds=1000, deadline=until)
+            run.inc.offer(fixed, "repair")
+        log.info(f"repair of the memory-free optimum: "
+                 f"{'nothing fits' if fixed is None else f'cost {evaluate(run.problem, fixed).cost:.6g}'} "
+                 f"after {time.perf_counter() - t1:.2f}s")
     if not proved:
         return None
     run.bound = bound

@@ -155,8 +155,8 @@ def test_ours_is_never_dearer_than_a_baseline(world):
     model, x = tiny("llama"), tokens()
     res = autoshard.compare(model, (x,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
     ours = res["autoshard"].summary["step_us"]
-    assert set(res) == {"autoshard", "ddp", "fsdp", "tp", "fsdp_tp"}
-    for name in ("ddp", "fsdp", "tp", "fsdp_tp"):
+    assert set(res) == {"autoshard", "ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac"}
+    for name in ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac"):
         assert not isinstance(res[name], str), res[name]
         assert ours <= res[name].summary["step_us"] + 1e-6, name
     # DDP pins every parameter replicated (buffers are not pinned: the solver places them).
@@ -164,6 +164,10 @@ def test_ours_is_never_dearer_than_a_baseline(world):
     wq = res["tp"].params["layers.0.attn.wq.weight"].placements
     wo = res["tp"].params["layers.0.attn.wo.weight"].placements
     assert (wq, wo) == ({"dp": "R", "tp": "S(0)"}, {"dp": "R", "tp": "S(1)"})
+    # FSDP+TP with full recomputation: FSDP+TP's placements, its compute plus the recompute.
+    ac, plain = res["fsdp_tp_ac"], res["fsdp_tp"]
+    assert ac.recompute["mode"] == "full" and ac.params == plain.params
+    assert ac.summary["compute_us"] > plain.summary["compute_us"]
 
 
 def test_bad_pins_are_reported(world):

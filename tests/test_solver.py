@@ -259,6 +259,30 @@ def test_memory_repair_reaches_the_limit():
     assert fixed is not None and evaluate(p, fixed).peak_usage <= p.usage_limit
 
 
+def test_group_memory_repair_keeps_ties_and_frees_cheapest_bytes_first():
+    """Three tied layers of two nodes (one live through the whole step) and a free node: each
+    group can go from big and cheap to small and dear. The limit leaves room for exactly one
+    group to stay big; the repair keeps the one whose shrinking costs most per byte."""
+    import time
+
+    from solver import heuristic
+
+    # Groups: A = nodes 0,1,2 (saves 3 x 4 bytes for +3 each: 0.75/byte),
+    #         B = nodes 3,4,5 (saves 3 x 4 bytes for +30 each: 7.5/byte), node 6 free.
+    costs = [np.array([0.0, 1.0])] * 3 + [np.array([0.0, 10.0])] * 3 + [np.array([0.0])]
+    usages = [np.array([5.0, 1.0])] * 6 + [np.array([2.0])]
+    iv = np.array([[0, 10]] * 7)
+    p = Problem(costs, usages, iv, np.zeros((0, 2), dtype=np.int64), [], usage_limit=2 + 3 * 5 + 3 * 1,
+                ties=[[0, 1, 2], [3, 4, 5]])
+    start = np.zeros(7, dtype=np.int64)  # everything big: 32 bytes, over the 20-byte limit
+    assert not evaluate(p, start).feasible
+    fixed = heuristic.repair_memory_groups(p, start, time.perf_counter() + 5)
+    assert fixed is not None and evaluate(p, fixed).feasible
+    assert fixed.tolist() == [1, 1, 1, 0, 0, 0, 0]
+    p.usage_limit = 1.0  # below the free node alone: nothing frees enough
+    assert heuristic.repair_memory_groups(p, start, time.perf_counter() + 5) is None
+
+
 @pytest.mark.parametrize("exact", [False, True], ids=["milp", "exact-cfn"])
 @pytest.mark.parametrize("seed", range(30))
 def test_tie_groups_of_three_match_brute_force(seed, exact):
