@@ -27,7 +27,7 @@ from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
 from autoshard.pins import resolve_pins, to_spec
 from autoshard.planfile import ParamPlacement, Plan
 from autoshard.problem import GraphProblem, build_problem, pin_indices
-from autoshard.recompute import NONE, Recompute, choose, with_recompute
+from autoshard.recompute import NONE, Recompute, choose, recomputed, with_recompute
 from autoshard.tracing import trace
 from autoshard.units import human_bytes
 from costmodel import MeshTopology, Profile, load_profile, plan_steps
@@ -122,6 +122,7 @@ class Planner:
                  f"{len(gp.problem.ties)} tie groups), {st['strategies']} strategies, {st['edges']} edges "
                  f"in {self.phases['build_s']:.2f}s")
         self._variants: dict[str, tuple[Recompute, GraphProblem]] = {"none": (NONE, gp)}
+        self._choices: dict[str, Recompute] = {"none": NONE}
         self._plans: dict[str, tuple[Plan, object]] = {}
         self._seeds: dict[str, tuple[_Seed | str, float]] = {}
         """Hand-written plans by options: (the plan or why it failed, the seconds it was given)."""
@@ -157,11 +158,16 @@ class Planner:
                                   f"{type(self.model).__name__} has none found (a ModuleList of identical blocks, "
                                   "traced with tie_layers=True)")
             t0 = time.perf_counter()
-            rc = choose(self.traced, mode)
+            rc = self._choice(mode)
             self._variants[mode] = (rc, with_recompute(self.built, self.traced, rc))
             log.info(f"recompute {mode}: {rc.count} nodes recomputed in {len(rc.nodes)} layers "
                      f"({time.perf_counter() - t0:.2f}s)")
         return self._variants[mode]
+
+    def _choice(self, mode: str) -> Recompute:
+        if mode not in self._choices:
+            self._choices[mode] = choose(self.traced, mode)
+        return self._choices[mode]
 
     def cheapest_bound(self, **overrides) -> float:
         """A proved lower bound on every plan's predicted step (microseconds): each node's cheapest
@@ -222,10 +228,13 @@ class Planner:
         return best
 
     def recompute_floor(self, mode: str, opts: PlanOptions | None = None) -> float:
-        """What recomputing in ``mode`` adds to any plan at least: each copy's cheapest allowed cost."""
-        problem = self.problem(**_solve_fields((opts or self.options).replace(recompute=mode)))
-        gp = self.variant(mode)[1]
-        return float(sum(np.min(problem.node_costs[c][problem.allowed(c)], initial=np.inf) for c in gp.copy_of))
+        """What recomputing in ``mode`` adds to any plan at least: each recomputed node's cheapest
+        allowed compute (its copy's cost), summed. Needs no problem built for the mode."""
+        problem = self.problem(**_solve_fields((opts or self.options).replace(recompute="none")))
+        rec = recomputed(self.traced.gm, self._choice(mode))
+        gp = self.built
+        return float(sum(np.min(gp.compute_us[v][problem.allowed(v)], initial=np.inf)
+                         for v, n in enumerate(gp.nodes) if n in rec))
 
     def _solve_mode(self, opts: PlanOptions, time_limit: float) -> tuple[Plan, object]:
         """The plan in ``opts.recompute``'s mode: a first solve, then (unless it proved its plan
