@@ -106,45 +106,11 @@ def repair_pairs(problem: Problem, choice: np.ndarray, deadline: float | None = 
 
 
 def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.ndarray | None:
-    """Lower usage at the worst segment by the cheapest move per byte, until within the limit."""
-    if problem.usage_limit is None:
-        return choice
-    choice = choice.copy()
-    mem = Memory(problem, choice)
-    adj = Adjacency(problem)
-    limit = problem.usage_limit
-    while time.perf_counter() < deadline:
-        k = int(np.argmax(mem.total))
-        if mem.total[k] <= limit:
-            return choice
-        live = np.nonzero((mem.a <= k) & (k < mem.b))[0]
-        best, best_rate = None, np.inf
-        for v in live.tolist():
-            u = problem.node_usages[v]
-            cur = choice[v]
-            lower = np.nonzero((u < u[cur]) & problem.allowed(v))[0]
-            if lower.size == 0:
-                continue
-            lc = local_cost(problem, adj, choice, v)
-            for i in lower.tolist():
-                if lc[i] >= FORBIDDEN:
-                    continue
-                rate = (lc[i] - lc[cur]) / (u[cur] - u[i])
-                if rate < best_rate:
-                    best, best_rate = (v, i), rate
-        if best is None:
-            return None
-        v, i = best
-        mem.move([v], int(choice[v]), i)
-        choice[v] = i
-    return None
-
-
-def repair_memory_groups(problem: Problem, choice: np.ndarray, deadline: float) -> np.ndarray | None:
     """From a choice that breaks the memory limit (the memory-free optimum), move one tie group
     at a time to a strategy of less usage at the fullest segment, the one that costs least per
     byte it frees there, until every segment fits; None when no move frees anything or at
-    ``deadline``. Tied groups move whole, so the answer keeps the ties."""
+    ``deadline``. Tied groups move whole, so the answer keeps the ties; untied nodes are groups
+    of one."""
     if problem.usage_limit is None:
         return choice
     choice = choice.copy()

@@ -391,7 +391,7 @@ def _pairwise_stage(run: _Run) -> Solution | None:
         # Where memory binds, the memory-free optimum given up a little at a time is often a far
         # better start than the least-usage one (LLaMA-8B at sequence 8192: 3.6 s against 210 s).
         until, t1 = run.deadline("repair"), time.perf_counter()
-        fixed = heuristic.repair_memory_groups(run.problem, choice, until)
+        fixed = heuristic.repair_memory(run.problem, choice, until)
         if fixed is not None:
             fixed = heuristic.local_search(run.problem, fixed, max_rounds=1000, deadline=until)
             run.inc.offer(fixed, "repair")

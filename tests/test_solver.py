@@ -276,11 +276,11 @@ def test_group_memory_repair_keeps_ties_and_frees_cheapest_bytes_first():
                 ties=[[0, 1, 2], [3, 4, 5]])
     start = np.zeros(7, dtype=np.int64)  # everything big: 32 bytes, over the 20-byte limit
     assert not evaluate(p, start).feasible
-    fixed = heuristic.repair_memory_groups(p, start, time.perf_counter() + 5)
+    fixed = heuristic.repair_memory(p, start, time.perf_counter() + 5)
     assert fixed is not None and evaluate(p, fixed).feasible
     assert fixed.tolist() == [1, 1, 1, 0, 0, 0, 0]
     p.usage_limit = 1.0  # below the free node alone: nothing frees enough
-    assert heuristic.repair_memory_groups(p, start, time.perf_counter() + 5) is None
+    assert heuristic.repair_memory(p, start, time.perf_counter() + 5) is None
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["milp", "exact-cfn"])
