@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start-step", type=int, default=0)
     ap.add_argument("--replay", action="store_true",
                     help="run the planned graph op by op with the planner's redistributes (autoshard.replay)")
+    ap.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
+                    help="activation checkpointing of the repeated layers, planned (needs --layers 2 or more)")
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="torch.compile each rank's lowered programs with this backend (inductor, aot_eager, ...)")
     args = ap.parse_args(argv)
@@ -127,7 +129,8 @@ def main(argv=None) -> int:
         if args.plan:
             box[0] = Plan.load(args.plan).to_json()
         else:
-            plan = autoshard.plan(model, (data[0],), mesh, profile=args.profile, loss_fn=loss_fn, time_limit=60)
+            plan = autoshard.plan(model, (data[0],), mesh, profile=args.profile, loss_fn=loss_fn, time_limit=60,
+                                  recompute=args.recompute)
             print(plan.describe(max_params=8), flush=True)
             box[0] = plan.to_json()
         if args.save_plan:

@@ -94,6 +94,26 @@ def test_torchrun_compiled_programs_match_single_process():
     assert len(ref) == 3 and got == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_recomputing_plan_matches_single_process():
+    """A plan with full activation checkpointing on 4 gloo ranks: each layer's forward runs again
+    in the lowered backward, and the loss curve is the single process's."""
+    common = ["--dim", "32", "--layers", "2", "--vocab", "64", "--batch", "8", "--seq", "8", "--steps", "3"]
+    single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", *common],
+                            capture_output=True, text=True, check=True)
+    from costmodel.calibrate import free_port
+
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+         "-m", "autoshard.train", "--mesh", "dp=2,tp=2", "--recompute", "full", *common],
+        capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "activation checkpointing: full" in run.stdout, run.stdout[-2000:]
+    ref, got = losses(single.stdout), losses(run.stdout)
+    assert len(ref) == 3 and got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
 def test_died_by_signal_reads_only_the_root_cause():
     """The rerun is for a native abort only: a Python error whose peers the agent then
     SIGTERMs must not be retried."""
