@@ -201,17 +201,27 @@ def live_root(a: fx.Node, recomputed=None, in_backward=None) -> tuple[fx.Node, b
 
 
 def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tuple[np.ndarray, np.ndarray]:
-    """Liveness ``[lo, hi)`` (graph positions) of each ILP node, and of the recomputed copy of each
-    of ``nodes`` in ``recomputed`` (node -> the backward node its recompute runs before), in order.
+    """Liveness ``[lo, hi)`` of each ILP node, and of the recomputed copy of each of ``nodes`` in
+    ``recomputed`` (node -> the backward node its recompute runs before), in order.
 
     An output lives from its node to its last read (through views); parameters, optimizer state
-    and buffers for the whole step, gradients and the loss to the end. With recomputation the
-    backward reads the copies, which live from the recompute point to their last backward read,
-    and the recompute reads its inputs at that point."""
+    and buffers for the whole step, gradients and the loss to the end. Times are graph positions,
+    each split into ``S`` slots when there is recomputation: a layer's recompute replays its
+    nodes one slot apart, in forward order, just before the backward node that first needs them,
+    so a recomputed value that only feeds the recompute dies as the replay moves on, and the
+    ones the backward reads live from their slot to their last backward read."""
     order = list(tg.gm.graph.nodes)
     pos = {n: k for k, n in enumerate(order)}
-    end = len(order)
     rec = recomputed or {}
+    replays: dict[fx.Node, list[fx.Node]] = {}
+    for n, at in rec.items():
+        replays.setdefault(at, []).append(n)
+    S = 1 + max((len(g) for g in replays.values()), default=0)
+    slot = {}
+    for at, group in replays.items():
+        for k, n in enumerate(sorted(group, key=pos.__getitem__)):
+            slot[n] = pos[at] * S - len(group) + k
+    end = len(order) * S
     last: dict[fx.Node, int] = {}
     last_copy: dict[fx.Node, int] = {}
 
@@ -226,10 +236,10 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
     for u in order:
         bwd = bool(rec) and tg.phase(u) == "backward"
         for a in u.all_input_nodes:
-            read(a, pos[u], bwd)
-    for n, at in rec.items():
+            read(a, pos[u] * S, bwd)
+    for n in rec:
         for a in n.all_input_nodes:
-            read(a, pos[at], True)
+            read(a, slot[n], True)
     held = {live_root(g)[0] for g in tg.grad_of.values()}
     if tg.loss_node is not None:
         held.add(live_root(tg.loss_node)[0])
@@ -240,8 +250,9 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
         elif n.op == "placeholder":
             out.append((0, last.get(n, 0) + 1))
         else:
-            out.append((pos[n], end if n in held else max(last.get(n, pos[n]), pos[n]) + 1))
-    copies = [(pos[rec[n]], max(last_copy.get(n, pos[rec[n]]), pos[rec[n]]) + 1) for n in nodes if n in rec]
+            lo = pos[n] * S
+            out.append((lo, end if n in held else max(last.get(n, lo), lo) + 1))
+    copies = [(slot[n], max(last_copy.get(n, slot[n]), slot[n]) + 1) for n in nodes if n in rec]
     return np.array(out, dtype=np.int64).reshape(-1, 2), np.array(copies, dtype=np.int64).reshape(-1, 2)
 
 
