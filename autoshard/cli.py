@@ -87,6 +87,8 @@ def _setup_logging(verbosity: int):
 
 
 def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
+    from autoshard.options import RECOMPUTE
+
     p.add_argument("--mesh", default=default_mesh,
                    help="mesh axes as name=size,... (e.g. dp=8,tp=8)" + (f"; default {default_mesh}" if default_mesh
                                                                         else "; or --ranks N"))
@@ -96,7 +98,7 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB (default: the profile's device memory)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
-    p.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
+    p.add_argument("--recompute", default="auto", choices=RECOMPUTE,
                    help="activation checkpointing of the repeated layers (default auto: chosen with the plan)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--pin", action="append", default=[], metavar="FQN=SPEC",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from autoshard.errors import ConfigError
+from autoshard.planfile import RECOMPUTE_MODES
 from costmodel import Profile
 from solver import BACKENDS
 
@@ -16,7 +17,7 @@ TRACE_FIELDS = ("profile", "loss_fn", "example_kwargs", "tie_layers")
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
                 "export_problem")
 #: Values of ``PlanOptions.recompute``.
-RECOMPUTE = ("auto", "none", "selective", "full")
+RECOMPUTE = ("auto", *RECOMPUTE_MODES)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ from costmodel.spec import Spec
 
 PLAN_VERSION = 1
 
+#: Activation checkpointing modes a plan can carry (:mod:`autoshard.recompute`).
+RECOMPUTE_MODES = ("none", "selective", "full")
+
 
 def layer_of(fqn: str) -> str:
     """``layers.3.attn.wq.weight`` -> ``layers.3``; ``embed.weight`` -> ``embed``."""
@@ -33,9 +36,9 @@ def _recompute_entry(data) -> dict:
     """A plan's ``recompute`` field, checked (absent in plans made before it: nothing recomputed)."""
     if data is None:
         return {"mode": "none", "nodes": {}, "at": {}}
-    modes = ("none", "selective", "full")
-    if not isinstance(data, dict) or data.get("mode") not in modes:
-        raise PlanError(f"plan recompute: expected {{'mode': one of {modes}, 'nodes', 'at'}}, found {data!r:.200}")
+    if not isinstance(data, dict) or data.get("mode") not in RECOMPUTE_MODES:
+        raise PlanError(f"plan recompute: expected {{'mode': one of {RECOMPUTE_MODES}, 'nodes', 'at'}}, "
+                        f"found {data!r:.200}")
     nodes, at = data.get("nodes", {}), data.get("at", {})
     if not (isinstance(nodes, dict) and isinstance(at, dict)) or set(nodes) != set(at) \
             or not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in nodes.values()):

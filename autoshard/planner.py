@@ -25,7 +25,7 @@ from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, fir
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
 from autoshard.pins import resolve_pins, to_spec
-from autoshard.planfile import ParamPlacement, Plan
+from autoshard.planfile import RECOMPUTE_MODES, ParamPlacement, Plan
 from autoshard.problem import GraphProblem, build_problem, pin_indices
 from autoshard.recompute import NONE, Recompute, choose, recomputed, with_recompute
 from autoshard.tracing import trace
@@ -124,8 +124,9 @@ class Planner:
         self._variants: dict[str, tuple[Recompute, GraphProblem]] = {"none": (NONE, gp)}
         self._choices: dict[str, Recompute] = {"none": NONE}
         self._plans: dict[str, tuple[Plan, object]] = {}
-        self._seeds: dict[str, tuple[_Seed | str, float]] = {}
-        """Hand-written plans by options: (the plan or why it failed, the seconds it was given)."""
+        self._seeds: dict[str, tuple[_Seed | str, float, bool]] = {}
+        """Hand-written plans by options: (the plan or why it failed, the seconds it was given,
+        whether more time cannot change it: proved optimal, or not writable for this model)."""
 
     def _budget(self, opts: PlanOptions) -> float | None:
         return self.profile.memory_bytes if opts.memory_budget == "auto" else opts.memory_budget
@@ -203,7 +204,7 @@ class Planner:
         the time left, except those a proved bound rules out: a plan that recomputes costs at
         least the memory-free optimum without recomputation plus its copies' cheapest costs."""
         t0 = time.perf_counter()
-        modes = ("none", "selective", "full")
+        modes = RECOMPUTE_MODES
         best, tried, failed, floor = None, {}, None, None
         for k, mode in enumerate(modes):
             if best is not None and floor is not None \
@@ -289,14 +290,15 @@ class Planner:
                                             recompute=baseline_recompute(name))
             key = _key(seed_opts.replace(time_limit=1.0))
             cached = self._seeds.get(key)
-            if cached is None or (cached[1] < share and not _proved(cached[0])):
+            if cached is None or (cached[1] < share and not cached[2]):
                 try:
                     plan_, choice = self._solve_once(seed_opts, share)
                 except AutoshardError as exc:  # breaks the budget, or its specs do not fit this model
-                    self._seeds[key] = (str(exc), share)
+                    # The solver may give up on a budget within its time without proving it infeasible.
+                    self._seeds[key] = (str(exc), share, not isinstance(exc, MemoryBudgetError))
                     log.info(f"baseline {name}: {first_line(exc)}")
                 else:
-                    self._seeds[key] = (_Seed(plan_, choice), share)
+                    self._seeds[key] = (_Seed(plan_, choice), share, plan_.solver["status"] == "optimal")
                     log.info(f"baseline {name}: {plan_.summary['step_us'] / 1e3:.1f} ms predicted "
                              f"({plan_.solver['status']})")
             out[name] = self._seeds[key][0]
@@ -335,14 +337,6 @@ def _solve_fields(opts: PlanOptions) -> dict:
     """The fields of ``opts`` that shape the solver's problem."""
     return {"pins": opts.pins, "input_specs": opts.input_specs, "memory_budget": opts.memory_budget,
             "recompute": opts.recompute}
-
-
-def _proved(seed) -> bool:
-    """A hand-written plan that more time cannot improve: proved optimal, or unwritable for this
-    model (a ConfigError's message is not about the budget)."""
-    if isinstance(seed, _Seed):
-        return seed.plan.solver["status"] == "optimal"
-    return "memory budget" not in seed
 
 
 def _project(choice, gp: GraphProblem) -> np.ndarray:

@@ -34,10 +34,11 @@ import torch.fx as fx
 
 from autoshard import rng
 from autoshard.layers import node_layer
+from autoshard.planfile import RECOMPUTE_MODES
 from autoshard.problem import ArgEdge, GraphProblem, node_intervals
 from autoshard.tracing import TracedGraph
 
-MODES = ("none", "selective", "full")
+MODES = RECOMPUTE_MODES
 
 _A = torch.ops.aten
 #: Ops whose outputs ``selective`` keeps: the ones that dominate a layer's compute.
@@ -157,7 +158,7 @@ def with_recompute(gp: GraphProblem, tg: TracedGraph, rc: Recompute) -> GraphPro
     copied = [v for v, n in enumerate(nodes) if n in rec]
     copy_index = {v: len(nodes) + k for k, v in enumerate(copied)}
     p = gp.problem
-    edges, mats = list(gp.edges[:len(p.edge_costs)]), list(p.edge_costs)
+    edges, mats = list(gp.edges), list(p.edge_costs)
     for e, ae in enumerate(gp.edges):
         if ae.arg >= 0 and ae.consumer in copy_index:
             # A recomputed op reads the recomputed value where its producer is recomputed too.

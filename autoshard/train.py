@@ -78,6 +78,8 @@ def load_checkpoint(path: str, model, opt) -> None:
 
 
 def main(argv=None) -> int:
+    from autoshard.options import RECOMPUTE
+
     ap = argparse.ArgumentParser(prog="python -m autoshard.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", default="dp=2,tp=2")
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start-step", type=int, default=0)
     ap.add_argument("--replay", action="store_true",
                     help="run the planned graph op by op with the planner's redistributes (autoshard.replay)")
-    ap.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
+    ap.add_argument("--recompute", default="auto", choices=RECOMPUTE,
                     help="activation checkpointing of the repeated layers, planned (needs --layers 2 or more)")
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="torch.compile each rank's lowered programs with this backend (inductor, aot_eager, ...)")

@@ -79,7 +79,6 @@ def test_recomputation_costs_compute_and_saves_memory(planner):
     assert plans["none"].summary["step_us"] < plans["selective"].summary["step_us"] \
         < plans["full"].summary["step_us"]
     assert plans["full"].summary["recompute"]["compute_us"] > 0
-    assert any(r.get("recompute") for r in plans["full"].redistributes) or plans["full"].summary["comm_us"] == 0
 
 
 def test_auto_recomputes_only_where_memory_binds(planner):
@@ -147,6 +146,10 @@ def test_recomputing_plan_matches_single_device(world, mode):
     planner = autoshard.Planner(model, (x,), mesh, profile=SHARDING_PROFILE, loss_fn=lm_loss,
                                 memory_budget=None, time_limit=20, seed_baselines=False)
     plan, plain = planner.solve(recompute=mode), planner.solve(recompute="none")
+    if mode == "full":
+        # Where a layer's input is redistributed, the replay redistributes it again, and is charged.
+        again = [r for r in plan.redistributes if r.get("recompute")]
+        assert again and all(r["us"] > 0 for r in again)
     ref_losses, ref_grads = reference_adamw(copy.deepcopy(model), (x,), lm_loss)
     counts = {}
     with LocalTensorMode(4) as lm:

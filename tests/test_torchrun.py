@@ -73,25 +73,32 @@ def test_torchrun_training_matches_single_process(tmp_path):
     assert sharded, "the plan under test shards nothing"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_torchrun_compiled_programs_match_single_process():
-    """parallelize(..., compile=...) runs each rank's lowered programs through torch.compile
-    (aot_eager here: the whole-graph capture of local ops and functional collectives, without
-    Inductor's C++ build time); the loss curve is the single process's."""
-    common = ["--dim", "32", "--layers", "1", "--vocab", "64", "--batch", "8", "--seq", "8", "--steps", "3"]
+def _against_single_process(layers: int, *options: str) -> str:
+    """3 steps of ``autoshard.train`` on 4 gloo ranks with ``options``: its stdout, once its loss
+    curve is checked against the single process's."""
+    common = ["--dim", "32", "--layers", str(layers), "--vocab", "64", "--batch", "8", "--seq", "8", "--steps", "3"]
     single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", *common],
                             capture_output=True, text=True, check=True)
     from costmodel.calibrate import free_port
 
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-         "-m", "autoshard.train", "--mesh", "dp=2,tp=2", "--compile", "aot_eager", *common],
+         "-m", "autoshard.train", "--mesh", "dp=2,tp=2", *options, *common],
         capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "compiled programs (aot_eager): backward@0, forward@0" in run.stdout, run.stdout[-2000:]
     ref, got = losses(single.stdout), losses(run.stdout)
     assert len(ref) == 3 and got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    return run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_compiled_programs_match_single_process():
+    """parallelize(..., compile=...) runs each rank's lowered programs through torch.compile
+    (aot_eager here: the whole-graph capture of local ops and functional collectives, without
+    Inductor's C++ build time); the loss curve is the single process's."""
+    out = _against_single_process(1, "--compile", "aot_eager")
+    assert "compiled programs (aot_eager): backward@0, forward@0" in out, out[-2000:]
 
 
 @pytest.mark.slow
@@ -99,19 +106,8 @@ def test_torchrun_compiled_programs_match_single_process():
 def test_torchrun_recomputing_plan_matches_single_process():
     """A plan with full activation checkpointing on 4 gloo ranks: each layer's forward runs again
     in the lowered backward, and the loss curve is the single process's."""
-    common = ["--dim", "32", "--layers", "2", "--vocab", "64", "--batch", "8", "--seq", "8", "--steps", "3"]
-    single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", *common],
-                            capture_output=True, text=True, check=True)
-    from costmodel.calibrate import free_port
-
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-         "-m", "autoshard.train", "--mesh", "dp=2,tp=2", "--recompute", "full", *common],
-        capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "activation checkpointing: full" in run.stdout, run.stdout[-2000:]
-    ref, got = losses(single.stdout), losses(run.stdout)
-    assert len(ref) == 3 and got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    out = _against_single_process(2, "--recompute", "full")
+    assert "activation checkpointing: full" in out, out[-2000:]
 
 
 def test_died_by_signal_reads_only_the_root_cause():
