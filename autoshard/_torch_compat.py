@@ -20,6 +20,14 @@ from costmodel._torch_compat import placements_of as to_placements  # noqa: F401
 from costmodel.spec import Spec
 
 
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule that writes its Python code only when first run or printed: planning a
+    20k-node graph never runs it, and code generation costs about 1 s there."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
+
+
 def preserve_node_meta():
     """FX's metadata channel: while active, ``node_meta_custom()`` lands on every traced node."""
     return fx_traceback.preserve_node_meta()

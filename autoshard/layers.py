@@ -77,6 +77,15 @@ def node_layer(node: fx.Node) -> tuple[str, str] | None:
     return custom.get(_TAG) if isinstance(custom, dict) else None
 
 
+def retagged(custom: dict | None, fqn: str) -> dict:
+    """A copy of a node's ``meta["custom"]`` that says it was created in layer ``fqn`` (same phase)."""
+    out = dict(custom or {})
+    tag = out.get(_TAG)
+    if tag is not None:
+        out[_TAG] = (fqn, tag[1])
+    return out
+
+
 def _signature(node: fx.Node):
     val = node.meta.get("val")
     shapes = tuple(tuple(v.shape) for v in (val if isinstance(val, (tuple, list)) else [val])

@@ -30,6 +30,7 @@ from autoshard.problem import GraphProblem, build_problem, pin_indices
 from autoshard.recompute import NONE, Recompute, choose, recomputed, with_recompute
 from autoshard.tracing import trace
 from autoshard.units import human_bytes
+from autoshard.unroll import trace_unrolled
 from costmodel import MeshTopology, Profile, load_profile, plan_steps
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,12 @@ class Planner:
             self.traced = tg = traced
         else:
             with quiet_tracing():  # called inside LocalTensorMode or CommDebugMode, the trace is the model's alone
-                self.traced = tg = trace(model, example_inputs, opts.loss_fn, tie_layers=opts.tie_layers,
-                                         example_kwargs=opts.example_kwargs)
+                if opts.tie_layers and opts.unroll_layers:
+                    self.traced = tg = trace_unrolled(model, example_inputs, opts.loss_fn,
+                                                      example_kwargs=opts.example_kwargs)
+                else:
+                    self.traced = tg = trace(model, example_inputs, opts.loss_fn, tie_layers=opts.tie_layers,
+                                             example_kwargs=opts.example_kwargs)
         self.phases["trace_s"] = time.perf_counter() - t0
         log.info(f"traced {len(tg.gm.graph.nodes)} graph nodes in {self.phases['trace_s']:.2f}s"
                  + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"

@@ -101,7 +101,6 @@ def _drop_hook_residue(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
                 replaced[node] = node.args[0]
                 gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     return replaced
 
 
@@ -150,7 +149,6 @@ def _loss_free_names(gm: fx.GraphModule, output_grads) -> None:
     for n in nodes:
         if names[n] != n.name:
             tc.rename_node(n, names[n])
-    gm.recompile()
 
 
 def _to_fake(fm: FakeTensorMode, t: torch.Tensor, device: torch.device, requires_grad=False):
@@ -159,6 +157,25 @@ def _to_fake(fm: FakeTensorMode, t: torch.Tensor, device: torch.device, requires
     if requires_grad:
         out.requires_grad_(True)
     return out
+
+
+@dataclass
+class RawTrace:
+    """What ``make_fx`` returned for one training step, before the graph is tidied
+    (:func:`finish`): the graph and the trace's own nodes of the model's outputs and of
+    their gradients. :mod:`autoshard.unroll` builds deep models' raw traces from shallow ones."""
+
+    gm: fx.GraphModule
+    param_fqns: list[str]
+    buffer_fqns: list[str]
+    trainable: list[int]
+    """Indices into ``param_fqns`` of the parameters whose gradients the graph outputs, in order."""
+    input_names: list[str]
+    groups: list[list[str]]
+    leaves: list = field(default_factory=list)
+    tree: object = None
+    grads: dict[int, fx.Node | None] = field(default_factory=dict)
+    fake_mode: FakeTensorMode | None = None
 
 
 def trace(
@@ -173,14 +190,27 @@ def trace(
     ``example_kwargs``: keyword arguments of ``forward``; tensors become inputs of the step
     (after the positional ones, in the dict's order), anything else is a constant of the trace.
     With ``tie_layers``, the nodes of repeated layers are tagged so that the
-    planner can tie them.
+    planner can tie them. :func:`autoshard.unroll.trace_unrolled` traces deep models faster.
     """
+    example_inputs = check_inputs(example_inputs)
+    groups = layer_groups(model) if tie_layers else []
+    return finish(raw_trace(model, example_inputs, loss_fn, example_kwargs, groups))
+
+
+def check_inputs(example_inputs) -> tuple:
+    """``example_inputs`` as a tuple of tensors, or a :class:`TraceError` naming what else it holds."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     bad = [type(x).__name__ for x in example_inputs if not isinstance(x, torch.Tensor)]
     if bad:
         raise TraceError(f"example_inputs: expected a sequence of tensors, found element types {bad}")
+    return example_inputs
+
+
+def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None, example_kwargs: dict | None,
+              groups: list[list[str]]) -> RawTrace:
+    """``make_fx`` of the training step, layers of ``groups`` tagged (untagged if that fails)."""
     example_kwargs = dict(example_kwargs or {})
     kw_names = [k for k, v in example_kwargs.items() if isinstance(v, torch.Tensor)]
     constants = {k: v for k, v in example_kwargs.items() if not isinstance(v, torch.Tensor)}
@@ -231,7 +261,6 @@ def trace(
         tc.node_meta_custom().pop(PHASE, None)
         return (loss, *grads)
 
-    groups = layer_groups(model) if tie_layers else []
     try:
         try:
             with fm, tc.preserve_node_meta(), tag_layers(model, groups):
@@ -255,7 +284,17 @@ def trace(
             f"{type(model).__name__}.forward failed on example inputs of shapes {shapes}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from exc
+    return RawTrace(gm=gm, param_fqns=names_p, buffer_fqns=names_b, trainable=trainable, input_names=input_names,
+                    groups=groups, leaves=seen.get("leaves", []), tree=seen.get("tree"),
+                    grads=dict(seen.get("grads", {})), fake_mode=fm)
 
+
+def finish(raw: RawTrace) -> TracedGraph:
+    """Tidy a raw trace (hook residue dropped, loss-free names, constants given fake values)
+    and say what each placeholder and output is. Changes ``raw.gm`` in place."""
+    gm, groups, fm = raw.gm, raw.groups, raw.fake_mode
+    names_p, names_b, trainable, input_names = raw.param_fqns, raw.buffer_fqns, raw.trainable, raw.input_names
+    seen = {"leaves": list(raw.leaves), "tree": raw.tree, "grads": dict(raw.grads)}
     if groups:
         replaced = _drop_hook_residue(gm)
 
@@ -286,7 +325,8 @@ def trace(
             const = getattr(gm, node.target)
             if isinstance(const, torch.Tensor):
                 node.meta["val"] = fm.from_tensor(const)
-    tg = TracedGraph(gm=gm, param_fqns=names_p, buffer_fqns=names_b, num_inputs=len(example_inputs),
+    gm.recompile()  # once, after every change above
+    tg = TracedGraph(gm=gm, param_fqns=names_p, buffer_fqns=names_b, num_inputs=len(input_names),
                      layer_groups=groups, outputs=seen.get("leaves", []), output_tree=seen.get("tree"),
                      output_grads=seen["grads"])
     ph = tg.placeholders

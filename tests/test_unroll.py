@@ -1,0 +1,111 @@
+"""Deep models traced three and four layers deep and unrolled: node for node the full trace."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoshard
+from autoshard.errors import ConfigError
+from autoshard.models import gpt2, llama
+from autoshard.tracing import trace
+from autoshard.unroll import compare, trace_unrolled
+
+
+def _both(model, inputs, caplog, **kw):
+    with caplog.at_level(logging.INFO, logger="autoshard.unroll"):
+        caplog.clear()
+        fast = trace_unrolled(model, inputs, **kw)
+        said = caplog.text
+    whole = trace(model, inputs, **kw)
+    return fast, whole, said
+
+
+@pytest.mark.parametrize("make", [lambda: llama("tiny", n_layers=9), lambda: gpt2("tiny", n_layers=8)],
+                         ids=["llama", "gpt2"])
+def test_unrolled_trace_is_the_full_trace(make, caplog):
+    model = make()
+    x = torch.randint(0, 64, (2, 16))
+    fast, whole, said = _both(model, (x,), caplog)
+    assert "unrolled" in said, said
+    assert compare(fast, whole) is None
+    assert len(fast.layer_groups[0]) == len(model.layers if hasattr(model, "layers") else model.blocks)
+    # Names, tags and gradients line up, so the planner's ties and the plan's node names do too.
+    assert fast.grad_of.keys() == whole.grad_of.keys()
+    assert [n.name for n in fast.placeholders] == [n.name for n in whole.placeholders]
+
+
+def test_compare_sees_a_difference():
+    x = torch.randint(0, 64, (2, 16))
+    a = trace(llama("tiny", n_layers=2), (x,))
+    b = trace(llama("tiny", n_layers=3), (x,))
+    assert compare(a, b) is not None
+    c = trace(llama("tiny", n_layers=2), (x[:, :8],))  # same nodes, other shapes
+    assert "value" in compare(a, c) or "arguments" in compare(a, c)
+
+
+def test_hugging_face_llama_with_its_cache_unrolls(caplog):
+    """HF Llama lifts a constant (the KV cache's empty tensor) inside every layer: each copy of
+    the layer gets its own, numbered as make_fx numbers them."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=128, max_position_embeddings=32)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    x = torch.randint(0, 128, (2, 8))
+    fast, whole, said = _both(model, (x,), caplog, loss_fn=lambda out: out["logits"].float().pow(2).mean())
+    assert "unrolled" in said, said
+    assert compare(fast, whole) is None
+    assert sum(n.op == "get_attr" for n in fast.gm.graph.nodes) >= 8
+
+
+class _Block(nn.Module):
+    def __init__(self, idx, dim=16):
+        super().__init__()
+        self.idx = idx
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        y = torch.relu(self.lin(x)) + x
+        return y * 2 if self.idx == 3 else y  # the fourth layer differs: the four-layer trace shows it
+
+
+class _Odd(nn.Module):
+    def __init__(self, n=10, by_index=False):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(i) for i in range(n))
+        self.n, self.by_index = n, by_index
+
+    def forward(self, x):
+        for i in range(self.n):  # by_index: a loop that needs every layer present
+            x = self.layers[i](x) if self.by_index else x
+        if not self.by_index:
+            for layer in self.layers:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("by_index", [False, True], ids=["index-dependent-layer", "loop-over-range"])
+def test_models_unrolling_cannot_reproduce_are_traced_whole(by_index, caplog):
+    model = _Odd(by_index=by_index)
+    if by_index:
+        for b in model.layers:
+            b.idx = -1
+    fast, whole, said = _both(model, (torch.randn(4, 16),), caplog)
+    assert "tracing every layer" in said, said
+    assert compare(fast, whole) is None
+
+
+def test_planner_unroll_option(world):
+    world(4)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    model = llama("tiny", n_layers=8)
+    x = torch.randint(0, 64, (4, 16))
+    fast = autoshard.plan(model, (x,), mesh, memory_budget=None)
+    whole = autoshard.plan(model, (x,), mesh, memory_budget=None, unroll_layers=False)
+    assert fast.nodes == whole.nodes
+    assert fast.params == whole.params
+    with pytest.raises(ConfigError, match="unroll_layers"):
+        autoshard.PlanOptions(unroll_layers="yes")
