@@ -16,9 +16,16 @@ live members per class. A model with 80 tied layers has thousands of segments bu
 classes (LLaMA-70B on (8, 8, 8): 6,979 segments, 155 classes, at most 29 groups a row):
 
 - rows with the same counts keep the smallest right-hand side (:func:`_distinct`);
+- row k is implied by rows i and j when its counts are their mean and its right-hand side
+  at least theirs (every coefficient is >= 0, so the mean of rows i and j is a valid row).
+  Tied layers make such rows common: the segment at one place in layer l has the counts
+  ``A + l * D`` (D: what each earlier layer leaves live), so along the layers the rows form
+  arithmetic progressions and only each progression's ends bind (:func:`_midpoints`);
 - row k is implied by row j when counts_j >= counts_k class by class and
   L - b_j <= L - b_k, since every coefficient is >= 0 (:func:`_undominated`).
-  On LLaMA-70B, 6,979 rows -> 121.
+
+On LLaMA-70B on (8, 8, 8) with full recomputation: 9,380 distinct rows, 293 after the
+progressions (0.2 s), 225 after dominance.
 
 Both the MILP (:mod:`solver.highs_model`) and the exact CFN (:mod:`solver.exact`) read
 these rows, so the two solve the same memory model.
@@ -181,6 +188,53 @@ def _distinct(segments, cls: np.ndarray, limit: float) -> list[tuple[np.ndarray,
     return list(seen.values())
 
 
+#: Work (row comparisons) :func:`_midpoints` may spend looking for each pass's period.
+MAX_PERIOD_WORK = 5e7
+
+
+def _midpoints(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> list[int]:
+    """Indices of ``rows`` (in time order) left once every row that is the mean of the rows P
+    before and P after it (counts exactly, right-hand side at most) is dropped.
+
+    A maximal run of such rows, P apart, lies on one arithmetic progression whose two ends
+    are not dropped; each dropped row is a convex combination of those ends, so the ends
+    imply it. Each pass finds the period P that most rows fit by a random linear hash of
+    the counts (a match is then checked exactly) and drops those rows; passes repeat on
+    what is left, each implied by its own survivors, while they drop at least 1%.
+    """
+    if len(rows) < 3:
+        return list(range(len(rows)))
+    used = np.unique(np.concatenate([c for c, _, _ in rows]))
+    pos = np.full(int(used.max()) + 1, -1, dtype=np.int64)
+    pos[used] = np.arange(used.size)
+    counts = np.zeros((len(rows), used.size), dtype=np.int64)
+    for k, (c, count, _) in enumerate(rows):
+        counts[k, pos[c]] = count
+    rhs = np.array([h for _, _, h in rows])
+    tol = 1e-12 * float(np.abs(rhs).max())  # sums of the same terms in another order
+    hash_weights = np.random.default_rng(0).integers(1, 1 << 20, used.size)
+    alive = np.arange(len(rows))
+    while alive.size >= 3:
+        c, h_rhs = counts[alive], rhs[alive]
+        n = alive.size
+        h = c @ hash_weights
+        best_m, best_p = 0, 0
+        for p in range(1, min((n - 1) // 2, int(MAX_PERIOD_WORK // n)) + 1):
+            m = int(np.count_nonzero(h[:-2 * p] + h[2 * p:] == 2 * h[p:-p]))
+            if m > best_m:
+                best_m, best_p = m, p
+        if best_m < max(1, 0.01 * n):
+            break
+        p = best_p
+        mid = np.zeros(n, dtype=bool)
+        mid[p:-p] = ((c[:-2 * p] + c[2 * p:]) == 2 * c[p:-p]).all(axis=1) & (
+            2 * h_rhs[p:-p] >= h_rhs[:-2 * p] + h_rhs[2 * p:] - tol)
+        if not mid.any():
+            break
+        alive = alive[~mid]
+    return alive.tolist()
+
+
 def _undominated(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> list[int]:
     """Indices of rows no other kept row implies, tightest first. Each row is checked against
     the rows kept so far; past :data:`MAX_DOMINANCE_WORK` the rest are kept unchecked (an
@@ -212,10 +266,11 @@ def _undominated(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> list[int]:
 
 
 def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
-                max_entries: float = np.inf) -> MemoryRows:
+                max_entries: float = np.inf, progressions: bool = True) -> MemoryRows:
     """The memory rows of ``problem`` over tie-group heads ``rep`` with the final ``allowed``
     strategies (after reductions; tied nodes share their head's). :class:`RowsTooLarge` past
-    ``max_entries``; :class:`MemoryInfeasible` when a segment's least usage breaks the limit."""
+    ``max_entries``; :class:`MemoryInfeasible` when a segment's least usage breaks the limit.
+    ``progressions=False`` keeps the rows inside progressions (:func:`_midpoints`), for comparison."""
     if problem.usage_limit is None:
         return MemoryRows([], 0, 0)
     limit = float(problem.usage_limit)
@@ -223,6 +278,8 @@ def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
     segments = memory_segments(problem, varying, low, MAX_NODE_ENTRIES)
     cls, first = _classes(problem, rep)
     distinct = _distinct(segments, cls, limit)
+    if progressions:
+        distinct = [distinct[k] for k in _midpoints(distinct)]
     keep = _undominated(distinct)
     rows: list[Row] = []
     entries = 0

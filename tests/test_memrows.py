@@ -13,11 +13,14 @@ from solver.memrows import memory_rows
 from solver.solve import memory_lower_bound
 
 
-def layered_problem(rng, layers=6, per_layer=3, k=3, tight=0.5):
+def layered_problem(rng, layers=6, per_layer=3, k=3, tight=0.5, grads=False):
     """``layers`` identical tied blocks over one time line: each block's nodes are live from
     their forward step until the matching backward step (saved activations), as in a training
     graph, with a temporary in each layer's forward and backward step, plus one untied node. Memory
-    binds: the limit sits ``tight`` of the way from the least-usage peak to the largest-usage peak."""
+    binds: the limit sits ``tight`` of the way from the least-usage peak to the largest-usage peak.
+    With ``grads``, each layer's backward step also makes a gradient that lives to the end, so
+    along the backward the saved activations shrink while the gradients grow: no backward
+    segment dominates another."""
     costs = [rng.integers(0, 30, size=k).astype(float) for _ in range(per_layer)]
     usages = [rng.integers(1, 10, size=k).astype(float) for _ in range(per_layer)]
     node_costs, node_usages, iv, ties = [], [], [], [[] for _ in range(per_layer)]
@@ -42,6 +45,15 @@ def layered_problem(rng, layers=6, per_layer=3, k=3, tight=0.5):
             node_usages.append(temp_usages[side])
             iv.append(span)
             ties[per_layer + side].append(len(node_costs) - 1)
+        if grads:
+            if layer == 0:
+                ties.append([])
+                grad_cost = rng.integers(0, 30, size=k).astype(float)
+                grad_usage = rng.integers(1, 10, size=k).astype(float)
+            node_costs.append(grad_cost)
+            node_usages.append(grad_usage)
+            iv.append((horizon - t - 1, horizon))
+            ties[-1].append(len(node_costs) - 1)
     n = len(node_costs)
     edges, mats = [], []
     for v in range(n - 1):
@@ -75,7 +87,7 @@ def _by_strategy(problem, red, mr):
 def test_aggregated_rows_hold_exactly_when_memory_fits(seed):
     """Every tie-respecting choice over the allowed strategies: all rows hold <=> the peak fits."""
     rng = np.random.default_rng(seed)
-    p = layered_problem(rng, layers=3 + seed % 3, tight=0.3 + 0.05 * (seed % 5))
+    p = layered_problem(rng, layers=3 + seed % 3, tight=0.3 + 0.05 * (seed % 5), grads=seed % 2 == 1)
     red = reduce(p)
     mr = memory_rows(p, red.rep, red.allowed)
     rows = _by_strategy(p, red, mr)
@@ -98,6 +110,31 @@ def test_tied_layers_keep_few_rows_however_deep():
         assert mr.segments >= 2 * layers
         kept.append(len(mr.rows))
     assert max(kept) <= 4, kept
+
+
+def test_rows_along_the_layers_keep_their_ends():
+    """With gradients growing as activations shrink, each backward segment binds for some
+    strategies, but the rows lie on arithmetic progressions across the layers: only their ends
+    are kept, so the count stays flat with depth, and the kept rows are exact (a choice fits
+    iff they hold, checked on every tie-respecting choice)."""
+    kept = []
+    for layers in (4, 16, 64):
+        p = layered_problem(np.random.default_rng(3), layers=layers, grads=True)
+        red = reduce(p)
+        mr = memory_rows(p, red.rep, red.allowed)
+        kept.append(len(mr.rows))
+        if layers == 16:
+            rows = _by_strategy(p, red, mr)
+            heads = np.unique(red.rep)
+            for picks in itertools.product(*[red.allowed[h].tolist() for h in heads]):
+                of_head = dict(zip(heads.tolist(), picks))
+                choice = np.array([of_head[int(red.rep[v])] for v in range(p.num_nodes)])
+                assert rows_hold(rows, choice) == (evaluate(p, choice).peak_usage <= p.usage_limit)
+    assert kept[0] == kept[1] == kept[2] <= 8, kept
+    # Without the progressions, dominance alone keeps a row per layer.
+    p = layered_problem(np.random.default_rng(3), layers=64, grads=True)
+    red = reduce(p)
+    assert len(memory_rows(p, red.rep, red.allowed, progressions=False).rows) >= 64
 
 
 def tied_brute_force(p: Problem):
