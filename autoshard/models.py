@@ -158,8 +158,10 @@ LLAMA_PRESETS: dict[str, dict] = {
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, max_seq_len=2048),
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
                 max_seq_len=2048),
+    "405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256,
+                 max_seq_len=2048),
 }
-"""LLaMA-3 shapes (1B is LLaMA-3.2-1B's width with an 8192 FFN)."""
+"""LLaMA-3 shapes (1B is LLaMA-3.2-1B's width with an 8192 FFN; 405B is LLaMA-3.1-405B's)."""
 
 GPT2_PRESETS: dict[str, dict] = {
     "tiny": dict(dim=64, n_heads=4, n_layers=2, vocab_size=256),

@@ -118,7 +118,7 @@ class _RedistCost:
         """Cost of every (producer strategy, consumer strategy) pair, planning each distinct spec pair once."""
         us, vs = list(dict.fromkeys(srcs)), list(dict.fromkeys(dsts))
         shape, item = tuple(t.shape), t.element_size()
-        small = np.array([self.planner.costs(a, vs, shape, item) for a in us]).reshape(len(us), len(vs))
+        small = self.planner.cost_matrix(us, vs, shape, item)
         u_pos = {s: k for k, s in enumerate(us)}
         v_pos = {s: k for k, s in enumerate(vs)}
         return small[np.ix_([u_pos[s] for s in srcs], [v_pos[s] for s in dsts])]

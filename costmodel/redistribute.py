@@ -56,10 +56,13 @@ from contextlib import contextmanager
 from functools import lru_cache
 from itertools import combinations
 
+import numpy as np
+
 from costmodel.bounds import Bound, CoverBound, agreed, mesh_costs
 from costmodel.collectives import MeshTopology
 from costmodel.profile import Profile
 from costmodel.spec import Spec
+from costmodel.stategraph import MAX_STATES, StateGraph
 from costmodel.states import (
     COMPATIBLE_PARTIALS,
     R,
@@ -75,8 +78,11 @@ from costmodel.states import (
 class RedistributePlanner:
     """Plans redistributes for one mesh and profile; caches every answer."""
 
-    def __init__(self, topo: MeshTopology, profile: Profile, merge: bool = True, use_heuristic: bool = True):
+    def __init__(self, topo: MeshTopology, profile: Profile, merge: bool = True, use_heuristic: bool = True,
+                 max_graph_states: int = MAX_STATES):
         self.topo, self.profile = topo, profile
+        self.max_graph_states = max_graph_states
+        """Past this many states a tensor's costs are searched per source, without a state graph."""
         self.merge, self.use_heuristic = merge, use_heuristic
         self.shape = topo.shape
         self.n = len(topo.shape)
@@ -85,6 +91,7 @@ class RedistributePlanner:
         self._elems: dict = self._costs.elems
         self.cache: dict = {}
         self.cost_cache: dict = {}
+        self._graphs: dict = {}
         self.stats = {"searches": 0, "expanded": 0, "hits": 0}
 
     # -- sizes ------------------------------------------------------------
@@ -368,7 +375,9 @@ class RedistributePlanner:
         Dijkstra from ``src`` over the whole state space (no goal, no heuristic)
         settles every target at once: a producer spec has as many targets as its
         consumers have candidate specs, and one search over the few hundred
-        states of a 2-D or 3-D mesh is far cheaper than one A* per target.
+        states of a 2-D or 3-D mesh is far cheaper than one A* per target. The state
+        graph is built once per tensor (:class:`~costmodel.stategraph.StateGraph`) and
+        searched by scipy; past its size limit each source is searched here.
         Answers agree with :meth:`plan` (both are exact) and are cached.
         """
         tshape = tuple(tshape)
@@ -389,14 +398,65 @@ class RedistributePlanner:
             by_partials.setdefault(partials_of(s0[0], g[0]), []).append(g)
         for partials, group in by_partials.items():
             self.stats["searches"] += 1
-            with _no_gc():
-                true, done = self._settle(s0, group, tshape, itemsize, partials)
+            graph = self._graph(tshape, itemsize, partials)
+            row = graph.costs_from(s0) if graph is not None else None
+            if row is not None:
+                true = {g: float(row[graph.index[g]]) for g in group if g in graph.index}
+                done = {g for g, c in true.items() if math.isfinite(c)}
+            else:
+                with _no_gc():
+                    true, done = self._settle(s0, group, tshape, itemsize, partials)
             for g in group:
                 if g not in done:
                     raise RedistributeError(f"no sequence of collectives turns {src} into {goals[g][0]}")
                 for d in goals[g]:
                     self.cost_cache[(src, d, tshape, itemsize)] = true[g]
         return [self.cost_cache[(src, d, tshape, itemsize)] for d in dsts]
+
+    def cost_matrix(self, srcs: list[Spec], dsts: list[Spec], tshape: tuple[int, ...], itemsize: int) -> np.ndarray:
+        """``[[plan(s, d).us for d in dsts] for s in srcs]``: what :meth:`costs` answers, for a
+        whole edge matrix at once. Each source is searched once per partial set over the
+        tensor's state graph; the answers are read off by index, not cached pair by pair."""
+        tshape = tuple(tshape)
+        ndim = len(tshape)
+        out = np.empty((len(srcs), len(dsts)))
+        goals = [encode(d, ndim, self.n) for d in dsts]
+        goal_partials = [frozenset(c for c in g[0] if c < R) for g in goals]
+        for i, src in enumerate(srcs):
+            s0 = encode(src, ndim, self.n)
+            held = frozenset(c for c in s0[0] if c < R)
+            by_partials: dict = {}
+            for j, gp in enumerate(goal_partials):
+                by_partials.setdefault(tuple(sorted(held | gp)), []).append(j)
+            for partials, cols in by_partials.items():
+                graph = self._graph(tshape, itemsize, partials)
+                row = graph.costs_from(s0) if graph is not None else None
+                if row is None:
+                    out[i, cols] = self.costs(src, [dsts[j] for j in cols], tshape, itemsize)
+                    continue
+                idx = [graph.index.get(goals[j], -1) for j in cols]
+                vals = np.where(np.array(idx) >= 0, row[idx], np.inf)
+                if not np.isfinite(vals).all():
+                    bad = cols[int(np.argmin(np.isfinite(vals)))]
+                    raise RedistributeError(f"no sequence of collectives turns {src} into {dsts[bad]}")
+                out[i, cols] = vals
+        return out
+
+    def _graph(self, tshape, itemsize, partials) -> StateGraph | None:
+        """The state graph of a tensor under the partial kinds a partition may create (every
+        source with those kinds lies in it), built on first use; ``None`` when too large."""
+        key = (tshape, itemsize, partials)
+        if key not in self._graphs:
+            time, neighbors = self._time, self._neighbors
+
+            def steps(state):
+                return [(time(kind, nbytes, axes) if nbytes else 0.0, (c2, o2))
+                        for kind, axes, nbytes, c2, o2, _ in neighbors(*state, tshape, itemsize, partials)]
+
+            start = ((R,) * self.n, ((),) * len(tshape))
+            with _no_gc():
+                self._graphs[key] = StateGraph.build(steps, start, self.max_graph_states)
+        return self._graphs[key]
 
     def _settle(self, s0, goals, tshape, itemsize, partials):
         """Dijkstra from ``s0`` until every state in ``goals`` is settled: (cost per state, settled)."""

@@ -4,6 +4,7 @@ import itertools
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from redistribute_cases import all_specs
@@ -184,6 +185,24 @@ def test_astar_matches_dijkstra_on_every_pair(profile, mesh_shape, shape):
         for dst, want in zip(specs, reference.costs(src, specs, shape, 4)):
             got = RedistributePlanner(topo, prof).plan(src, dst, shape, 4)
             assert got.us == pytest.approx(want, rel=1e-9, abs=1e-6), f"{src} -> {dst}: {got.describe()}"
+
+
+@pytest.mark.parametrize("mesh_shape,shape", [((2, 2, 2), (16, 12, 6)), ((2, 2, 2, 2), (8, 6, 5))])
+def test_cost_matrix_matches_per_source_search(mesh_shape, shape):
+    """The state graph searched by scipy (cost_matrix, costs) gives the per-source search's costs
+    (a graph limit of one state forces that search), and both agree with A* on sampled pairs."""
+    prof = load_profile("h100-sxm")
+    topo = MeshTopology(mesh_shape, 4)
+    specs = all_specs(len(mesh_shape), len(shape), partials=("P(sum)",))
+    rng = random.Random(3)
+    srcs, dsts = rng.sample(specs, 8), rng.sample(specs, 40)
+    fast = RedistributePlanner(topo, prof).cost_matrix(srcs, dsts, shape, 4)
+    slow = RedistributePlanner(topo, prof, use_heuristic=False, max_graph_states=1)
+    want = np.array([slow.costs(s, dsts, shape, 4) for s in srcs])
+    np.testing.assert_allclose(fast, want, rtol=1e-9, atol=1e-6)
+    for i, j in [(0, 0), (3, 17), (7, 39)]:
+        assert fast[i, j] == pytest.approx(RedistributePlanner(topo, prof).plan(srcs[i], dsts[j], shape, 4).us,
+                                           rel=1e-9, abs=1e-6)
 
 
 def test_bad_input():
