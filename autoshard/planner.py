@@ -129,6 +129,8 @@ class Planner:
         self._variants: dict[str, tuple[Recompute, GraphProblem]] = {"none": (NONE, gp)}
         self._choices: dict[str, Recompute] = {"none": NONE}
         self._plans: dict[str, tuple[Plan, object]] = {}
+        self._infeasible: dict[str, MemoryBudgetError] = {}
+        """Problems (by :func:`_problem_key`) proved infeasible under their budget."""
         self._seeds: dict[str, tuple[_Seed | str, float, bool]] = {}
         """Hand-written plans by options: (the plan or why it failed, the seconds it was given,
         whether more time cannot change it: proved optimal, or not writable for this model)."""
@@ -295,7 +297,15 @@ class Planner:
                                             recompute=baseline_recompute(name))
             key = _key(seed_opts.replace(time_limit=1.0))
             cached = self._seeds.get(key)
-            if cached is None or (cached[1] < share and not cached[2]):
+            # A hand-written plan only adds pins to the user's problem in its mode (its input
+            # specs too, where the user gave none): if that problem has no plan within the
+            # budget, neither has the baseline.
+            unpinned = None if opts.input_specs is not None else self._infeasible.get(
+                _problem_key(opts.replace(recompute=seed_opts.recompute)))
+            if cached is None and unpinned is not None:
+                self._seeds[key] = (f"{first_line(unpinned)} (so with this baseline's pins too)", share, True)
+                log.info(f"baseline {name}: infeasible, as its recompute mode is without its pins")
+            elif cached is None or (cached[1] < share and not cached[2]):
                 try:
                     plan_, choice = self._solve_once(seed_opts, share)
                 except AutoshardError as exc:  # breaks the budget, or its specs do not fit this model
@@ -320,13 +330,16 @@ class Planner:
         try:
             sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts)
         except solver.InfeasibleError as exc:
-            raise MemoryBudgetError(
+            err = MemoryBudgetError(
                 f"memory budget {human_bytes(budget)} per device is infeasible for this model"
                 f"{' with these pins' if problem.pins else ''}{recomputing} on mesh {tuple(self.mesh.shape)}: "
                 f"the smallest feasible budget is at least {human_bytes(exc.min_feasible_limit_bound)} "
                 f"({int(exc.min_feasible_limit_bound)} bytes)",
                 budget_bytes=budget, min_feasible_bytes=exc.min_feasible_limit_bound,
-            ) from exc
+            )
+            if problem.usage_limit is not None and exc.min_feasible_limit_bound > problem.usage_limit:
+                self._infeasible[_problem_key(opts)] = err  # proved: even the least-usage plan breaks it
+            raise err from exc
         phases = dict(self.phases, solve_s=time.perf_counter() - t1)
         t1 = time.perf_counter()
         result = _assemble(self.model, self.traced, gp, rc, sol, self.mesh, self.profile, budget)
@@ -350,6 +363,11 @@ def _project(choice, gp: GraphProblem) -> np.ndarray:
     base = np.asarray(choice)[:gp.num_originals]
     return np.concatenate([base, base[[gp.copy_of[c] for c in range(gp.num_originals, len(gp.nodes))]]
                            ]).astype(base.dtype)
+
+
+def _problem_key(opts: PlanOptions) -> str:
+    """The key of the solver's problem under ``opts`` (what :meth:`Planner.problem` depends on)."""
+    return json.dumps(_solve_fields(opts), sort_keys=True, default=repr)
 
 
 def _key(opts: PlanOptions) -> str:

@@ -100,6 +100,28 @@ def test_auto_recomputes_only_where_memory_binds(planner):
     assert chosen.summary["step_us"] == min(tried.values())
 
 
+def test_baselines_of_an_infeasible_mode_are_not_solved(planner, monkeypatch):
+    """Where keeping every activation is proved not to fit, the hand-written plans that keep
+    them (DDP, FSDP, TP, FSDP+TP) cannot either: they are reported infeasible without a solve,
+    and only FSDP+TP with full recomputation is solved."""
+    budget = _least_peak(planner.problem(recompute="none")) - 1
+    with pytest.raises(MemoryBudgetError):
+        planner.solve(recompute="none", memory_budget=budget)
+    solved = []
+    real = planner._solve_once
+
+    def spy(opts, *args, **kwargs):
+        solved.append(opts.recompute)
+        return real(opts, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_solve_once", spy)
+    table = planner.compare(memory_budget=budget, recompute="full")
+    assert solved.count("none") == 0, solved
+    for name in ("ddp", "fsdp", "tp", "fsdp_tp"):
+        assert isinstance(table[name], str) and "infeasible" in table[name], table[name]
+    assert not isinstance(table["fsdp_tp_ac"], str)
+
+
 def _least_peak(problem):
     """The peak of each tie group's least-usage strategy: no plan of ``problem`` peaks lower."""
     low = [int(np.argmin(u)) for u in problem.node_usages]
