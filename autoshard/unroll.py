@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
+from autoshard.errors import TraceError, first_line
 from autoshard.layers import layer_groups, node_layer, retagged
 from autoshard.tracing import RawTrace, TracedGraph, check_inputs, finish, raw_trace
 
@@ -102,8 +103,11 @@ def unrolled_trace(model, example_inputs, loss_fn, example_kwargs, groups) -> Ra
         if difference:
             raise CannotUnroll(f"three layers unrolled to four differ from four traced: {difference}")
         full = unroll(raw3, groups, *_names(model))
-    except Exception as exc:  # any failure here only costs the shortcut
-        log.info(f"tracing every layer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    except (CannotUnroll, TraceError) as exc:  # the model's shape, or its forward needs every layer
+        log.info(f"tracing every layer: {first_line(exc)}")
+        return None
+    except Exception as exc:  # a bug here only costs the shortcut, but must not pass unseen
+        log.warning(f"unrolling the layers failed, tracing every layer: {first_line(exc)}")
         return None
     log.info(f"traced {', '.join(f'{g[0]}..{g[-1]}' for g in long)} three and four layers deep and unrolled "
              f"to {len(full.gm.graph.nodes)} nodes in {time.perf_counter() - t0:.2f}s")
