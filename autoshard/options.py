@@ -67,9 +67,10 @@ class PlanOptions:
     equal share of what is left of ``time_limit``."""
 
     seed_baselines: bool = True
-    """Unless the first solve (half of ``time_limit``) proves its plan optimal, the hand-written
-    plans (DDP, FSDP, TP, FSDP+TP) are solved under their pins and start a second solve with the
-    first answer, so the plan is never dearer than any of them."""
+    """Unless the first solve (three quarters of ``time_limit``) proves its plan optimal, the
+    hand-written plans (DDP, FSDP, TP, FSDP+TP, FSDP+TP with full recomputation) are solved
+    under their pins; where one beats the first answer, it starts a second solve with that
+    answer, so the plan is never dearer than any of them."""
 
     loss_fn: Callable | None = None
     """Maps the model's output to a scalar loss (default: the output's mean, or the model's own
