@@ -49,6 +49,9 @@ MIN_LAYERS = 8
 
 _PLACEHOLDER = re.compile(r"^arg(\d+)_1$")
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")
+#: Where the nodes between two layers' blocks go: with the layer after them (hook residue,
+#: a norm applied on entry) or before them (a residual added outside the layer module).
+GAPS = ("next", "previous")
 _CONSTANT = re.compile(r"^_tensor_constant\d+$")
 
 
@@ -98,11 +101,19 @@ def unrolled_trace(model, example_inputs, loss_fn, example_kwargs, groups) -> Ra
             target4 = _names(model)
         if len(raw3.groups) != len(groups) or len(raw4.groups) != len(groups):
             raise CannotUnroll("the shallow traces could not tag the layers")
-        synth = unroll(raw3, _short(groups, long, 4), *target4)
-        difference = compare(finish(synth), finish(raw4))
-        if difference:
-            raise CannotUnroll(f"three layers unrolled to four differ from four traced: {difference}")
-        full = unroll(raw3, groups, *_names(model))
+        want = finish(raw4)
+        differences = []
+        for gaps in GAPS:  # the four-layer trace says which reading of the gaps is the model's
+            try:
+                difference = compare(finish(unroll(raw3, _short(groups, long, 4), *target4, gaps=gaps)), want)
+            except CannotUnroll as exc:
+                difference = str(exc)
+            if difference is None:
+                break
+            differences.append(f"gaps {gaps}: {difference}")
+        else:
+            raise CannotUnroll(f"three layers unrolled to four differ from four traced: {'; '.join(differences)}")
+        full = unroll(raw3, groups, *_names(model), gaps=gaps)
     except (CannotUnroll, TraceError) as exc:  # the model's shape, or its forward needs every layer
         log.info(f"tracing every layer: {first_line(exc)}")
         return None
@@ -127,7 +138,7 @@ def _names(model):
 class _Group:
     """Where each raw node of a three-layer group sits: its layer (0, 1, 2) or none."""
 
-    def __init__(self, raw: RawTrace, members: list[str], target: list[str]):
+    def __init__(self, raw: RawTrace, members: list[str], target: list[str], gaps: str):
         self.members, self.target, self.n = members, target, len(target)
         nodes = list(raw.gm.graph.nodes)
         self.coord: dict[fx.Node, int] = {}
@@ -138,7 +149,7 @@ class _Group:
             tag = node_layer(n)
             if tag is not None and tag[0] in index:
                 tagged.append((pos, index[tag[0]], tag[1]))
-        # Nodes between two blocks of one phase belong to the block after them.
+        # Nodes between two blocks of one phase belong to the block after them, or before them.
         for (p1, l1, ph1), (p2, l2, ph2) in zip(tagged, tagged[1:]):
             self.coord[nodes[p1]], self.phase[nodes[p1]] = l1, ph1
             if ph1 != ph2:
@@ -147,7 +158,7 @@ class _Group:
                 tag = node_layer(nodes[p])
                 if tag is not None or nodes[p].op != "call_function":
                     raise CannotUnroll(f"{nodes[p].name} sits between layers of {members[0]}.. but is not theirs")
-                self.coord[nodes[p]], self.phase[nodes[p]] = l2, ph2
+                self.coord[nodes[p]], self.phase[nodes[p]] = (l2 if gaps == "next" else l1), ph2
         if tagged:
             p, layer, ph = tagged[-1]
             self.coord[nodes[p]], self.phase[nodes[p]] = layer, ph
@@ -167,11 +178,15 @@ class _Group:
                 if position[u[-1]] - position[u[0]] + 1 != len(u):
                     raise CannotUnroll(f"layer group {members[0]}..: the {ph} nodes of a layer are not contiguous")
                 for k, n in enumerate(u):
-                    self.pos[n] = k - len(u)  # from the end: blocks align there, gaps before them
-            # The layer that comes first has no gap before it; the other two are alike whole.
-            first, *rest = sorted(units, key=lambda u: position[u[0]])
+                    # Blocks align where the gap is not: at the end when gaps go before them.
+                    self.pos[n] = k - len(u) if gaps == "next" else k
+            # The layer with no gap (first in order, or last) is a suffix (or prefix) of the others,
+            # which are alike whole.
+            ordered = sorted(units, key=lambda u: position[u[0]])
+            short, rest = (ordered[0], ordered[1:]) if gaps == "next" else (ordered[-1], ordered[:-1])
             sig = [[_op(raw.gm, n) for n in u] for u in rest]
-            if sig[0] != sig[1] or [_op(raw.gm, n) for n in first] != sig[0][len(sig[0]) - len(first):]:
+            part = [_op(raw.gm, n) for n in short]
+            if sig[0] != sig[1] or part != (sig[0][len(sig[0]) - len(part):] if gaps == "next" else sig[0][:len(part)]):
                 raise CannotUnroll(f"layer group {members[0]}..: the layers' {ph} ops differ")
             self.ascending[ph] = position[units[0][0]] < position[units[2][0]]
         # Parameters and buffers by layer: "layers.1.attn.wq.weight" -> (1, "attn.wq.weight").
@@ -186,19 +201,26 @@ class _Group:
         return 0 if u == 0 else 2 if u == self.n - 1 else 1
 
 
-def unroll(raw: RawTrace, groups: list[list[str]], param_fqns, buffer_fqns, trainable) -> RawTrace:
+def unroll(raw: RawTrace, groups: list[list[str]], param_fqns, buffer_fqns, trainable,
+           gaps: str = "next") -> RawTrace:
     """``raw`` (each long group three layers deep) with every group of ``groups`` at its full
     depth; ``param_fqns`` etc. are those of the full model. Raises :class:`CannotUnroll`."""
     if any(len(g) > 3 and len(r) != 3 for g, r in zip(groups, raw.groups)) or len(groups) != len(raw.groups):
         raise CannotUnroll("each group to unroll must be traced three layers deep")
-    for r, g in zip(raw.groups, groups):
-        if len(g) > 3:
-            raw = _unroll_group(raw, r, g, param_fqns, buffer_fqns, trainable)
+    grads = {param_fqns[i] for i in trainable}
+    for k, (r, g) in enumerate(zip(raw.groups, groups)):
+        if len(g) <= 3:
+            continue
+        # One group at a time: the groups after this one are still three layers deep.
+        later = tuple(f"{m}." for later_group in groups[k + 1:] if len(later_group) > 3 for m in later_group[3:])
+        ps = [f for f in param_fqns if not f.startswith(later)] if later else list(param_fqns)
+        bs = [f for f in buffer_fqns if not f.startswith(later)] if later else list(buffer_fqns)
+        raw = _unroll_group(raw, r, g, ps, bs, [i for i, f in enumerate(ps) if f in grads], gaps)
     return raw
 
 
-def _unroll_group(raw: RawTrace, members, target, param_fqns, buffer_fqns, trainable) -> RawTrace:
-    grp = _Group(raw, members, target)
+def _unroll_group(raw: RawTrace, members, target, param_fqns, buffer_fqns, trainable, gaps: str) -> RawTrace:
+    grp = _Group(raw, members, target, gaps)
     n = grp.n
     old = list(raw.gm.graph.nodes)
     placeholders = [x for x in old if x.op == "placeholder"]
@@ -234,7 +256,7 @@ def _unroll_group(raw: RawTrace, members, target, param_fqns, buffer_fqns, train
         if y.op == "placeholder":
             return by_fqn[f"{members[s]}.{grp.leaf_coord[leaf_of[y]][1]}"]
         unit = grp.units[(s, grp.phase[y])]
-        if -grp.pos[y] > len(unit):
+        if not -len(unit) <= grp.pos[y] < len(unit):
             raise CannotUnroll(f"{y.name} has no counterpart in layer {s}")
         return unit[grp.pos[y]]
 
@@ -243,10 +265,12 @@ def _unroll_group(raw: RawTrace, members, target, param_fqns, buffer_fqns, train
         b = layer_of(y)
         if b is None:
             return env[(y, -1)]
-        if a is None:  # outside the group: only the first and last layers are themselves
-            if b == 1:
-                raise CannotUnroll(f"{y.name} of a middle layer is read outside the layers")
-            ub = 0 if b == 0 else n - 1
+        if a is None:  # outside the group: the first and last layers are themselves, and the
+            # middle one, read after the blocks (a residual added past the last layer), is the
+            # one next to the block that ran last
+            if b == 1 and y.op == "placeholder":
+                raise CannotUnroll(f"{y.name}, a middle layer's parameter, is read outside the layers")
+            ub = 0 if b == 0 else n - 1 if b == 2 else n - 2 if grp.ascending[grp.phase[y]] else 1
         else:
             ub = u + (b - a)
         if not 0 <= ub < n:

@@ -98,6 +98,30 @@ def test_models_unrolling_cannot_reproduce_are_traced_whole(by_index, caplog):
     assert compare(fast, whole) is None
 
 
+class _TwoStacks(nn.Module):
+    """Two long groups one after the other (an encoder and a decoder)."""
+
+    def __init__(self, n=8):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)  # the first layer's input needs a gradient, as embeddings do
+        self.enc = nn.ModuleList(_Block(-1) for _ in range(n))
+        self.dec = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(n + 1))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.enc:
+            x = layer(x)
+        for layer in self.dec:
+            x = layer(x) + x
+        return x
+
+
+def test_two_long_groups_unroll(caplog):
+    fast, whole, said = _both(_TwoStacks(), (torch.randn(4, 16),), caplog)
+    assert "enc.0..enc.7" in said and "dec.0..dec.8" in said, said
+    assert compare(fast, whole) is None
+
+
 def test_planner_unroll_option(world):
     world(4)
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
