@@ -29,6 +29,7 @@ on a graph that was not traced.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import re
 import time
@@ -139,7 +140,7 @@ class _Group:
     """Where each raw node of a three-layer group sits: its layer (0, 1, 2) or none."""
 
     def __init__(self, raw: RawTrace, members: list[str], target: list[str], gaps: str):
-        self.members, self.target, self.n = members, target, len(target)
+        self.n = len(target)
         nodes = list(raw.gm.graph.nodes)
         self.coord: dict[fx.Node, int] = {}
         self.phase: dict[fx.Node, str] = {}
@@ -278,7 +279,7 @@ def _unroll_group(raw: RawTrace, members, target, param_fqns, buffer_fqns, train
         return env[(counterpart(y, b, ub), ub)]
 
     root = torch.nn.Module()
-    constants = iter(range(1 << 62))
+    constants = itertools.count()
 
     def emit(x: fx.Node, a: int | None, u: int) -> None:
         args = fx.node.map_arg(x.args, lambda y: lookup(y, a, u))

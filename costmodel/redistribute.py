@@ -387,55 +387,42 @@ class RedistributePlanner:
             return out
         if len(set(todo)) < 3:
             return [c if c is not None else self.plan(src, d, tshape, itemsize).us for d, c in zip(dsts, out)]
-        ndim = len(tshape)
-        s0 = encode(src, ndim, self.n)
-        goals = {}
-        for d in dict.fromkeys(todo):
-            goals.setdefault(encode(d, ndim, self.n), []).append(d)
-        # One search per set of partials a partition may create, the set plan() would use.
-        by_partials: dict = {}
-        for g in goals:
-            by_partials.setdefault(partials_of(s0[0], g[0]), []).append(g)
-        for partials, group in by_partials.items():
-            self.stats["searches"] += 1
-            graph = self._graph(tshape, itemsize, partials)
-            row = graph.costs_from(s0) if graph is not None else None
-            if row is not None:
-                true = {g: float(row[graph.index[g]]) for g in group if g in graph.index}
-                done = {g for g, c in true.items() if math.isfinite(c)}
-            else:
-                with _no_gc():
-                    true, done = self._settle(s0, group, tshape, itemsize, partials)
-            for g in group:
-                if g not in done:
-                    raise RedistributeError(f"no sequence of collectives turns {src} into {goals[g][0]}")
-                for d in goals[g]:
-                    self.cost_cache[(src, d, tshape, itemsize)] = true[g]
+        unique = list(dict.fromkeys(todo))
+        for d, c in zip(unique, self.cost_matrix([src], unique, tshape, itemsize)[0].tolist()):
+            self.cost_cache[(src, d, tshape, itemsize)] = c
         return [self.cost_cache[(src, d, tshape, itemsize)] for d in dsts]
 
     def cost_matrix(self, srcs: list[Spec], dsts: list[Spec], tshape: tuple[int, ...], itemsize: int) -> np.ndarray:
         """``[[plan(s, d).us for d in dsts] for s in srcs]``: what :meth:`costs` answers, for a
-        whole edge matrix at once. Each source is searched once per partial set over the
-        tensor's state graph; the answers are read off by index, not cached pair by pair."""
+        whole edge matrix at once. Each source is searched once per partial set, over the
+        tensor's state graph (or, past its size limit, by :meth:`_settle`); the answers are
+        read off by index, not cached pair by pair."""
         tshape = tuple(tshape)
         ndim = len(tshape)
         out = np.empty((len(srcs), len(dsts)))
         goals = [encode(d, ndim, self.n) for d in dsts]
-        goal_partials = [frozenset(c for c in g[0] if c < R) for g in goals]
+        # Columns by the partial kinds their targets hold: few groups, merged per source below.
+        by_goal_partials: dict[tuple, list[int]] = {}
+        for j, g in enumerate(goals):
+            by_goal_partials.setdefault(partials_of(g[0]), []).append(j)
         for i, src in enumerate(srcs):
             s0 = encode(src, ndim, self.n)
-            held = frozenset(c for c in s0[0] if c < R)
-            by_partials: dict = {}
-            for j, gp in enumerate(goal_partials):
-                by_partials.setdefault(tuple(sorted(held | gp)), []).append(j)
+            # One search per set of partials a partition may create, the set plan() would use.
+            by_partials: dict[tuple, list[int]] = {}
+            for gp, cols in by_goal_partials.items():
+                by_partials.setdefault(partials_of(s0[0], gp), []).extend(cols)
             for partials, cols in by_partials.items():
+                self.stats["searches"] += 1
+                targets = [goals[j] for j in cols]
                 graph = self._graph(tshape, itemsize, partials)
                 row = graph.costs_from(s0) if graph is not None else None
-                if row is None:
-                    out[i, cols] = self.costs(src, [dsts[j] for j in cols], tshape, itemsize)
-                    continue
-                idx = [graph.index.get(goals[j], -1) for j in cols]
-                vals = np.where(np.array(idx) >= 0, row[idx], np.inf)
+                if row is not None:
+                    idx = np.array([graph.index.get(g, -1) for g in targets])
+                    vals = np.where(idx >= 0, row[idx], np.inf)
+                else:
+                    with _no_gc():
+                        true, done = self._settle(s0, targets, tshape, itemsize, partials)
+                    vals = np.array([true[g] if g in done else np.inf for g in targets])
                 if not np.isfinite(vals).all():
                     bad = cols[int(np.argmin(np.isfinite(vals)))]
                     raise RedistributeError(f"no sequence of collectives turns {src} into {dsts[bad]}")

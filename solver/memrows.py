@@ -192,6 +192,17 @@ def _distinct(segments, cls: np.ndarray, limit: float) -> list[tuple[np.ndarray,
 MAX_PERIOD_WORK = 5e7
 
 
+def _count_matrix(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """(``counts[k, j]``: live members of the j-th class used anywhere in row k, ``rhs[k]``)."""
+    used = np.unique(np.concatenate([c for c, _, _ in rows]))
+    pos = np.full(int(used.max()) + 1, -1, dtype=np.int64)
+    pos[used] = np.arange(used.size)
+    counts = np.zeros((len(rows), used.size), dtype=np.int64)
+    for k, (c, count, _) in enumerate(rows):
+        counts[k, pos[c]] = count
+    return counts, np.array([h for _, _, h in rows])
+
+
 def _midpoints(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> list[int]:
     """Indices of ``rows`` (in time order) left once every row that is the mean of the rows P
     before and P after it (counts exactly, right-hand side at most) is dropped.
@@ -204,15 +215,9 @@ def _midpoints(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> list[int]:
     """
     if len(rows) < 3:
         return list(range(len(rows)))
-    used = np.unique(np.concatenate([c for c, _, _ in rows]))
-    pos = np.full(int(used.max()) + 1, -1, dtype=np.int64)
-    pos[used] = np.arange(used.size)
-    counts = np.zeros((len(rows), used.size), dtype=np.int64)
-    for k, (c, count, _) in enumerate(rows):
-        counts[k, pos[c]] = count
-    rhs = np.array([h for _, _, h in rows])
+    counts, rhs = _count_matrix(rows)
     tol = 1e-12 * float(np.abs(rhs).max())  # sums of the same terms in another order
-    hash_weights = np.random.default_rng(0).integers(1, 1 << 20, used.size)
+    hash_weights = np.random.default_rng(0).integers(1, 1 << 20, counts.shape[1])
     alive = np.arange(len(rows))
     while alive.size >= 3:
         c, h_rhs = counts[alive], rhs[alive]
@@ -241,21 +246,15 @@ def _undominated(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> list[int]:
     implied row left in is harmless)."""
     if not rows:
         return []
-    used = np.unique(np.concatenate([c for c, _, _ in rows]))
-    r = len(rows)
-    pos = np.full(int(used.max()) + 1, -1, dtype=np.int64)
-    pos[used] = np.arange(used.size)
-    counts = np.zeros((r, used.size), dtype=np.int32)
-    for k, (c, count, _) in enumerate(rows):
-        counts[k, pos[c]] = count
-    rhs = np.array([h for _, _, h in rows])
+    counts, rhs = _count_matrix(rows)
+    r, width = counts.shape
     # Tightest first (then fullest), so a row is only ever checked against rows that can imply it.
     order = np.lexsort((-counts.sum(axis=1), rhs)).tolist()
-    kept = np.empty((r, used.size), dtype=np.int32)
+    kept = np.empty((r, width), dtype=counts.dtype)
     out: list[int] = []
     work = 0.0
     for pos_k, k in enumerate(order):
-        work += float(len(out)) * used.size
+        work += float(len(out)) * width
         if work > MAX_DOMINANCE_WORK:
             return out + order[pos_k:]
         if out and (kept[: len(out)] >= counts[k]).all(axis=1).any():
