@@ -13,6 +13,18 @@ its best execution. Ours is unpinned, so it is never dearer than any baseline.
 - ``fsdp_tp``: Megatron on the last axis, FSDP (dim 0, sharded after TP) on the others.
 - ``fsdp_tp_ac``: ``fsdp_tp`` with full activation checkpointing of every repeated layer
   (torchtitan's setting for 70B and larger).
+
+Models with experts (3-D parameters of a module named ``experts``: expert, in, out
+or expert, out, in) get two more, and the others treat expert weights as follows
+(DDP: replicated; FSDP: split like any parameter; TP: split on the hidden width,
+column-parallel up/gate and row-parallel down projections):
+
+- ``ep_tp``: expert parallelism over the data axes (experts split over their
+  product), Megatron TP on the last axis for the rest and for each expert's
+  hidden width; batch split over the data axes.
+- ``ep_fsdp``: expert parallelism on the last axis (one node's ranks exchange
+  tokens), FSDP of the experts (their second dim) on the other axes, FSDP of
+  every other parameter and the batch over every axis.
 """
 
 from __future__ import annotations
@@ -30,8 +42,23 @@ COLUMN = re.compile(r"(^|\.)(wq|wk|wv|w1|w3|q_proj|k_proj|v_proj|gate_proj|up_pr
 #: Row-parallel (split input features) linears.
 ROW = re.compile(r"(^|\.)(wo|w2|o_proj|down_proj|c_proj|dense|fc2)$")
 EMBED = re.compile(r"(^|\.)(embed|embed_tokens|wte|tok_embeddings)$")
+#: Modules whose 3-D parameters are stacked experts (expert dim first).
+EXPERTS = re.compile(r"(^|\.)experts$")
+#: Expert weights that project down to the model width (row-parallel); the others project up.
+EXPERT_DOWN = re.compile(r"(w2|down_proj|down|wo)$")
 
 BASELINES = ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac")
+#: Baselines that exist only for models with experts.
+EXPERT_BASELINES = ("ep_tp", "ep_fsdp")
+
+
+def has_experts(model: nn.Module) -> bool:
+    return any(kind == "expert" for *_, kind, _ in _param_dims(model))
+
+
+def baselines_for(model: nn.Module) -> tuple[str, ...]:
+    """The hand-written plans that apply to ``model``: the expert-parallel ones where it has experts."""
+    return BASELINES + (EXPERT_BASELINES if has_experts(model) else ())
 
 
 def baseline_recompute(name: str) -> str:
@@ -40,14 +67,24 @@ def baseline_recompute(name: str) -> str:
 
 
 def _param_dims(model: nn.Module):
-    """(fqn, param, out-feature dim or None, in-feature dim or None, kind) per parameter."""
+    """(fqn, param, out-feature dim, in-feature dim, kind, leaf name) per parameter; for an
+    expert weight both dims are its hidden width's."""
     mods = dict(model.named_modules())
+    width = next((p.shape[1] for fqn, p in model.named_parameters()
+                  if EMBED.search(fqn.rpartition(".")[0]) and p.ndim == 2), None)
     for fqn, p in model.named_parameters():
         owner, _, leaf = fqn.rpartition(".")
         mod = mods.get(owner)
         conv1d = type(mod).__name__ == "Conv1D"  # HF GPT-2 stores (in, out)
         out_dim, in_dim = (1, 0) if conv1d else (0, 1)
-        if COLUMN.search(owner):
+        if EXPERTS.search(owner) and p.ndim == 3:
+            kind = "expert"
+            # The hidden width is the dim that is not the model's width (the other one).
+            hidden = 1 if EXPERT_DOWN.search(leaf) else 2
+            if p.shape[1] != p.shape[2] and width is not None and width in (p.shape[1], p.shape[2]):
+                hidden = 2 if p.shape[1] == width else 1
+            out_dim, in_dim = hidden, hidden
+        elif COLUMN.search(owner):
             kind = "column"
         elif ROW.search(owner):
             kind = "row"
@@ -59,6 +96,8 @@ def _param_dims(model: nn.Module):
 
 
 def _tp_placement(p, out_dim, in_dim, kind, leaf) -> str:
+    if kind == "expert":
+        return f"S({out_dim})"
     if kind == "column":
         return f"S({out_dim})" if p.ndim == 2 or leaf == "bias" else "R"
     if kind == "row":
@@ -68,32 +107,59 @@ def _tp_placement(p, out_dim, in_dim, kind, leaf) -> str:
     return "R"
 
 
-def baseline_pins(name: str, model: nn.Module, mesh_ndim: int) -> tuple[dict[str, Spec], list[Spec]]:
-    """(parameter pins by FQN, input specs) of a hand-written plan on a mesh of ``mesh_ndim`` axes."""
-    if name not in BASELINES:
-        raise ConfigError(f"baseline: expected one of {BASELINES}, found {name!r}")
+def _fsdp_dim(p, shards: int) -> str:
+    """FSDP's split of ``p`` over ``shards`` ranks: its first dim with at least that many
+    elements (FSDP2 splits dim 0 and pads; a split with empty shards is not a spec here)."""
+    return next((f"S({d})" for d, n in enumerate(p.shape) if n >= shards), "R")
+
+
+def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
+                  mesh_shape: tuple[int, ...] | None = None) -> tuple[dict[str, Spec], list[Spec]]:
+    """(parameter pins by FQN, input specs) of a hand-written plan on a mesh of ``mesh_ndim`` axes
+    (of ``mesh_shape``, where given: FSDP then splits a dim large enough for its ranks)."""
+    if name not in BASELINES + EXPERT_BASELINES:
+        raise ConfigError(f"baseline: expected one of {BASELINES + EXPERT_BASELINES}, found {name!r}")
+    if name in EXPERT_BASELINES and not has_experts(model):
+        raise ConfigError(f"baseline {name}: the model has no experts (3-D parameters of a module named "
+                          f"'experts')")
+    shape = tuple(mesh_shape) if mesh_shape is not None else (2,) * mesh_ndim
+    world = 1
+    for n in shape:
+        world *= n
     name = name.removesuffix("_ac")
     batch_all = Spec(("S(0)",) * mesh_ndim)
     pins: dict[str, Spec] = {}
     if name in ("ddp", "fsdp"):
         for fqn, p, *_ in _param_dims(model):
-            if name == "ddp" or p.shape[0] < 2:
-                pins[fqn] = Spec(("R",) * mesh_ndim)
+            pins[fqn] = Spec(("R",) * mesh_ndim) if name == "ddp" else Spec((_fsdp_dim(p, world),) * mesh_ndim)
+        return pins, [batch_all]
+    if name == "ep_fsdp":
+        data = world // shape[-1]
+        for fqn, p, *_, kind, _leaf in _param_dims(model):
+            if kind == "expert":
+                # Dim 0 is the experts' (split by EP): FSDP takes the next dim large enough.
+                fsdp = next((f"S({d})" for d in (1, 2) if p.shape[d] >= data), "R")
+                pins[fqn] = Spec((fsdp,) * (mesh_ndim - 1) + ("S(0)",))
             else:
-                pins[fqn] = batch_all
+                pins[fqn] = Spec((_fsdp_dim(p, world),) * mesh_ndim)
         return pins, [batch_all]
     batch = Spec(("S(0)",) * (mesh_ndim - 1) + ("R",))
     tp_axis = mesh_ndim - 1
     for fqn, p, out_dim, in_dim, kind, leaf in _param_dims(model):
         tp = _tp_placement(p, out_dim, in_dim, kind, leaf)
-        if name == "tp" or mesh_ndim == 1:
+        if name == "ep_tp" and kind == "expert":
+            # Experts split over the data axes, each expert's hidden width over the last one.
+            pins[fqn] = Spec(("S(0)",) * (mesh_ndim - 1) + (tp,)) if mesh_ndim > 1 else Spec(("S(0)",))
+            continue
+        if name in ("tp", "ep_tp") or mesh_ndim == 1:
             pins[fqn] = Spec(("R",) * (mesh_ndim - 1) + (tp,))
             continue
         # FSDP on the data axes shards dim 0 after TP did (torchtitan's order: TP first).
-        dp = "S(0)" if p.shape[0] >= 2 else "R"
+        data = world // shape[-1]
+        dp = "S(0)" if p.shape[0] >= (data * shape[-1] if tp == "S(0)" else data) else "R"
         placements = (dp,) * (mesh_ndim - 1) + (tp,)
         order = ()
         if dp == "S(0)" and tp == "S(0)":
             order = ((0, (tp_axis,) + tuple(range(mesh_ndim - 1))),)
         pins[fqn] = Spec(placements, order)
-    return pins, [batch]
+    return pins, [batch_all if name == "ep_tp" and mesh_ndim == 1 else batch]

@@ -195,6 +195,37 @@ def _rope_tables(cfg: LlamaConfig):
     return ang.cos(), ang.sin(), rot
 
 
+def _rope_and_mask(cfg) -> dict[str, torch.Tensor]:
+    cos, sin, rot = _rope_tables(cfg)
+    mask = torch.full((cfg.max_seq_len, cfg.max_seq_len), float("-inf")).triu(1)
+    return {"rope_cos": cos, "rope_sin": sin, "rope_rot": rot, "causal_mask": mask}
+
+
+def rope_buffers(model: nn.Module, cfg) -> None:
+    """Register a RoPE decoder's tables and causal mask on ``model``."""
+    for name, value in _rope_and_mask(cfg).items():
+        # Non-persistent: derived from the config, never part of a checkpoint.
+        model.register_buffer(name, value, persistent=False)
+
+
+@torch.no_grad()
+def init_decoder(model: nn.Module, std: float) -> None:
+    """A RoPE decoder's weights normal(0, std), norms one, RoPE tables and mask recomputed;
+    in place, on plain tensors or DTensors alike."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std)
+    for name, value in _rope_and_mask(model.cfg).items():
+        buf = getattr(model, name)
+        if hasattr(buf, "device_mesh"):  # a DTensor: hand it the same placements
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value, buf.device_mesh, buf.placements)
+        buf.copy_(value)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -223,11 +254,11 @@ class LlamaAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -239,7 +270,7 @@ class LlamaBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = LlamaAttention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg)
+        self.ffn = SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x, cos, sin, rot, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, rot, mask)
@@ -256,13 +287,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin, rot = _rope_tables(cfg)
-        mask = torch.full((cfg.max_seq_len, cfg.max_seq_len), float("-inf")).triu(1)
-        # Non-persistent: derived from the config, never part of a checkpoint.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.register_buffer("rope_rot", rot, persistent=False)
-        self.register_buffer("causal_mask", mask, persistent=False)
+        rope_buffers(self, cfg)
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -272,22 +297,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """(Re)initialize in place, sharded or not: weights normal(0, std), norms one,
-        RoPE tables and mask recomputed. The ``init_fn`` for a meta-device model."""
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std)
-        cos, sin, rot = _rope_tables(self.cfg)
-        mask = torch.full((self.cfg.max_seq_len, self.cfg.max_seq_len), float("-inf")).triu(1)
-        for name, value in (("rope_cos", cos), ("rope_sin", sin), ("rope_rot", rot), ("causal_mask", mask)):
-            buf = getattr(self, name)
-            if hasattr(buf, "device_mesh"):  # a DTensor: hand it the same placements
-                from torch.distributed.tensor import distribute_tensor
-
-                value = distribute_tensor(value, buf.device_mesh, buf.placements)
-            buf.copy_(value)
+        """(Re)initialize in place, sharded or not (the ``init_fn`` for a meta-device model)."""
+        init_decoder(self, std)
 
 
 def llama(preset: str = "tiny", **overrides) -> Llama:
@@ -304,25 +315,30 @@ def gpt2(preset: str = "tiny", **overrides) -> Transformer:
     return Transformer(TransformerConfig(**{**GPT2_PRESETS[preset], **overrides}))
 
 
-#: Reference model families: name -> (constructor, presets).
-FAMILIES = {"llama": (llama, LLAMA_PRESETS), "gpt2": (gpt2, GPT2_PRESETS)}
+def families() -> dict[str, tuple]:
+    """Reference model families: name -> (constructor, presets)."""
+    from autoshard.moe import MOE_PRESETS, moe  # builds on this module's blocks
+
+    return {"llama": (llama, LLAMA_PRESETS), "gpt2": (gpt2, GPT2_PRESETS), "moe": (moe, MOE_PRESETS)}
 
 
 def parse_reference(name: str) -> tuple[str, str]:
     """``"llama-8b"`` -> ``("llama", "8b")``, checked against the families and their presets."""
     family, _, preset = name.partition("-")
-    if family not in FAMILIES or preset not in FAMILIES[family][1]:
-        known = [f"{f}-{p}" for f, (_, presets) in FAMILIES.items() for p in presets]
+    known_families = families()
+    if family not in known_families or preset not in known_families[family][1]:
+        known = [f"{f}-{p}" for f, (_, presets) in known_families.items() for p in presets]
         raise ConfigError(f"reference model {name!r}: expected one of {known}")
     return family, preset
 
 
 def reference(family: str, preset: str, seq: int | None = None, **overrides) -> nn.Module:
     """A reference model (``reference("llama", "8b", seq=4096, n_layers=2)``); ``seq`` raises a
-    LLaMA's ``max_seq_len`` (its RoPE tables) to fit sequences that long."""
-    if family not in FAMILIES:
-        raise ConfigError(f"reference model family: expected one of {sorted(FAMILIES)}, found {family!r}")
-    make, presets = FAMILIES[family]
-    if family == "llama" and seq is not None and preset in presets:
+    RoPE model's ``max_seq_len`` (its RoPE tables) to fit sequences that long."""
+    known = families()
+    if family not in known:
+        raise ConfigError(f"reference model family: expected one of {sorted(known)}, found {family!r}")
+    make, presets = known[family]
+    if seq is not None and "max_seq_len" in presets.get(preset, {}):
         overrides.setdefault("max_seq_len", max(seq, presets[preset]["max_seq_len"]))
     return make(preset, **overrides)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import solver
-from autoshard.baselines import BASELINES, baseline_pins, baseline_recompute
+from autoshard.baselines import baseline_pins, baseline_recompute, baselines_for
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
@@ -67,7 +67,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *
 
 
 def compare(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *,
-            baselines: Sequence[str] = BASELINES, options: PlanOptions | None = None,
+            baselines: Sequence[str] | None = None, options: PlanOptions | None = None,
             **overrides) -> dict[str, Plan | str]:
     """Our plan and each hand-written baseline, costed alike: see :meth:`Planner.compare`."""
     return Planner(model, example_inputs, mesh, options=options, **overrides).compare(baselines)
@@ -257,7 +257,7 @@ class Planner:
         first, choice = self._solve_once(opts, (1 - BASELINES_SHARE) * time_limit)
         if first.solver["status"] == "optimal":
             return first, choice  # a proved optimum: no hand-written plan can beat it
-        seeds = self._baselines(BASELINES, opts, BASELINES_SHARE * time_limit)
+        seeds = self._baselines(baselines_for(self.model), opts, BASELINES_SHARE * time_limit)
         steps = {name: s.plan.summary["step_us"] if isinstance(s, _Seed) else None for name, s in seeds.items()}
         better = [(name, s.choice) for name, s in seeds.items()
                   if isinstance(s, _Seed) and s.plan.summary["step_us"] < first.summary["step_us"]]
@@ -269,8 +269,9 @@ class Planner:
         result[0].solver["seeds"] = steps
         return result
 
-    def compare(self, baselines: Sequence[str] = BASELINES, **overrides) -> dict[str, Plan | str]:
-        """Our plan and each hand-written baseline (``ddp``, ``fsdp``, ``tp``, ``fsdp_tp``), costed alike.
+    def compare(self, baselines: Sequence[str] | None = None, **overrides) -> dict[str, Plan | str]:
+        """Our plan and each hand-written baseline (default: every one that applies to the model,
+        :func:`~autoshard.baselines.baselines_for`), costed alike.
 
         ``"autoshard"`` is exactly what :meth:`solve` returns under the same options (pins
         included); a baseline fixes the parameter and input specs as people write them by
@@ -280,7 +281,8 @@ class Planner:
         """
         opts = self._options(overrides)
         out: dict[str, Plan | str] = {"autoshard": self.solve(**overrides)}
-        for name, seed in self._baselines(baselines, opts, opts.time_limit).items():
+        names = baselines_for(self.model) if baselines is None else baselines
+        for name, seed in self._baselines(names, opts, opts.time_limit).items():
             out[name] = seed.plan if isinstance(seed, _Seed) else seed
         return out
 
@@ -297,7 +299,7 @@ class Planner:
         end = time.perf_counter() + time_limit
         for k, name in enumerate(names):
             share = max(1.0, (end - time.perf_counter()) / (len(names) - k))
-            pins, inputs = baseline_pins(name, self.model, len(tuple(self.mesh.shape)))
+            pins, inputs = baseline_pins(name, self.model, len(tuple(self.mesh.shape)), tuple(self.mesh.shape))
             inputs = inputs * len(self.traced.input_nodes())
             seed_opts = dataclasses.replace(opts, pins={**pins, **mine}, input_specs=inputs, export_problem=None,
                                             recompute=baseline_recompute(name))

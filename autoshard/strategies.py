@@ -228,6 +228,16 @@ class StrategyEnumerator:
                 results.append(tc.op_strategy(op, self._schema(node, cands), self.mesh, out_meta))
             except Exception as exc:
                 errors.append(exc)
+                # Some rules (nll_loss_backward) walk their arguments' candidate lists in step,
+                # one strategy per index of the input's: ask with every list as long as the
+                # longest (the others repeating their first spec; such rules derive the specs
+                # they need from the input's, so the padding only stands in for a source).
+                longest = max(len(c) for c in cands) if cands else 0
+                aligned = [c + [c[0]] * (longest - len(c)) for c in cands]
+                try:
+                    results.append(tc.op_strategy(op, self._schema(node, aligned), self.mesh, out_meta))
+                except Exception as exc2:
+                    errors.append(exc2)
                 # Some rules (views) reject whole candidate lists; ask per spec of the first argument.
                 for s in cands[0] if cands else []:
                     try:
