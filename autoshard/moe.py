@@ -146,7 +146,7 @@ class Experts(nn.Module):
 
 class MoeLayer(nn.Module):
     """Router, capacity-based dispatch, experts, weighted combine, optional shared expert.
-    Returns (output, load-balance loss)."""
+    Returns (output, load-balance loss or ``None`` where ``balance`` is false)."""
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
@@ -155,7 +155,7 @@ class MoeLayer(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.dim, cfg.expert_dim)
         self.shared = SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.expert_dim) if cfg.n_shared_experts else None
 
-    def forward(self, x):
+    def forward(self, x, balance: bool = True):
         cfg = self.cfg
         b, s, d = x.shape
         e, k, cap = cfg.n_experts, cfg.top_k, cfg.capacity(s)
@@ -184,6 +184,8 @@ class MoeLayer(nn.Module):
         y = (y * (gate * kept.view(b, s, k))[..., None]).sum(2)
         if self.shared is not None:
             y = y + self.shared(x)
+        if not balance:
+            return y, None
         # Switch's load-balance loss: experts' share of choices times their mean score.
         share = hot.sum((0, 1)) / (b * s * k)
         return y, e * (share * scores.mean((0, 1))).sum()
@@ -198,10 +200,11 @@ class MoeBlock(nn.Module):
         self.moe = MoeLayer(cfg)
 
     def forward(self, x, aux, cos, sin, rot, mask):
-        """(output, ``aux`` plus this block's load-balance loss)."""
+        """(output, ``aux`` plus this block's load-balance loss; ``None`` where ``aux`` is: a
+        loss nobody reads would be traced in every layer but the last, so layers would differ)."""
         x = x + self.attn(self.attn_norm(x), cos, sin, rot, mask)
-        y, balance = self.moe(self.ffn_norm(x))
-        return x + y, aux + balance
+        y, balance = self.moe(self.ffn_norm(x), balance=aux is not None)
+        return x + y, None if aux is None else aux + balance
 
 
 class Moe(nn.Module):
@@ -224,7 +227,7 @@ class Moe(nn.Module):
         tables = (self.rope_cos, self.rope_sin, self.rope_rot, self.causal_mask)
         for layer in self.dense_layers:
             x = layer(x, *tables)
-        aux = x.new_zeros(())
+        aux = None if labels is None else x.new_zeros(())
         for layer in self.layers:
             x, aux = layer(x, aux, *tables)
         logits = self.head(self.norm(x))

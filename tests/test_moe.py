@@ -1,0 +1,173 @@
+"""The reference mixture-of-experts model: routing, expert parallelism planned and executed."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh
+
+import autoshard
+from autoshard.baselines import EXPERT_BASELINES, baseline_pins, baselines_for
+from autoshard.errors import ConfigError
+from autoshard.models import llama
+from autoshard.moe import MoeConfig, moe
+from costmodel import LinkModel
+
+# Slow compute (shard the work) and slow links (bytes decide): moving tokens to their
+# experts by all_to_all then beats gathering every token on every rank.
+SLOW_LINKS = dataclasses.replace(SHARDING_PROFILE, intra_node=LinkModel(latency_us=1.0, busbw_gbps=0.01),
+                                 inter_node=LinkModel(latency_us=1.0, busbw_gbps=0.01))
+
+
+def token_by_token(layer, x):
+    """The MoE layer's output computed one token and one choice at a time."""
+    cfg = layer.cfg
+    b, s, _ = x.shape
+    logits = layer.router(x)
+    scores = logits.softmax(-1) if cfg.score == "softmax" else logits.sigmoid()
+    choice = scores.topk(cfg.top_k, -1).indices
+    gate = scores.gather(-1, choice)
+    if cfg.norm_topk:
+        gate = gate / gate.sum(-1, keepdim=True)
+    cap, w = cfg.capacity(s), layer.experts
+    out = torch.zeros_like(x)
+    for bi in range(b):
+        taken = [0] * cfg.n_experts
+        for si in range(s):
+            for j in range(cfg.top_k):
+                e = int(choice[bi, si, j])
+                if taken[e] < cap:  # first come, first served; the rest are dropped
+                    h = F.silu(x[bi, si] @ w.w1[e]) * (x[bi, si] @ w.w3[e])
+                    out[bi, si] += gate[bi, si, j] * (h @ w.w2[e])
+                taken[e] += 1
+    return out + (layer.shared(x) if layer.shared is not None else 0)
+
+
+@pytest.mark.parametrize("capacity_factor", [1.25, 0.5])
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_routing_matches_a_token_by_token_reference(capacity_factor, score):
+    torch.manual_seed(0)
+    layer = moe("tiny", capacity_factor=capacity_factor, score=score).layers[0].moe
+    x = torch.randn(3, 16, 64)
+    if capacity_factor < 1:  # some choices are dropped, or this case tests nothing more
+        choice = layer.router(x).topk(2, -1).indices.reshape(3, -1)
+        assert any(int((choice[b] == e).sum()) > layer.cfg.capacity(16) for b in range(3) for e in range(4))
+    y, balance = layer(x)
+    torch.testing.assert_close(y, token_by_token(layer, x), rtol=1e-5, atol=1e-6)
+    assert balance.item() > 0
+
+
+def test_bad_configs_are_reported():
+    with pytest.raises(ConfigError, match=r"top_k \(5\) must be <= n_experts \(4\)"):
+        MoeConfig(n_experts=4, top_k=5)
+    with pytest.raises(ConfigError, match="score: expected 'softmax' or 'sigmoid', found 'relu'"):
+        MoeConfig(score="relu")
+    with pytest.raises(ConfigError, match="moe preset: expected one of"):
+        moe("mixtral")
+    assert MoeConfig(n_experts=8, top_k=2, capacity_factor=1.25).capacity(2048) == 640
+
+
+def tokens(seed):
+    return torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("shape, names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
+def test_expert_parallel_training_matches_single_device(world, shape, names):
+    """Experts split on the first axis (pinned), the model's own loss with its load-balance term:
+    the lowered programs move tokens by all_to_all, and loss, every gradient and three AdamW
+    steps equal single-device ones."""
+    n = int(torch.tensor(shape).prod())
+    world(n)
+    torch.manual_seed(0)
+    model, x, labels = moe("tiny", capacity_factor=1.0), tokens(1), tokens(2)
+    pins = {"layers.*.moe.experts.w*": "S(0)" + "R" * (len(shape) - 1)}
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh(shape, names), profile=SLOW_LINKS, memory_budget=None,
+                          loss_fn=lambda out: out, example_kwargs={"labels": labels}, pins=pins)
+    assert not plan.summary.get("fallback_ops"), plan.describe()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want_losses, want_grads = [], []
+    for _ in range(3):
+        opt_ref.zero_grad()
+        want = ref(x, labels=labels)
+        want.backward()
+        want_losses.append(want.item())
+        want_grads.append({fqn: q.grad.clone() for fqn, q in ref.named_parameters()})
+        opt_ref.step()
+    with LocalTensorMode(n) as mode:
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh(shape, names),
+                                        loss_fn=lambda out: out)
+        lift_replicated_locals(sharded, mode)
+        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+        for step in range(3):
+            opt.zero_grad()
+            loss = sharded(x, labels=labels)
+            loss.backward()
+            assert full(loss).item() == pytest.approx(want_losses[step], rel=1e-5), step
+            for fqn, p in sharded.named_parameters():
+                torch.testing.assert_close(full(p.grad), want_grads[step][fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+            opt.step()
+        counts = {}
+        for program in [*sharded.forward.programs.values()]:
+            for kind, k in program.collective_counts().items():
+                counts[kind] = counts.get(kind, 0) + k
+    assert any("alltoall" in kind or "all_to_all" in kind for kind in counts), counts
+    for fqn, p in sharded.named_parameters():
+        if ".experts." in fqn:
+            assert p.placements[0].is_shard(0), (fqn, p.placements)
+
+
+@pytest.mark.parametrize("with_labels", [True, False])
+def test_unrolled_trace_equals_full_trace(with_labels):
+    """Nine MoE layers traced three and four deep and unrolled, with or without the
+    load-balance loss threaded through the layers, equal the full trace."""
+    from autoshard.tracing import trace
+    from autoshard.unroll import compare, trace_unrolled
+
+    torch.manual_seed(0)
+    model = moe("tiny", n_layers=9)
+    kw = {"labels": tokens(2)} if with_labels else None
+    loss_fn = (lambda out: out) if with_labels else None
+    unrolled = trace_unrolled(model, (tokens(1),), loss_fn, kw)
+    assert compare(unrolled, trace(model, (tokens(1),), loss_fn, example_kwargs=kw)) is None
+
+
+def test_expert_baselines(world):
+    """ep_tp and ep_fsdp exist for models with experts only; their pins split the experts as
+    documented; ours is never dearer than any baseline."""
+    assert not set(EXPERT_BASELINES) & set(baselines_for(llama("tiny")))
+    torch.manual_seed(0)
+    model = moe("tiny")
+    assert set(EXPERT_BASELINES) <= set(baselines_for(model))
+    pins, inputs = baseline_pins("ep_tp", model, 2, (2, 2))
+    assert str(pins["layers.0.moe.experts.w1"]) == "S(0)S(2)"  # (E, dim, hidden): hidden on tp
+    assert str(pins["layers.0.moe.experts.w2"]) == "S(0)S(1)"  # (E, hidden, dim)
+    assert str(pins["layers.0.attn.wq.weight"]) == "RS(0)" and str(inputs[0]) == "S(0)R"
+    pins, inputs = baseline_pins("ep_fsdp", model, 2, (2, 2))
+    assert str(pins["layers.0.moe.experts.w1"]) == "S(1)S(0)" and str(inputs[0]) == "S(0)S(0)"
+    with pytest.raises(ConfigError, match="the model has no experts"):
+        baseline_pins("ep_tp", llama("tiny"), 2)
+    world(4)
+    res = autoshard.compare(model, (tokens(1),), autoshard.fake_mesh((2, 2), ("dp", "tp")),
+                            profile=SLOW_LINKS, memory_budget=None)
+    ours = res.pop("autoshard").summary["step_us"]
+    assert set(res) == set(baselines_for(model))
+    for name, other in res.items():
+        assert not isinstance(other, str), (name, other)
+        assert ours <= other.summary["step_us"] * (1 + 1e-9), name
+
+
+@pytest.mark.slow
+def test_the_planner_chooses_expert_parallelism_at_scale(world):
+    """Mixtral-8x7B shapes (two layers) on a fake (8, 8) mesh, H100 profile: the plan splits the
+    experts on their expert dim and moves tokens to them by all_to_all."""
+    world(64)
+    with torch.device("meta"):
+        model = moe("mixtral-8x7b", n_layers=2, max_seq_len=2048)
+    x = torch.empty(64, 2048, dtype=torch.long, device="meta")
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((8, 8), ("dp", "tp")), profile="h100-sxm")
+    assert "S(0)" in plan.param_spec("layers.0.moe.experts.w1").placements, plan.describe()
+    steps = [step for r in plan.redistributes for step in r["steps"]]
+    assert any(step.startswith("all_to_all") for step in steps), plan.describe()
