@@ -185,9 +185,13 @@ class StrategyEnumerator:
                 return _val(a)
             return a
 
-        args = tuple(
-            conv(a) if not isinstance(a, (list, tuple)) else type(a)(conv(x) for x in a) for a in node.args
-        )
+        def conv_list(a):
+            items = [conv(x) for x in a]
+            # As DTensor's dispatch does: a list that starts with a tensor (cat, stack) is one
+            # TupleStrategy; others (index's optional tensors) stay lists.
+            return tc.TupleStrategy(tuple(items)) if a and is_tensor(a[0]) else type(a)(items)
+
+        args = tuple(conv(a) if not isinstance(a, (list, tuple)) else conv_list(a) for a in node.args)
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
         return tc.OpSchema(node.target, args, kwargs)
 
@@ -209,13 +213,29 @@ class StrategyEnumerator:
             return [Strategy(outs=(s,), ins=()) for s in self.specs_for(val, partial=False)]
         if not isinstance(op, torch._ops.OpOverload) or not tc.has_rule(op):
             return []
-        if any(isinstance(a, (list, tuple)) and any(is_tensor(x) for x in a) for a in node.args):
-            return []  # tensor-list arguments: not planned yet (fallback replicate)
         cands = [self.specs_for(_val(a), partial=self.partial_inputs) for a in targs]
         out_meta = self._out_meta(node)
         prop = tc.sharding_propagator()
         results: list = []
-        if op in prop.op_single_dim_strategy_funcs:
+        lists = [a for a in node.args if isinstance(a, (list, tuple)) and any(is_tensor(x) for x in a)]
+        if lists and not all(is_tensor(a[0]) for a in lists):
+            return []  # optional-tensor lists (index, index_put): not planned yet (fallback replicate)
+        if lists:
+            # A list of tensors (cat, stack): DTensor's rules merge the list's specs into one
+            # strategy, so ask once per spec, every tensor argument of the same rank given it.
+            # Tensors of other ranks in the list (a KV cache's empty start, which cat skips):
+            # DTensor's rule makes them follow the others' specs and then cannot move them.
+            ndim = _val(targs[0]).ndim
+            if any(_val(a).ndim != ndim for a in targs):
+                return []
+            for s in cands[0]:
+                if any(s not in c for c in cands):
+                    continue
+                try:
+                    results.append(tc.op_strategy(op, self._schema(node, [[s]] * len(targs)), self.mesh, out_meta))
+                except Exception as exc:  # a spec the rule rejects by raising
+                    errors.append(exc)
+        elif op in prop.op_single_dim_strategy_funcs:
             # Single-dim rules read one spec per argument only to learn which shard
             # kinds exist; the expansion itself covers every mesh axis.
             seed = [[next((s for s in c if any(d is not None for d in s.shard_dims())), c[0])] for c in cands]

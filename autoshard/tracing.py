@@ -282,11 +282,23 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
         shapes = [tuple(x.shape) for x in example_inputs]
         raise TraceError(
             f"{type(model).__name__}.forward failed on example inputs of shapes {shapes}: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{_data_dependent_hint(exc)}"
         ) from exc
     return RawTrace(gm=gm, param_fqns=names_p, buffer_fqns=names_b, trainable=trainable, input_names=input_names,
                     groups=groups, leaves=seen.get("leaves", []), tree=seen.get("tree"),
                     grads=dict(seen.get("grads", {})), fake_mode=fm)
+
+
+def _data_dependent_hint(exc: Exception) -> str:
+    """How to plan a model whose shapes depend on tensor values (a plan is for static shapes)."""
+    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+    if not names & {"DynamicOutputShapeException", "DataDependentOutputException", "GuardOnDataDependentSymNode"}:
+        return ""
+    return ("\n  the model's shapes depend on its tensors' values (nonzero, masked indexing, a loop over the "
+            "experts a batch reaches), and a plan is made for static shapes. For a mixture of experts: a Hugging "
+            "Face model plans with its static-shape experts, `config._experts_implementation = \"batched_mm\"` "
+            "(or \"grouped_mm\" in bf16) before building it; or swap its MoE block for autoshard.moe.MoeLayer "
+            "(capacity-based dispatch), which is what expert parallelism is planned for.")
 
 
 def finish(raw: RawTrace) -> TracedGraph:

@@ -22,6 +22,15 @@ Then the cases at scale (``--no-scale`` skips them):
   recomputing activations (the reference models' attention is the math path, whose scores
   are batch x heads x seq x seq), so the baseline to beat is ``fsdp_tp_ac`` (FSDP+TP with
   full activation checkpointing) and ours chooses its recomputation with the plan.
+
+Then the mixture-of-experts cases (``--no-moe`` skips them, ``--only-moe`` runs them alone),
+on (8, 8) with global batch 64 x 2048, where the baselines gain expert parallelism (``ep_tp``:
+EP over the data axis + TP; ``ep_fsdp``: EP on the inner axis + FSDP):
+
+- Mixtral-8x7B shapes, all 32 layers;
+- DeepSeek-V3 shapes with 3 dense and 8 MoE layers of its 61 (its 671B parameters with
+  their gradients and Adam state need >= 84 GB per rank on 64 ranks even in bf16: no
+  64-rank plan of the whole model fits 80 GB).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
 from autoshard.models import gpt2, llama  # noqa: E402
+from autoshard.moe import moe  # noqa: E402
 
 #: name -> (factory of a model for a sequence length, default sequence length).
 MODELS = {
@@ -45,9 +55,13 @@ MODELS = {
     "llama-1b": (lambda seq: llama("1b", max_seq_len=seq), 2048),
     "llama-8b": (lambda seq: llama("8b", max_seq_len=seq), 2048),
     "llama-70b": (lambda seq: llama("70b", max_seq_len=seq), 2048),
+    "mixtral-8x7b": (lambda seq: moe("mixtral-8x7b", max_seq_len=seq), 2048),
+    "deepseek-v3-11l": (lambda seq: moe("deepseek-v3", n_layers=8, max_seq_len=seq), 2048),
 }
 #: Cases at the scale people train, beyond the grid: (model, mesh, global batch, sequence).
 SCALE_CASES = [("llama-70b", (8, 8, 8), 512, 2048), ("llama-8b", (8, 8), 64, 8192)]
+#: Mixture-of-experts cases.
+MOE_CASES = [("mixtral-8x7b", (8, 8), 64, 2048), ("deepseek-v3-11l", (8, 8), 64, 2048)]
 MESH_NAMES = {1: ("tp",), 2: ("dp", "tp"), 3: ("rep", "dp", "tp")}
 
 
@@ -61,13 +75,17 @@ def main() -> None:
     ap.add_argument("--no-scale", action="store_true", help="skip the cases at scale (LLaMA-70B on (8, 8, 8), "
                     "LLaMA-8B at sequence 8192)")
     ap.add_argument("--only-scale", action="store_true", help="run the cases at scale alone")
+    ap.add_argument("--no-moe", action="store_true", help="skip the mixture-of-experts cases")
+    ap.add_argument("--only-moe", action="store_true", help="run the mixture-of-experts cases alone")
     args = ap.parse_args()
     cases = [(name, tuple(int(x) for x in mesh_text.split("x")), args.batch, MODELS[name][1])
              for mesh_text in args.meshes.split(",") for name in args.models.split(",")]
-    if args.only_scale:
+    if args.only_scale or args.only_moe:
         cases = []
-    if not args.no_scale:
+    if not args.no_scale and not args.only_moe:
         cases += SCALE_CASES
+    if not args.no_moe and not args.only_scale:
+        cases += MOE_CASES
     worst = 0.0
     for name, shape, batch, seq in cases:
         if dist.is_initialized():
@@ -89,7 +107,7 @@ def main() -> None:
             cells.append(f"{k}=" + ("infeasible" if isinstance(v, str) else f"{v.summary['step_us'] / 1e3:.1f}"))
         s = ours.summary
         rc = ours.recompute["mode"]
-        line = (f"{name:10s} mesh={shape!s:10s} batch={batch}x{seq} ours={s['step_us'] / 1e3:.1f}ms "
+        line = (f"{name:15s} mesh={shape!s:10s} batch={batch}x{seq} ours={s['step_us'] / 1e3:.1f}ms "
                 + (f"(recompute {rc}) " if rc != "none" else "") +
                 f"(compute {s['compute_us'] / 1e3:.1f} + comm {s['comm_us'] / 1e3:.1f}, "
                 f"peak {s['peak_mem_bytes'] / 2**30:.1f}GiB, {ours.solver['status']}, from "

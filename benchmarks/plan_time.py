@@ -1,11 +1,14 @@
 """End-to-end planning time per phase, LLaMA-3 shapes from 8B on 64 ranks to 405B on 1024.
 
-    python benchmarks/plan_time.py [--cases 8b:8x8,70b:8x8x8,405b:8x16x8] [--layers N] [--time-limit 60]
+    python benchmarks/plan_time.py [--cases 8b:8x8,70b:8x8x8,405b:8x16x8,dsv3] [--layers N] [--time-limit 60]
 
-Each case plans a LLaMA-3-shaped model on the meta device (no weights) for a fake mesh,
-h100-sxm profile, its 80 GB as the budget, in a process of its own (so peak RSS is the
-case's own): LLaMA-3-8B on (8, 8) with global batch 64 x 2048, LLaMA-3-70B on (8, 8, 8)
-with 512 x 2048, LLaMA-3.1-405B on (8, 16, 8) with 1024 x 2048. Per case: seconds per phase
+Each case plans a model on the meta device (no weights) for a fake mesh, h100-sxm profile,
+its 80 GB as the budget, in a process of its own (so peak RSS is the case's own):
+LLaMA-3-8B on (8, 8) with global batch 64 x 2048, LLaMA-3-70B on (8, 8, 8) with 512 x 2048,
+LLaMA-3.1-405B on (8, 16, 8) with 1024 x 2048, and DeepSeek-V3 shapes (mixture of experts,
+61 layers: 3 dense, 58 with 256 experts, :mod:`autoshard.moe`) on (8, 8) with 64 x 2048 and
+no memory budget (its parameters, gradients and Adam state alone need >= 84 GB per rank on
+64 ranks, even in bf16: no 64-rank plan fits 80 GB). Per case: seconds per phase
 (trace, strategies and costs, solve, plan assembly), the end-to-end total, the plan's
 predicted step, how the solve ended, and peak RSS. The solve runs until it proves its plan
 optimal or its time limit; ``solve_s`` says which.
@@ -29,8 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: preset -> (default mesh, global batch)
-CASES = {"8b": ((8, 8), 64), "70b": ((8, 8, 8), 512), "405b": ((8, 16, 8), 1024)}
+#: case -> (model family, preset, default mesh, global batch, memory budget: None for none, else the profile's)
+CASES = {"8b": ("llama", "8b", (8, 8), 64, "profile"), "70b": ("llama", "70b", (8, 8, 8), 512, "profile"),
+         "405b": ("llama", "405b", (8, 16, 8), 1024, "profile"),
+         "dsv3": ("moe", "deepseek-v3", (8, 8), 64, None)}
 AUTOPARALLEL_8B_S = 252.0
 MESH_NAMES = {2: ("dp", "tp"), 3: ("rep", "dp", "tp")}
 
@@ -39,20 +44,21 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str) -> d
     import torch
 
     import autoshard
-    from autoshard.models import llama
+    from autoshard.models import reference
 
-    preset, _, mesh_text = case.partition(":")
-    shape = tuple(int(x) for x in mesh_text.split("x")) if mesh_text else CASES[preset][0]
-    batch = CASES[preset][1]
+    name, _, mesh_text = case.partition(":")
+    family, preset, default_shape, batch, budget = CASES[name]
+    shape = tuple(int(x) for x in mesh_text.split("x")) if mesh_text else default_shape
     mesh = autoshard.fake_mesh(shape, MESH_NAMES[len(shape)])
     with torch.device("meta"):
-        model = llama(preset, **({"n_layers": layers} if layers else {}))
+        model = reference(family, preset, seq=2048, **({"n_layers": layers} if layers else {}))
     tokens = torch.empty(batch, 2048, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
-    plan = autoshard.plan(model, (tokens,), mesh, profile=profile, time_limit=time_limit)
+    budget = {} if budget == "profile" else {"memory_budget": budget}
+    plan = autoshard.plan(model, (tokens,), mesh, profile=profile, time_limit=time_limit, **budget)
     total = time.perf_counter() - t0
     ph = plan.summary["phases"]
-    return dict(case=f"{preset}:{'x'.join(map(str, shape))}", layers=model.cfg.n_layers, total_s=round(total, 2),
+    return dict(case=f"{name}:{'x'.join(map(str, shape))}", layers=model.cfg.n_layers, total_s=round(total, 2),
                 trace_s=round(ph["trace_s"], 2), build_s=round(ph["build_s"], 2), solve_s=round(ph["solve_s"], 2),
                 assemble_s=round(ph["assemble_s"], 2), graph_nodes=plan.summary["graph_nodes"],
                 status=plan.solver["status"], source=plan.solver.get("source"),
@@ -63,7 +69,7 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="8b,70b,405b", help="PRESET[:MESH] list, e.g. 8b:8x8,70b:8x8x8")
+    ap.add_argument("--cases", default="8b,70b,405b,dsv3", help="CASE[:MESH] list, e.g. 8b:8x8,70b:8x8x8")
     ap.add_argument("--layers", type=int, default=None, help="override every case's layer count")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--profile", default="h100-sxm")
