@@ -175,8 +175,9 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
 def cmd_demo(args) -> int:
     import torch
 
+    from autoshard.catalog import parse_reference, reference
     from autoshard.errors import AutoshardError
-    from autoshard.models import Transformer, TransformerConfig, parse_reference, reference
+    from autoshard.models import Transformer, TransformerConfig
 
     sized = [f"--{k}" for k in ("dim", "heads", "vocab") if getattr(args, k) is not None]
     if sized and args.model != "gpt":
@@ -305,8 +306,8 @@ def _plan_on_server(args) -> int:
     if not args.model:
         raise AutoshardError("--server needs --model (a reference model as data: llama-8b, gpt2-small, ...); "
                              "a MODULE:FACTORY cannot be sent to a service")
+    from autoshard.catalog import parse_reference
     from autoshard.mesh import parse_mesh
-    from autoshard.models import parse_reference
 
     family, preset = parse_reference(args.model)
 

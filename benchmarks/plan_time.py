@@ -44,7 +44,7 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str) -> d
     import torch
 
     import autoshard
-    from autoshard.models import reference
+    from autoshard.catalog import reference
 
     name, _, mesh_text = case.partition(":")
     family, preset, default_shape, batch, budget = CASES[name]

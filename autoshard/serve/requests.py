@@ -91,7 +91,7 @@ def build_model(spec: ModelSpec, batch: int, seq: int):
 
     with torch.device("meta"):
         if spec.reference is not None:
-            from autoshard.models import reference
+            from autoshard.catalog import reference
 
             model = reference(spec.reference, spec.preset, seq=seq, **spec.overrides)
         else:
