@@ -144,6 +144,21 @@ class RankProgram:
     """The spec each output's local shard is in (None: a plain tensor, the same on every rank)."""
     out_meta: list[tuple] = field(default_factory=list)
     """(global shape, stride) of each output."""
+    out_strides: list[tuple | None] = field(default_factory=list)
+    """The stride of each output's local tensor as traced (None: not a tensor)."""
+    in_strides: list[tuple] = field(default_factory=list)
+    """The stride of each input's local tensor the program was traced with: a view in it (a
+    bucket's flatten) may hold only for those strides."""
+
+    def conform(self, locals_: list) -> list:
+        """``locals_`` with each tensor whose strides differ from the traced ones copied into them
+        (a program traced on a contiguous input cannot view a transposed one)."""
+        out = []
+        for t, stride in zip(locals_, self.in_strides):
+            if isinstance(t, torch.Tensor) and _differ(t, stride):
+                t = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+            out.append(t)
+        return out
 
 
 def _spec_of(t: DTensor) -> Spec:
@@ -271,17 +286,21 @@ class Lowering:
         return wrap(out)
 
     def lower(self, inputs: list[fx.Node], in_specs: list[Spec], in_meta: list[tuple], ops: list[fx.Node],
-              outputs: list[fx.Node], out_specs: list[Spec | None], rank: int) -> RankProgram:
+              outputs: list[fx.Node], out_specs: list[Spec | None], rank: int,
+              in_strides: list[tuple | None] | None = None) -> RankProgram:
         """Rank ``rank``'s program computing ``outputs`` from ``inputs`` by ``ops``.
 
         ``in_meta``: (global shape, stride, dtype) of each input. ``out_specs``: the spec to deliver
-        each output in (None: as computed)."""
+        each output in (None: as computed). ``in_strides``: the stride each input's local tensor
+        arrives in (None, or None for one input: contiguous); the backward reads the forward's
+        saved values in the strides the forward leaves them, transposed weights included."""
         mesh = self.mesh
         # An input of spec None is a plain tensor, the same full value on every rank (a constant
         # the forward built and the backward reads).
         placements = [None if s is None else tc.placements_for(s, mesh) for s in in_specs]
         delivered: list[Spec | None] = []
         meta: list[tuple] = []
+        local_strides: list[tuple | None] = []
         self.moves, self.off_plan = 0, []
 
         def program(*locals_):
@@ -293,6 +312,7 @@ class Lowering:
             result = []
             delivered.clear()
             meta.clear()
+            local_strides.clear()
             for node, want in zip(outputs, out_specs):
                 v = env[node]
                 if isinstance(v, DTensor):
@@ -303,6 +323,7 @@ class Lowering:
                 else:
                     delivered.append(None)
                     meta.append((tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor) else None)
+                local_strides.append(tuple(v.stride()) if isinstance(v, torch.Tensor) else None)
                 result.append(v)
             return result
 
@@ -312,14 +333,30 @@ class Lowering:
         with tc.quiet_tracing(), tc.as_rank(rank):
             shapes = [tuple(shape) if pl is None else tc.local_shape(shape, mesh, pl)
                       for pl, (shape, _, _) in zip(placements, in_meta)]
+            strides = [_contiguous(s) if want is None or len(want) != len(s) else tuple(want)
+                       for s, want in zip(shapes, in_strides or [None] * len(shapes))]
             with fm:
-                examples = [torch.empty(s, dtype=dtype, device=device)
-                            for s, (_, _, dtype) in zip(shapes, in_meta)]
+                examples = [torch.empty_strided(s, st, dtype=dtype, device=device)
+                            for s, st, (_, _, dtype) in zip(shapes, strides, in_meta)]
             with fm:
                 gm = tc.make_fx(program, pre_dispatch=False)(*examples)
         gm.graph.eliminate_dead_code()
         gm.recompile()
-        return RankProgram(gm=gm, in_specs=list(in_specs), out_specs=list(delivered), out_meta=list(meta))
+        return RankProgram(gm=gm, in_specs=list(in_specs), out_specs=list(delivered), out_meta=list(meta),
+                           out_strides=list(local_strides), in_strides=strides)
+
+
+def _differ(t: torch.Tensor, stride: tuple) -> bool:
+    """Whether ``t``'s layout differs from ``stride`` (a dim of size 1 has any stride)."""
+    return any(size > 1 and a != b for size, a, b in zip(t.shape, t.stride(), stride))
+
+
+def _contiguous(shape) -> tuple:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def _load(name) -> Profile:

@@ -103,7 +103,8 @@ class PlannedProgram:
             self._backward[rank] = self.lowering.lower(
                 s.saved + [d for _, d in s.tangents], list(saved_specs) + tangent_specs,
                 [_meta(n) for n in s.saved] + [_meta(d) for _, d in s.tangents], s.backward, grads,
-                [self.plan.param_spec(f) for f in self.trainable], rank)
+                [self.plan.param_spec(f) for f in self.trainable], rank,
+                in_strides=fwd.out_strides[len(self.outputs):] + [None] * len(s.tangents))
             self._optimize(self._backward[rank])
         return self._backward[rank]
 
@@ -203,7 +204,7 @@ class PlannedProgram:
         ranks = tc.local_tensor_ranks()
         if ranks is None:
             rank = dist.get_rank()
-            return list(self._callable(which, rank, get(rank))(*locals_))
+            return list(self._callable(which, rank, get(rank))(*get(rank).conform(locals_)))
         if self.compile and not self._warned_eager:
             self._warned_eager = True
             log.warning("compile applies to real processes: under LocalTensorMode every rank's program runs eagerly")
@@ -212,6 +213,7 @@ class PlannedProgram:
         for t in locals_:
             for r, part in tc.rank_parts(t, ranks).items():
                 args[r].append(part)
+        args = {r: get(r).conform(a) for r, a in args.items()}
         with tc.outside_local_tensor_mode():
             outs = run_ranks(programs, args, self.mesh)
         n = len(outs[ranks[0]])

@@ -73,10 +73,11 @@ def test_torchrun_training_matches_single_process(tmp_path):
     assert sharded, "the plan under test shards nothing"
 
 
-def _against_single_process(layers: int, *options: str) -> str:
+def _against_single_process(layers: int, *options: str, model: str = "gpt2") -> str:
     """3 steps of ``autoshard.train`` on 4 gloo ranks with ``options``: its stdout, once its loss
     curve is checked against the single process's."""
-    common = ["--dim", "32", "--layers", str(layers), "--vocab", "64", "--batch", "8", "--seq", "8", "--steps", "3"]
+    common = ["--dim", "32", "--layers", str(layers), "--vocab", "64", "--batch", "8", "--seq", "8", "--steps", "3",
+              "--model", model]
     single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", *common],
                             capture_output=True, text=True, check=True)
     from costmodel.calibrate import free_port
@@ -108,6 +109,29 @@ def test_torchrun_recomputing_plan_matches_single_process():
     in the lowered backward, and the loss curve is the single process's."""
     out = _against_single_process(2, "--recompute", "full")
     assert "activation checkpointing: full" in out, out[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_expert_parallel_moe_matches_single_process(tmp_path):
+    """The reference MoE with its experts split over the dp axis (pinned) on 4 gloo ranks, under a
+    profile where bytes decide: tokens move to their experts by all_to_all, and the loss curve
+    is the single process's."""
+    import dataclasses
+
+    from costmodel import LinkModel
+
+    slow = LinkModel(latency_us=1.0, busbw_gbps=0.01)
+    prof = tmp_path / "slow-links.json"
+    dataclasses.replace(SHARDING_PROFILE, intra_node=slow, inter_node=slow).save(prof)
+    plan_file = tmp_path / "plan.json"
+    _against_single_process(1, "--profile", str(prof), "--pin", "layers.*.moe.experts.w*=S(0)R",
+                            "--save-plan", str(plan_file), model="moe")
+    import autoshard
+
+    plan = autoshard.Plan.load(plan_file)
+    assert "S(0)" in plan.param_spec("layers.0.moe.experts.w1").placements
+    assert any(step.startswith("all_to_all") for r in plan.redistributes for step in r["steps"]), plan.describe()
 
 
 def test_died_by_signal_reads_only_the_root_cause():
