@@ -100,6 +100,9 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
     p.add_argument("--recompute", default="auto", choices=RECOMPUTE,
                    help="activation checkpointing of the repeated layers (default auto: chosen with the plan)")
+    p.add_argument("--load-imbalance", type=float, default=1.0, metavar="F",
+                   help="mixture of experts: the busiest expert-parallel rank's load over the mean (default 1.0, "
+                        "exact for capacity-based dispatch)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--pin", action="append", default=[], metavar="FQN=SPEC",
                    help="fix parameters (FQN glob, or a module) to a spec, e.g. 'layers.*.attn.wq=RS(0)'; repeatable")
@@ -131,7 +134,7 @@ def _run_plan(model, inputs, args) -> int:
     planner = autoshard.Planner(model, inputs, mesh, profile=args.profile,
                                 memory_budget=args.memory_budget if args.memory_budget else "auto",
                                 time_limit=args.time_limit, pins=pins or None, export_problem=args.export_problem,
-                                recompute=args.recompute)
+                                recompute=args.recompute, load_imbalance=args.load_imbalance)
     plan = planner.solve()
     print(plan.describe())
     if args.compare:
@@ -162,7 +165,8 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
     t0 = time.perf_counter()
     plan = autoshard.plan(model, inputs, "auto", ranks=args.ranks, profile=args.profile,
                           memory_budget=args.memory_budget if args.memory_budget else "auto",
-                          time_limit=args.time_limit, pins=pins or None, recompute=args.recompute)
+                          time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,
+                          load_imbalance=args.load_imbalance)
     print(plan.describe())
     print("\n".join(mesh_search_table(plan)))
     print(f"planned in {time.perf_counter() - t0:.1f} s")
@@ -381,9 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="plan LLaMA-8B shapes (or another reference model) on a fake 64-rank mesh")
     _common(d, "dp=8,tp=8")
-    d.add_argument("--model", default="llama-8b", choices=["llama-8b", "llama-1b", "llama-70b", "gpt2-small",
-                                                            "gpt2-medium", "gpt"],
-                   help="reference shapes (default llama-8b), or gpt: a small GPT sized by --dim/--heads/--vocab")
+    d.add_argument("--model", default="llama-8b", metavar="FAMILY-PRESET|gpt",
+                   help="reference shapes (default llama-8b; llama-1b/70b/405b, gpt2-small/medium, moe-tiny, "
+                        "moe-mixtral-8x7b, moe-deepseek-v3: autoshard.catalog), or gpt: a small GPT sized by "
+                        "--dim/--heads/--vocab")
     d.add_argument("--layers", type=int, default=None, help="depth (default: the preset's; gpt: 2)")
     d.add_argument("--dim", type=int, default=None, help="--model gpt only (default 1024)")
     d.add_argument("--heads", type=int, default=None, help="--model gpt only (default 16)")

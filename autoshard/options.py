@@ -12,7 +12,7 @@ from costmodel import Profile
 from solver import BACKENDS
 
 #: Fields fixed once the model is traced and its problem built (a new Planner changes them).
-TRACE_FIELDS = ("profile", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers")
+TRACE_FIELDS = ("profile", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers", "load_imbalance")
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
                 "export_problem")
@@ -66,6 +66,12 @@ class PlanOptions:
     (recomputing can then only add time), else the cheapest of the three, each solved in an
     equal share of what is left of ``time_limit``."""
 
+    load_imbalance: float = 1.0
+    """Busiest expert-parallel rank's token load over the mean (:mod:`autoshard.imbalance`):
+    expert matmuls and the tokens moved into them cost this much more where a plan shards the
+    experts. 1.0 is exact for capacity-based dispatch (every expert runs its padded capacity);
+    raise it to cost a dropless runtime or routing measured to be skewed."""
+
     seed_baselines: bool = True
     """Unless the first solve (three quarters of ``time_limit``) proves its plan optimal, the
     hand-written plans (DDP, FSDP, TP, FSDP+TP, FSDP+TP with full recomputation) are solved
@@ -98,6 +104,10 @@ class PlanOptions:
         for name in ("tie_layers", "unroll_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")
+        f = self.load_imbalance
+        if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 1.0 <= f < float("inf")):
+            raise ConfigError(f"load_imbalance: expected the busiest rank's load over the mean, a finite "
+                              f"number >= 1.0, found {f!r}")
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute: expected one of {RECOMPUTE}, found {self.recompute!r}")
         if self.pins is not None and not isinstance(self.pins, Mapping):

@@ -203,6 +203,10 @@ class Plan:
         if rc.get("mode", "none") != "none":
             lines.append(f"  activation checkpointing: {rc['mode']}, {rc.get('nodes', 0)} ops recomputed in "
                          f"{rc.get('layers', 0)} layers (+{rc.get('compute_us', 0) / 1e3:.3f} ms compute)")
+        if s.get("load_imbalance"):
+            li = s["load_imbalance"]
+            lines.append(f"  experts: {li['expert_matmuls']} expert matmuls, costed at load imbalance {li['factor']:g} "
+                         "where the plan splits the experts")
         if s.get("recompute_tried"):
             tried = ", ".join(f"{m} {v / 1e3:.1f} ms" if isinstance(v, (int, float)) else f"{m} {v}"
                               for m, v in s["recompute_tried"].items())

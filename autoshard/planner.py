@@ -120,7 +120,8 @@ class Planner:
                     if tg.layer_groups else ""))
         t1 = time.perf_counter()
         # The budget only sets the problem's usage limit: each solve replaces it.
-        self.built = gp = build_problem(tg, mesh, self.profile, self._budget(opts), tie_layers=opts.tie_layers)
+        self.built = gp = build_problem(tg, mesh, self.profile, self._budget(opts), tie_layers=opts.tie_layers,
+                                            load_imbalance=float(opts.load_imbalance))
         self.phases["build_s"] = time.perf_counter() - t1
         st = gp.problem.stats()
         log.info(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
@@ -456,6 +457,8 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
         "recompute": {"mode": rc.mode, "nodes": rc.count, "layers": len(rc.nodes),
                       "compute_us": round(float(sum(gp.compute_us[c][choice[c]] for c in gp.copy_of)), 3)},
     }
+    if gp.imbalance:
+        summary["load_imbalance"] = dict(gp.imbalance)
     return Plan(
         mesh_shape=list(mesh_shape),
         axis_names=names,

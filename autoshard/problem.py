@@ -33,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import solver
 from autoshard.errors import AutoshardError, first_line
+from autoshard.imbalance import expert_matmuls, imbalance_scale
 from autoshard.layers import layer_ties
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.tracing import TracedGraph
@@ -72,6 +73,9 @@ class GraphProblem:
     copy_of: dict[int, int] = field(default_factory=dict)
     """Recomputed copy's ILP index -> its original's (:func:`autoshard.recompute.with_recompute`);
     copies come after every original node."""
+    imbalance: dict = field(default_factory=dict)
+    """``{"factor": f, "expert_matmuls": n}`` where the graph has expert matmuls
+    (:mod:`autoshard.imbalance`); empty otherwise."""
 
     @property
     def num_originals(self) -> int:
@@ -264,8 +268,10 @@ def build_problem(
     optimizer_states: int = 2,
     tie_layers: bool = True,
     partial_inputs: bool | None = None,
+    load_imbalance: float = 1.0,
 ) -> GraphProblem:
-    """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``."""
+    """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``; ``load_imbalance``
+    scales expert-parallel work (:mod:`autoshard.imbalance`)."""
     mesh_shape = tuple(mesh.shape)
     topo = MeshTopology(mesh_shape, profile.devices_per_node)
     redist = _RedistCost(topo, profile)
@@ -301,6 +307,9 @@ def build_problem(
     intervals = node_intervals(tg, nodes)[0]
     loss_idx, loss_out = resolve(tg.loss_node) if tg.loss_node is not None else (None, 0)
 
+    experts = expert_matmuls(tg)
+    scales = {index[n.name]: imbalance_scale(strategies[index[n.name]], mesh_shape, load_imbalance)
+              for n in experts if n.name in index and load_imbalance != 1.0}
     flop_memo: dict = {}
     flop_failures: dict[str, str] = {}
     node_memo: dict = {}
@@ -328,6 +337,8 @@ def build_problem(
                 c, usage = node_memo.setdefault(memo_key, _node_costs(n, strats, per_node[v], outs_vals,
                                                                        mesh_shape, profile, flop_memo,
                                                                        flop_failures))
+            if v in scales:
+                c = c * scales[v]
         compute.append(c.copy())
 
         if v == loss_idx:
@@ -341,14 +352,22 @@ def build_problem(
 
     edges: list[ArgEdge] = []
     mats = []
+    scaled: dict = {}  # (matrix id, consumer) -> its scaled copy, shared again by tied layers
     for v in range(len(nodes)):
         ns = per_node[v]
         if ns is None:
             continue
+        tokens = experts.get(nodes[v], ())
         for k, a in enumerate(ns.tensor_args):
             u, o = resolve(a)
             edges.append(ArgEdge(v, k, u, o))
-            mats.append(redist.edge_matrix(strategies[u], o, strategies[v], k, a.meta["val"]))
+            m = redist.edge_matrix(strategies[u], o, strategies[v], k, a.meta["val"])
+            if k in tokens and v in scales:
+                key = (id(m), id(strategies[v]))
+                if key not in scaled:
+                    scaled[key] = (m, m * scales[v][None, :])
+                m = scaled[key][1]
+            mats.append(m)
     placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
     for fqn, g in tg.grad_of.items():
         u, o = resolve(g)
@@ -375,7 +394,8 @@ def build_problem(
         ties=ties,
     )
     return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index,
-                        dict(en.stats.rule_errors), flop_failures)
+                        dict(en.stats.rule_errors), flop_failures,
+                        imbalance={"factor": load_imbalance, "expert_matmuls": len(experts)} if experts else {})
 
 
 def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,

@@ -46,6 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
+from autoshard.baselines import EXPERTS, has_experts  # noqa: E402
 from autoshard.models import gpt2, llama  # noqa: E402
 from autoshard.moe import moe  # noqa: E402
 
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--only-scale", action="store_true", help="run the cases at scale alone")
     ap.add_argument("--no-moe", action="store_true", help="skip the mixture-of-experts cases")
     ap.add_argument("--only-moe", action="store_true", help="run the mixture-of-experts cases alone")
+    ap.add_argument("--load-imbalance", type=float, default=1.0,
+                    help="busiest expert-parallel rank's load over the mean (autoshard.imbalance)")
     args = ap.parse_args()
     cases = [(name, tuple(int(x) for x in mesh_text.split("x")), args.batch, MODELS[name][1])
              for mesh_text in args.meshes.split(",") for name in args.models.split(",")]
@@ -97,7 +100,7 @@ def main() -> None:
         tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
         t0 = time.perf_counter()
         res = autoshard.compare(model, (tokens,), mesh, profile=args.profile,
-                                time_limit=args.time_limit)
+                                time_limit=args.time_limit, load_imbalance=args.load_imbalance)
         seconds = time.perf_counter() - t0
         ours = res["autoshard"]
         feasible = {k: v for k, v in res.items() if k != "autoshard" and not isinstance(v, str)}
@@ -112,6 +115,8 @@ def main() -> None:
                 f"(compute {s['compute_us'] / 1e3:.1f} + comm {s['comm_us'] / 1e3:.1f}, "
                 f"peak {s['peak_mem_bytes'] / 2**30:.1f}GiB, {ours.solver['status']}, from "
                 f"{ours.solver['source']}) " + " ".join(cells))
+        if has_experts(model):
+            line += " " + _experts(model, ours)
         best = None
         if feasible:
             best_name, best = min(feasible.items(), key=lambda kv: kv[1].summary["step_us"])
@@ -124,6 +129,16 @@ def main() -> None:
         if (name, shape, batch, seq) == SCALE_CASES[0]:
             _unseeded(model, tokens, mesh, args, best, s["step_us"])
     print(f"worst ratio ours/best baseline: {worst:.4f}")
+
+
+def _experts(model, plan) -> str:
+    """What the plan does with the experts: a MoE layer's expert weights' spec, and the
+    all_to_all steps of the step (count, predicted milliseconds of the redistributes with one)."""
+    fqn = next(f for f, p in model.named_parameters() if EXPERTS.search(f.rpartition(".")[0]) and p.ndim == 3)
+    a2a = [r for r in plan.redistributes if any(st.startswith("all_to_all") for st in r["steps"])]
+    steps = sum(st.startswith("all_to_all") for r in a2a for st in r["steps"])
+    return (f"experts={plan.param_spec(fqn)} all_to_all={steps} steps "
+            f"({sum(r['us'] for r in a2a) / 1e3:.1f}ms in their redistributes)")
 
 
 def _unseeded(model, tokens, mesh, args, best, seeded_us) -> None:

@@ -159,6 +159,29 @@ def test_expert_baselines(world):
         assert ours <= other.summary["step_us"] * (1 + 1e-9), name
 
 
+def test_load_imbalance_scales_expert_parallel_work_only(world):
+    """The factor makes expert matmuls (3 forward, 6 backward per layer) and the tokens moved
+    into them dearer where the experts are split on their expert dim, and leaves a plan that
+    keeps every expert whole on every rank as it was."""
+    world(4)
+    torch.manual_seed(0)
+    model = moe("tiny", n_layers=2)
+    mesh = autoshard.fake_mesh((4,), ("dp",))
+    steps = {}
+    for factor in (1.0, 2.0):
+        for split in ("S(0)", "R"):
+            plan = autoshard.plan(model, (tokens(1),), mesh, profile="h100-sxm", memory_budget=None, time_limit=20,
+                                  load_imbalance=factor, pins={"layers.*.moe.experts.w*": split})
+            assert plan.summary["load_imbalance"] == {"factor": factor, "expert_matmuls": 18}
+            steps[factor, split] = plan.summary["step_us"]
+    assert steps[2.0, "S(0)"] > steps[1.0, "S(0)"] * 1.01, steps
+    assert steps[2.0, "R"] == pytest.approx(steps[1.0, "R"], rel=1e-9), steps
+    with pytest.raises(ConfigError, match=r"load_imbalance: expected .* >= 1.0, found 0.5"):
+        autoshard.PlanOptions(load_imbalance=0.5)
+    assert "load_imbalance" not in autoshard.plan(llama("tiny", n_layers=1), (tokens(1),), mesh,
+                                                  time_limit=5).summary
+
+
 @pytest.mark.slow
 def test_the_planner_chooses_expert_parallelism_at_scale(world):
     """Mixtral-8x7B shapes (two layers) on a fake (8, 8) mesh, H100 profile: the plan splits the
