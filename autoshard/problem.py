@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import solver
 from autoshard.errors import AutoshardError, first_line
-from autoshard.imbalance import expert_matmuls, imbalance_scale
+from autoshard.imbalance import expert_matmuls, imbalance_scale, move_scale, token_dims
 from autoshard.layers import layer_ties
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.tracing import TracedGraph
@@ -310,6 +310,8 @@ def build_problem(
     experts = expert_matmuls(tg)
     scales = {index[n.name]: imbalance_scale(strategies[index[n.name]], mesh_shape, load_imbalance)
               for n in experts if n.name in index and load_imbalance != 1.0}
+    # Tensors carrying routed tokens, by the dim of theirs that indexes experts.
+    tokens = token_dims(tg, experts) if scales else {}
     flop_memo: dict = {}
     flop_failures: dict[str, str] = {}
     node_memo: dict = {}
@@ -357,15 +359,16 @@ def build_problem(
         ns = per_node[v]
         if ns is None:
             continue
-        tokens = experts.get(nodes[v], ())
         for k, a in enumerate(ns.tensor_args):
             u, o = resolve(a)
             edges.append(ArgEdge(v, k, u, o))
             m = redist.edge_matrix(strategies[u], o, strategies[v], k, a.meta["val"])
-            if k in tokens and v in scales:
-                key = (id(m), id(strategies[v]))
+            if a in tokens:
+                key = (id(m), id(strategies[u]), id(strategies[v]), k)
                 if key not in scaled:
-                    scaled[key] = (m, m * scales[v][None, :])
+                    scaled[key] = (m, m * move_scale([s.outs[o] for s in strategies[u]],
+                                                     [s.ins[k] for s in strategies[v]], tokens[a], mesh_shape,
+                                                     load_imbalance))
                 m = scaled[key][1]
             mats.append(m)
     placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
