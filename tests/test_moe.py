@@ -182,6 +182,35 @@ def test_load_imbalance_scales_expert_parallel_work_only(world):
                                                   time_limit=5).summary
 
 
+def test_every_expert_parallel_all_to_all_moves_a_token_tensor(world):
+    """The tensors the imbalance factor prices as routed tokens cover every all_to_all over the
+    expert axis of an expert-parallel plan (dispatch, combine and their gradients), each with
+    the dim the plan splits the experts on."""
+    from autoshard.imbalance import expert_matmuls, token_dims
+
+    world(4)
+    torch.manual_seed(0)
+    planner = autoshard.Planner(moe("tiny", n_layers=2), (tokens(1),), autoshard.fake_mesh((4,), ("dp",)),
+                                profile=SLOW_LINKS, memory_budget=None, time_limit=20,
+                                pins={"layers.*.moe.experts.w*": "S(0)"})
+    plan = planner.solve()
+    tg = planner.traced
+    matmuls = expert_matmuls(tg)
+    assert len(matmuls) == 18 and all(n.target is torch.ops.aten.bmm.default for n in matmuls)
+    dims = token_dims(tg, matmuls)
+    nodes = {n.name: n for n in tg.gm.graph.nodes}
+    moved = 0
+    for r in plan.redistributes:
+        if r["arg"] == "grad" or not any(st.startswith("all_to_all") for st in r["steps"]):
+            continue
+        arg = [a for a in nodes[r["node"]].args if isinstance(a, torch.fx.Node)][r["arg"]]
+        if arg.meta["val"].dim() >= 3:  # the (batch, experts x capacity, dim) family, not the router's scores
+            moved += 1
+            assert arg in dims, r
+            assert f"S({dims[arg]})" in (r["from"], r["to"]), (r, dims[arg])
+    assert moved >= 4, plan.describe()
+
+
 @pytest.mark.slow
 def test_the_planner_chooses_expert_parallelism_at_scale(world):
     """Mixtral-8x7B shapes (two layers) on a fake (8, 8) mesh, H100 profile: the plan splits the
