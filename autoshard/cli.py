@@ -7,6 +7,7 @@
   autoshard diff a.json b.json                      what differs between two plans
   autoshard lower MODULE:FACTORY --plan plan.json   one rank's lowered programs: collectives, code
   autoshard calibrate --mesh dp=2,tp=4 -o prof.json  measure collectives (under torchrun, or --nproc N)
+  autoshard measure MODULE:FACTORY --plan plan.json  run the plan, predicted against measured step
   autoshard serve [--db plans.sqlite] [--port 8000]    the plan service (HTTP JSON API)
 """
 
@@ -31,6 +32,7 @@ EXAMPLES = """examples:
   autoshard show plan.json
   torchrun --nproc-per-node 8 -m autoshard calibrate --mesh dp=2,tp=4 -o h100-node.json
   autoshard calibrate --backend gloo --nproc 4 --mesh dp=2,tp=2 --max-bytes 4MiB -o cpu.json
+  autoshard measure mypkg.models:make --plan plan.json --backend gloo --nproc 4 --json measured.json
 
 exit codes: 0 ok, 1 unexpected error, 2 bad input (message says what was expected and found)
 """
@@ -271,6 +273,80 @@ def cmd_lower(args) -> int:
     return 0
 
 
+def _measure_worker(factory: str, plan_path: str, backend: str, cfg, bucket_mb: float, overlap: bool,
+                    json_path: str | None) -> None:
+    """One rank of ``autoshard measure`` in an initialized process group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.measure import measure_on_this_rank, save, threads_per_rank
+    from autoshard.planfile import Plan
+
+    plan = Plan.load(plan_path)
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if device_type == "cpu":
+        torch.set_num_threads(threads_per_rank(dist.get_world_size()))
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    mesh = init_device_mesh(device_type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.axis_names))
+    model, inputs = _from_factory(factory)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if device_type == "cuda":
+        model, inputs = model.cuda(), tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs)
+    m = measure_on_this_rank(model, inputs, plan, mesh, cfg, bucket_mb=bucket_mb, overlap=overlap)
+    if m is not None:
+        print(m.table(), flush=True)
+        if json_path:
+            save(m, json_path)
+            print(f"wrote {json_path}", flush=True)
+
+
+def _measure_spawned(rank, world, port, *args):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group(args[2], rank=rank, world_size=world)
+    try:
+        _measure_worker(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def cmd_measure(args) -> int:
+    """Run a plan on real processes; print its predicted step against the measured one."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from autoshard.errors import AutoshardError
+    from autoshard.measure import MeasureConfig
+    from autoshard.planfile import Plan
+    from costmodel.calibrate import check_backend, free_port
+
+    check_backend(args.backend)
+    plan = Plan.load(args.plan)
+    world = math.prod(plan.mesh_shape)
+    cfg = MeasureConfig(steps=args.steps, warmup=args.warmup, attribution_steps=args.attribution_steps)
+    work = (args.factory, args.plan, args.backend, cfg, args.bucket_mb, not args.no_overlap, args.json)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group(args.backend)
+        try:
+            _measure_worker(*work)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    if not args.nproc:
+        raise AutoshardError("measure: not under torchrun: pass --nproc N to spawn N local processes (or run "
+                             "`torchrun --nproc-per-node N -m autoshard measure ...`)")
+    if args.nproc != world:
+        raise AutoshardError(f"measure: the plan's mesh {dict(zip(plan.axis_names, plan.mesh_shape))} has {world} "
+                             f"ranks but --nproc is {args.nproc}")
+    mp.start_processes(_measure_spawned, args=(world, free_port(), *work), nprocs=world, start_method="spawn")
+    return 0
+
+
 def _read_token(path: str | None) -> str | None:
     if not path:
         return None
@@ -450,6 +526,21 @@ def build_parser() -> argparse.ArgumentParser:
     lw.add_argument("--no-overlap", action="store_true")
     lw.add_argument("-o", "--output", default=None, help="write the programs' code to this folder")
     lw.set_defaults(func=cmd_lower)
+    ms = sub.add_parser("measure", help="run a plan on real processes: predicted against measured step",
+                        description="Run under torchrun (torchrun --nproc-per-node 8 -m autoshard measure "
+                                    "mypkg:make --plan plan.json), or spawn local processes with --nproc.")
+    ms.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs), as planned")
+    ms.add_argument("--plan", required=True)
+    ms.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    ms.add_argument("--nproc", type=int, default=None, help="spawn this many local processes (no torchrun)")
+    ms.add_argument("--steps", type=int, default=10, help="timed steps (their median is the measured step)")
+    ms.add_argument("--warmup", type=int, default=3)
+    ms.add_argument("--attribution-steps", type=int, default=2,
+                    help="steps run with every collective timed, for the per-collective rows")
+    ms.add_argument("--bucket-mb", type=float, default=25.0)
+    ms.add_argument("--no-overlap", action="store_true")
+    ms.add_argument("--json", default=None, help="also write the measurement as JSON here")
+    ms.set_defaults(func=cmd_measure)
     s = sub.add_parser("show", help="print a plan file's summary")
     s.add_argument("plan")
     s.add_argument("--max-params", type=int, default=40)

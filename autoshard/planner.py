@@ -434,6 +434,10 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
             "to": str(dst),
             "steps": [f"{st.kind}({','.join(names[a] for a in st.axes)})" for st in steps],
             "us": round(us, 3),
+            # Per step: predicted microseconds and bytes of the full buffer (nccl-tests'
+            # convention), what `autoshard measure` sets beside the measured collectives.
+            "step_us": [round(st.us, 3) for st in steps],
+            "step_bytes": [int(st.nbytes) for st in steps],
         }
         if v in gp.copy_of:
             entry["recompute"] = True  # run again in the backward, before the recomputed op

@@ -1,0 +1,331 @@
+"""``autoshard measure``: run a plan's lowered programs and set what they take beside what the
+plan predicted.
+
+Each rank parallelizes the model with the plan (:func:`autoshard.parallelize`, the loss lowered
+with the model, torch's bucketing and overlap passes as configured) and runs ``warmup`` steps,
+then ``steps`` timed steps (forward and backward, a barrier before and after each: the slowest
+rank sets a step), then ``attribution_steps`` more under :class:`CollectiveLog`, which times
+every functional collective of the programs from its issue to the end of its wait:
+
+- *exposed* communication: time the rank spends issuing collectives and blocked in their
+  waits (what overlap did not hide); *compute* is the step minus that;
+- per collective kind and group: count, bytes (the full buffer, as the profile's fits count
+  them) and exposed time, against the plan's own steps (``step_us`` / ``step_bytes`` of its
+  redistributes; a bucket is one measured collective for several planned ones).
+
+The timed steps run without the log (its Python hook on every op would slow them); the
+attribution steps' exposed times are read per step. On GPUs the step is timed with CUDA events
+and the attribution's waits are host-side (a wait returns when the collective is enqueued
+before the compute that reads it), so per-collective GPU time needs the profiler's kernel view.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoshard import _torch_compat as tc
+from autoshard.errors import ConfigError, PlanError
+from autoshard.planfile import Plan
+
+#: Functional collective op -> the kind of collective the plan and the profile name.
+KINDS = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
+}
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    """How long to measure."""
+
+    steps: int = 10
+    """Timed steps (their median is the measured step)."""
+    warmup: int = 3
+    """Steps run first and not timed (the first lowers the programs)."""
+    attribution_steps: int = 2
+    """Steps run under :class:`CollectiveLog` after the timed ones, for the per-collective view."""
+
+    def __post_init__(self):
+        for name in ("steps", "warmup", "attribution_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "steps" else 0):
+                low = 1 if name == "steps" else 0
+                raise ConfigError(f"{name}: expected an integer >= {low}, found {v!r}")
+
+
+@dataclass
+class CollectiveStats:
+    count: float = 0.0
+    bytes: float = 0.0
+    us: float = 0.0
+
+
+@dataclass
+class Measurement:
+    """Predicted against measured, per step (measured figures: medians over steps, means over
+    ranks for the per-collective rows)."""
+
+    plan_name: str
+    mesh: dict
+    backend: str
+    predicted: dict
+    """``step_us``, ``compute_us``, ``comm_us`` as the plan states them."""
+    measured: dict
+    """``step_us`` (median of the timed steps, slowest rank), ``comm_exposed_us``,
+    ``compute_us`` (= step - exposed), ``steps``, ``step_us_all`` (every timed step)."""
+    collectives: list[dict] = field(default_factory=list)
+    """One row per (kind, group): ``predicted`` and ``measured`` :class:`CollectiveStats` as dicts."""
+
+    @property
+    def ratio(self) -> float:
+        """Predicted step over measured step."""
+        return self.predicted["step_us"] / self.measured["step_us"]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+    def table(self) -> str:
+        p, m = self.predicted, self.measured
+        lines = [f"autoshard measure: {self.plan_name} on {self.mesh} ({self.backend}), "
+                 f"{m['steps']} timed steps",
+                 f"{'':24s} {'predicted':>12s} {'measured':>12s} {'pred/meas':>10s}",
+                 f"{'step (ms)':24s} {p['step_us'] / 1e3:12.3f} {m['step_us'] / 1e3:12.3f} {self.ratio:10.3f}",
+                 f"{'compute (ms)':24s} {p['compute_us'] / 1e3:12.3f} {m['compute_us'] / 1e3:12.3f} "
+                 f"{_ratio(p['compute_us'], m['compute_us'])}",
+                 f"{'communication (ms)':24s} {p['comm_us'] / 1e3:12.3f} {m['comm_exposed_us'] / 1e3:12.3f} "
+                 f"{_ratio(p['comm_us'], m['comm_exposed_us'])}   (measured: exposed)"]
+        if self.collectives:
+            lines.append("per step, per rank:     count pred/meas      MiB pred/meas        ms pred/exposed")
+            for row in self.collectives:
+                a, b = row["predicted"], row["measured"]
+                lines.append(f"  {row['kind'] + '(' + row['group'] + ')':22s} {a['count']:7.0f} {b['count']:7.1f} "
+                             f"{a['bytes'] / 2**20:10.2f} {b['bytes'] / 2**20:10.2f} "
+                             f"{a['us'] / 1e3:10.3f} {b['us'] / 1e3:10.3f}")
+        return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:10.3f}" if b > 0 else f"{'-':>10s}"
+
+
+def predicted_collectives(plan: Plan) -> dict[tuple[str, str], CollectiveStats]:
+    """(kind, group) -> the plan's collective steps per step: count, bytes, predicted time. A
+    plan file written before per-step figures splits a redistribute's time evenly over its steps."""
+    out: dict[tuple[str, str], CollectiveStats] = {}
+    for r in plan.redistributes:
+        steps = r.get("steps", [])
+        step_us = r.get("step_us") or [r.get("us", 0.0) / max(len(steps), 1)] * len(steps)
+        step_bytes = r.get("step_bytes") or [0] * len(steps)
+        for text, us, nbytes in zip(steps, step_us, step_bytes):
+            kind, _, group = text.partition("(")
+            s = out.setdefault((kind, group.rstrip(")")), CollectiveStats())
+            s.count += 1
+            s.bytes += nbytes
+            s.us += us
+    return out
+
+
+def full_buffer_bytes(kind: str, input_bytes: int, group_size: int) -> int:
+    """Bytes of a collective's full buffer from its input's (an all-gather's input is one shard)."""
+    return input_bytes * group_size if kind == "all_gather" else input_bytes
+
+
+def group_axes(ranks, mesh_ranks, axis_names, rank: int) -> str:
+    """The mesh axes (comma-joined) whose sub-mesh through ``rank`` holds exactly ``ranks``;
+    ``"?"`` for a group that is no sub-mesh. ``mesh_ranks``: the mesh's rank grid (nested lists)."""
+    import itertools
+
+    import numpy as np
+
+    grid = np.asarray(mesh_ranks)
+    where = np.argwhere(grid == rank)
+    if not len(where):
+        return "?"
+    coord = where[0]
+    want = sorted(int(r) for r in ranks)
+    for k in range(1, grid.ndim + 1):
+        for axes in itertools.combinations(range(grid.ndim), k):
+            index = tuple(slice(None) if d in axes else int(coord[d]) for d in range(grid.ndim))
+            if sorted(int(r) for r in np.ravel(grid[index])) == want:
+                return ",".join(axis_names[d] for d in axes)
+    return "?"
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Times each functional collective from its issue to the end of the last wait on its
+    outputs; ``group_of(group_name) -> (axes text, group size)``."""
+
+    def __init__(self, group_of):
+        super().__init__()
+        self.group_of = group_of
+        self.records: list[dict] = []
+        self._by_output: dict[int, dict] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", "") != "_c10d_functional":
+            return func(*args, **kwargs)
+        name = func._opname
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        if name == "wait_tensor":
+            rec = self._by_output.pop(id(args[0]), None)
+            if rec is not None:
+                rec["exposed_s"] += dt
+            return out
+        kind = KINDS.get(name)
+        if kind is None:
+            return out
+        group_name = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, str)), None)
+        axes, size = self.group_of(group_name)
+        inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+        rec = {"kind": kind, "group": axes, "bytes": full_buffer_bytes(kind, nbytes, size), "exposed_s": dt}
+        self.records.append(rec)
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self._by_output[id(t)] = rec
+        return out
+
+    def by_kind(self, steps: int) -> dict[tuple[str, str], CollectiveStats]:
+        out: dict[tuple[str, str], CollectiveStats] = {}
+        for rec in self.records:
+            s = out.setdefault((rec["kind"], rec["group"]), CollectiveStats())
+            s.count += 1 / steps
+            s.bytes += rec["bytes"] / steps
+            s.us += rec["exposed_s"] * 1e6 / steps
+        return out
+
+
+def _group_resolver(mesh):
+    names = tuple(mesh.mesh_dim_names or [f"axis{d}" for d in range(mesh.ndim)])
+    grid = mesh.mesh.tolist()
+    rank = dist.get_rank()
+    cache: dict = {}
+
+    def group_of(group_name):
+        if group_name not in cache:
+            try:
+                ranks = tc.group_ranks(group_name)
+            except Exception:  # an unknown name: keep the measurement, mark the group
+                ranks = []
+            cache[group_name] = (group_axes(ranks, grid, names, rank) if ranks else "?", max(len(ranks), 1))
+        return cache[group_name]
+
+    return group_of
+
+
+def _sync(device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_steps(model, inputs: tuple, cfg: MeasureConfig, mesh, kwargs=None) -> tuple[list[float], CollectiveLog]:
+    """This rank's timed step seconds and its attribution log. ``model``: parallelized with
+    ``compute_loss=True`` (its forward returns the plan's loss)."""
+    kwargs = kwargs or {}
+    device_type = mesh.device_type
+
+    def step():
+        loss = model(*inputs, **kwargs)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(cfg.warmup):
+        step()
+    times = []
+    for _ in range(cfg.steps):
+        _sync(device_type)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        _sync(device_type)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    log = CollectiveLog(_group_resolver(mesh))
+    for _ in range(cfg.attribution_steps):
+        _sync(device_type)
+        dist.barrier()
+        with log:
+            step()
+        _sync(device_type)
+    return times, log
+
+
+def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: MeasureConfig,
+                       backend: str) -> Measurement | None:
+    """Every rank's figures to rank 0, which returns the :class:`Measurement` (None elsewhere)."""
+    mine = {"times": times, "rows": {f"{k}|{g}": asdict(s) for (k, g), s in
+                                     log.by_kind(max(cfg.attribution_steps, 1)).items()}}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    # A step is as long as its slowest rank (barriers on both sides), per step index.
+    steps = [max(r["times"][k] for r in everyone) for k in range(len(times))]
+    step_us = statistics.median(steps) * 1e6
+    rows: dict[tuple[str, str], CollectiveStats] = {}
+    for r in everyone:
+        for key, s in r["rows"].items():
+            kind, group = key.split("|")
+            agg = rows.setdefault((kind, group), CollectiveStats())
+            agg.count += s["count"] / len(everyone)
+            agg.bytes += s["bytes"] / len(everyone)
+            agg.us += s["us"] / len(everyone)
+    exposed = sum(s.us for s in rows.values()) if cfg.attribution_steps else float("nan")
+    predicted = predicted_collectives(plan)
+    table = []
+    for key in sorted(set(predicted) | set(rows)):
+        table.append({"kind": key[0], "group": key[1], "predicted": asdict(predicted.get(key, CollectiveStats())),
+                      "measured": asdict(rows.get(key, CollectiveStats()))})
+    s = plan.summary
+    return Measurement(
+        plan_name=f"plan for {plan.model.get('class', 'a model')}",
+        mesh=dict(zip(plan.axis_names, plan.mesh_shape)), backend=backend,
+        predicted={"step_us": s["step_us"], "compute_us": s["compute_us"], "comm_us": s["comm_us"]},
+        measured={"step_us": step_us, "comm_exposed_us": exposed, "compute_us": step_us - exposed,
+                  "steps": len(steps), "step_us_all": [round(t * 1e6, 1) for t in steps]},
+        collectives=table)
+
+
+def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = MeasureConfig(), *, loss_fn=None,
+                         bucket_mb: float = 25.0, overlap: bool = True, compile=False, kwargs=None,
+                         ) -> Measurement | None:
+    """Parallelize ``model`` with ``plan`` on ``mesh`` (every rank of an initialized process
+    group calls this) and measure it; rank 0 gets the :class:`Measurement`."""
+    import autoshard
+
+    world = dist.get_world_size()
+    if math.prod(plan.mesh_shape) != world:
+        raise PlanError(f"the plan's mesh {tuple(plan.mesh_shape)} has {math.prod(plan.mesh_shape)} ranks but the "
+                        f"world size is {world}")
+    sharded = autoshard.parallelize(model, plan, mesh, loss_fn=loss_fn, compute_loss=True, bucket_mb=bucket_mb,
+                                    overlap=overlap, compile=compile)
+    times, log = run_steps(sharded, tuple(inputs), cfg, mesh, kwargs)
+    return gather_measurement(plan, times, log, cfg, dist.get_backend())
+
+
+def save(m: Measurement, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(m.to_json(), f, indent=1)
+
+
+def threads_per_rank(world: int) -> int:
+    """Intra-op threads per CPU rank: the host's cores shared out (more threads than cores
+    turns timings into noise)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))

@@ -1,0 +1,113 @@
+"""`autoshard measure`: the pure parts, and one real 4-rank gloo run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.errors import ConfigError
+from autoshard.measure import (
+    CollectiveStats,
+    MeasureConfig,
+    Measurement,
+    full_buffer_bytes,
+    group_axes,
+    predicted_collectives,
+)
+from autoshard.planfile import Plan
+
+
+def _plan(redistributes) -> Plan:
+    return Plan(mesh_shape=[2, 2], axis_names=["dp", "tp"], params={}, inputs=[], redistributes=redistributes,
+                summary={"step_us": 100.0, "compute_us": 80.0, "comm_us": 20.0})
+
+
+def test_predicted_collectives_sum_the_plan_steps_per_kind_and_group():
+    plan = _plan([
+        {"node": "a", "arg": 0, "steps": ["all_gather(dp)", "all_reduce(tp)"], "us": 9.0,
+         "step_us": [4.0, 5.0], "step_bytes": [1024, 2048]},
+        {"node": "b", "arg": 0, "steps": ["all_gather(dp)"], "us": 3.0, "step_us": [3.0], "step_bytes": [512]},
+        # a plan written before per-step figures: the time is split evenly, bytes unknown
+        {"node": "c", "arg": 0, "steps": ["all_to_all(dp,tp)", "all_to_all(dp,tp)"], "us": 6.0},
+    ])
+    got = predicted_collectives(plan)
+    assert got == {("all_gather", "dp"): CollectiveStats(2, 1536, 7.0),
+                   ("all_reduce", "tp"): CollectiveStats(1, 2048, 5.0),
+                   ("all_to_all", "dp,tp"): CollectiveStats(2, 0, 6.0)}
+
+
+def test_groups_are_named_by_the_mesh_axes_they_span():
+    grid = [[0, 1, 2, 3], [4, 5, 6, 7]]  # (dp=2, tp=4)
+    names = ("dp", "tp")
+    assert group_axes([1, 5], grid, names, 5) == "dp"
+    assert group_axes([4, 5, 6, 7], grid, names, 6) == "tp"
+    assert group_axes(range(8), grid, names, 3) == "dp,tp"
+    assert group_axes([0, 5], grid, names, 0) == "?"  # no sub-mesh through rank 0
+    assert group_axes([1, 2], grid, names, 9) == "?"  # not a rank of the mesh
+    assert full_buffer_bytes("all_gather", 100, 4) == 400  # its input is one shard
+    assert full_buffer_bytes("reduce_scatter", 400, 4) == 400
+
+
+def test_measurement_table_and_config_checks():
+    m = Measurement(plan_name="plan for Llama", mesh={"dp": 4}, backend="gloo",
+                    predicted={"step_us": 50_000.0, "compute_us": 40_000.0, "comm_us": 10_000.0},
+                    measured={"step_us": 100_000.0, "comm_exposed_us": 20_000.0, "compute_us": 80_000.0,
+                              "steps": 3, "step_us_all": [1e5] * 3},
+                    collectives=[{"kind": "all_reduce", "group": "dp",
+                                  "predicted": vars(CollectiveStats(2, 2**20, 1e4)),
+                                  "measured": vars(CollectiveStats(1, 2**20, 2e4))}])
+    assert m.ratio == 0.5
+    text = m.table()
+    assert "step (ms)" in text and "0.500" in text and "all_reduce(dp)" in text
+    assert json.loads(json.dumps(m.to_json()))["ratio"] == 0.5
+    with pytest.raises(ConfigError, match="steps: expected an integer >= 1, found 0"):
+        MeasureConfig(steps=0)
+    with pytest.raises(ConfigError, match="warmup: expected an integer >= 0"):
+        MeasureConfig(warmup=-1)
+
+
+FACTORY = '''
+import torch
+from autoshard.models import llama
+
+def make():
+    torch.manual_seed(0)
+    model = llama("tiny", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=16)
+    return model, (torch.randint(0, 128, (8, 16)),)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, world, monkeypatch):
+    """A plan with replicated parameters and a split batch on 4 gloo processes, one collective
+    per planned step: the measured collectives are the plan's, kind, group, count and bytes."""
+    import autoshard
+
+    (tmp_path / "fac.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fac
+
+    world(4)
+    plan = autoshard.plan(*fac.make(), autoshard.fake_mesh((4,), ("dp",)), profile="cpu-gloo", time_limit=20,
+                          pins={"*": "R"}, input_specs=["S(0)"])
+    plan_file, out = tmp_path / "plan.json", tmp_path / "measured.json"
+    plan.save(plan_file)
+    assert plan.redistributes, plan.describe()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "autoshard", *a], cwd=tmp_path,  # noqa: E731
+                                    capture_output=True, text=True, timeout=500)
+    res = run("measure", "fac:make", "--plan", str(plan_file), "--backend", "gloo", "--nproc", "4", "--steps", "3",
+              "--warmup", "1", "--bucket-mb", "0", "--no-overlap", "--json", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step (ms)" in res.stdout and "(dp)" in res.stdout, res.stdout
+    m = json.loads(out.read_text())
+    assert m["measured"]["steps"] == 3 and m["measured"]["step_us"] > 0
+    assert 0 < m["measured"]["comm_exposed_us"] <= m["measured"]["step_us"]
+    rows = {(r["kind"], r["group"]): r for r in m["collectives"]}
+    assert rows and sum(r["predicted"]["count"] for r in rows.values()) >= 1
+    for key, r in rows.items():  # nothing runs that the plan does not have, and the reverse
+        assert r["measured"]["count"] == pytest.approx(r["predicted"]["count"]), key
+        assert r["measured"]["bytes"] == pytest.approx(r["predicted"]["bytes"]), key
+    bad = run("measure", "fac:make", "--plan", str(plan_file), "--backend", "gloo", "--nproc", "2")
+    assert bad.returncode == 2 and "has 4 ranks but --nproc is 2" in bad.stderr, bad.stderr[-2000:]
