@@ -1,0 +1,137 @@
+"""Predicted step against measured step, on 4 gloo processes, with a profile calibrated in the
+same run.
+
+    python benchmarks/fidelity.py [--nproc 4] [--steps 10] [--models llama,gpt2]
+
+1. ``autoshard calibrate --backend gloo`` on a (2, 2) mesh of local processes (collective fits
+   and the matmul rate that prices compute), written to a temporary profile.
+2. Per model (a small LLaMA and a small GPT-2, batch 16 x 128): our plan and the hand-written
+   ones (DDP, FSDP, TP, FSDP+TP) under that profile, from one ``Planner`` on a fake (2, 2) mesh.
+3. Each plan measured by ``autoshard measure`` (its lowered programs with bucketing and overlap,
+   as ``parallelize`` runs them by default): median step of the timed steps.
+
+Per plan: predicted, measured, predicted / measured, and the measured exposed communication.
+Last line: the median |predicted / measured - 1| over every plan, and the share of plan pairs
+(same model) whose measured steps differ by more than 15% that the prediction orders rightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BATCH, SEQ = 16, 128
+PLANS = ("autoshard", "ddp", "fsdp", "tp", "fsdp_tp")
+
+
+def llama():
+    """Factory: a small LLaMA-style model and its batch (the train_step benchmark's shapes)."""
+    from autoshard.models import llama as make
+
+    torch.manual_seed(0)
+    model = make("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048,
+                 max_seq_len=SEQ)
+    return model, (torch.randint(0, 2048, (BATCH, SEQ)),)
+
+
+def gpt2():
+    """Factory: a small GPT-2-style model and its batch."""
+    from autoshard.models import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(dim=256, n_heads=8, n_layers=2, vocab_size=2048))
+    return model, (torch.randint(0, 2048, (BATCH, SEQ)),)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+
+
+def calibrate(nproc: int, out: Path) -> float:
+    from costmodel.calibrate import CalibrationConfig, run
+
+    t0 = time.perf_counter()
+    cfg = CalibrationConfig(min_bytes=4096, max_bytes=4 * 2**20, factor=4)
+    run((2, nproc // 2), ("dp", "tp"), "gloo", cfg, str(out), nproc=nproc, name="fidelity-gloo")
+    return time.perf_counter() - t0
+
+
+def plan_all(name: str, profile: Path, folder: Path, nproc: int) -> dict[str, Path]:
+    """Our plan and the hand-written ones for model ``name``, saved; name -> plan file."""
+    import torch.distributed as dist
+
+    import autoshard
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    model, inputs = MODELS[name]()
+    planner = autoshard.Planner(model, inputs, autoshard.fake_mesh((2, nproc // 2), ("dp", "tp")),
+                                profile=str(profile), time_limit=30)
+    results = planner.compare()
+    files = {}
+    for plan_name in PLANS:
+        res = results.get(plan_name)
+        if res is None or isinstance(res, str):
+            print(f"  {name}/{plan_name}: not planned ({res})", flush=True)
+            continue
+        files[plan_name] = folder / f"{name}-{plan_name}.json"
+        res.save(files[plan_name])
+    return files
+
+
+def measure(name: str, plan_file: Path, nproc: int, steps: int, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "autoshard", "-q", "measure", f"fidelity:{name}", "--plan", str(plan_file),
+           "--backend", "gloo", "--nproc", str(nproc), "--steps", str(steps), "--json", str(out)]
+    res = subprocess.run(cmd, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"measure {plan_file.name} failed:\n{res.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--models", default="llama,gpt2")
+    args = ap.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="autoshard-fidelity-"))
+    profile = folder / "profile.json"
+    print(f"calibrating gloo on (2, {args.nproc // 2}) ...", flush=True)
+    print(f"  calibrated in {calibrate(args.nproc, profile):.0f}s: {profile}", flush=True)
+    rows = []
+    for name in args.models.split(","):
+        files = plan_all(name, profile, folder, args.nproc)
+        for plan_name, plan_file in files.items():
+            m = measure(name, plan_file, args.nproc, args.steps, folder / f"{name}-{plan_name}.measured.json")
+            p, q = m["predicted"], m["measured"]
+            rows.append((name, plan_name, p["step_us"] / 1e3, q["step_us"] / 1e3, q["comm_exposed_us"] / 1e3,
+                         p["comm_us"] / 1e3))
+            print(f"{name:6s} {plan_name:10s} predicted {p['step_us'] / 1e3:9.2f} ms  "
+                  f"measured {q['step_us'] / 1e3:9.2f} ms  ratio {m['ratio']:6.3f}  "
+                  f"(comm predicted {p['comm_us'] / 1e3:.2f} ms, measured exposed {q['comm_exposed_us'] / 1e3:.2f} ms)",
+                  flush=True)
+    errors = [abs(pred / meas - 1) for _, _, pred, meas, _, _ in rows]
+    pairs = right = 0
+    for a, b in itertools.combinations(rows, 2):
+        if a[0] != b[0] or max(a[3], b[3]) <= 1.15 * min(a[3], b[3]):
+            continue
+        pairs += 1
+        right += (a[2] < b[2]) == (a[3] < b[3])
+    order = f"{right}/{pairs}" if pairs else "no pair differs by > 15%"
+    print(f"median |predicted/measured - 1|: {statistics.median(errors):.3f}; "
+          f"order right on pairs > 15% apart: {order}")
+
+
+if __name__ == "__main__":
+    main()
