@@ -88,14 +88,22 @@ class Measurement:
     ``compute_us`` (= step - exposed), ``steps``, ``step_us_all`` (every timed step)."""
     collectives: list[dict] = field(default_factory=list)
     """One row per (kind, group): ``predicted`` and ``measured`` :class:`CollectiveStats` as dicts."""
+    simulated: dict = field(default_factory=dict)
+    """The lowered programs that ran, simulated on a compute and a communication stream
+    (:mod:`autoshard.simulate`): ``step_us``, ``compute_us``, ``comm_us``, ``exposed_us``."""
 
     @property
     def ratio(self) -> float:
         """Predicted step over measured step."""
         return self.predicted["step_us"] / self.measured["step_us"]
 
+    @property
+    def simulated_ratio(self) -> float | None:
+        """Simulated step over measured step."""
+        return self.simulated["step_us"] / self.measured["step_us"] if self.simulated else None
+
     def to_json(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio}
+        return {**asdict(self), "ratio": self.ratio, "simulated_ratio": self.simulated_ratio}
 
     def table(self) -> str:
         p, m = self.predicted, self.measured
@@ -107,6 +115,12 @@ class Measurement:
                  f"{_ratio(p['compute_us'], m['compute_us'])}",
                  f"{'communication (ms)':24s} {p['comm_us'] / 1e3:12.3f} {m['comm_exposed_us'] / 1e3:12.3f} "
                  f"{_ratio(p['comm_us'], m['comm_exposed_us'])}   (measured: exposed)"]
+        if self.simulated:
+            sim = self.simulated
+            lines += [f"{'simulated step (ms)':24s} {sim['step_us'] / 1e3:12.3f} {m['step_us'] / 1e3:12.3f} "
+                      f"{self.simulated_ratio:10.3f}   (lowered programs, overlap: compute "
+                      f"{sim['compute_us'] / 1e3:.3f}, communication {sim['comm_us'] / 1e3:.3f} of which exposed "
+                      f"{sim['exposed_us'] / 1e3:.3f})"]
         if self.collectives:
             lines.append("per step, per rank:     count pred/meas      MiB pred/meas        ms pred/exposed")
             for row in self.collectives:
@@ -268,7 +282,7 @@ def run_steps(model, inputs: tuple, cfg: MeasureConfig, mesh, kwargs=None) -> tu
 
 
 def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: MeasureConfig,
-                       backend: str) -> Measurement | None:
+                       backend: str, simulated: dict | None = None) -> Measurement | None:
     """Every rank's figures to rank 0, which returns the :class:`Measurement` (None elsewhere)."""
     mine = {"times": times, "rows": {f"{k}|{g}": asdict(s) for (k, g), s in
                                      log.by_kind(max(cfg.attribution_steps, 1)).items()}}
@@ -300,7 +314,7 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
         predicted={"step_us": s["step_us"], "compute_us": s["compute_us"], "comm_us": s["comm_us"]},
         measured={"step_us": step_us, "comm_exposed_us": exposed, "compute_us": step_us - exposed,
                   "steps": len(steps), "step_us_all": [round(t * 1e6, 1) for t in steps]},
-        collectives=table)
+        collectives=table, simulated=simulated or {})
 
 
 def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = MeasureConfig(), *, loss_fn=None,
@@ -317,7 +331,15 @@ def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = M
     sharded = autoshard.parallelize(model, plan, mesh, loss_fn=loss_fn, compute_loss=True, bucket_mb=bucket_mb,
                                     overlap=overlap, compile=compile)
     times, log = run_steps(sharded, tuple(inputs), cfg, mesh, kwargs)
-    return gather_measurement(plan, times, log, cfg, dist.get_backend())
+    simulated = None
+    if dist.get_rank() == 0:
+        from autoshard.simulate import simulate_step
+
+        program = next(iter(sharded.forward.programs.values()))
+        tl = simulate_step(program, 0)
+        simulated = {"step_us": tl.step_us, "compute_us": tl.compute_us, "comm_us": tl.comm_us,
+                     "exposed_us": tl.exposed_us, "collectives": tl.collectives}
+    return gather_measurement(plan, times, log, cfg, dist.get_backend(), simulated)
 
 
 def save(m: Measurement, path: str) -> None:

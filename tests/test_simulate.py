@@ -1,0 +1,38 @@
+"""The step simulated on the lowered programs (one compute, one communication stream)."""
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.models import llama
+from autoshard.runtime import PlannedProgram
+from autoshard.simulate import simulate_step
+from autoshard.tracing import trace
+
+
+def test_simulated_step_prices_the_programs_that_run(world):
+    """Without bucketing or overlap the programs' collectives are the plan's steps, each waited
+    for at once: the simulated communication is the plan's, all of it exposed. With torch's
+    passes an FSDP-like plan's gathers go in buckets and run beside compute: fewer collectives,
+    less communication and a shorter step, part of it hidden."""
+    world(4)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=16)
+    inputs = (torch.randint(0, 128, (8, 16)),)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    plan = autoshard.plan(model, inputs, mesh, profile="cpu-gloo", time_limit=10, memory_budget=None,
+                          pins={"*": "S(0)R"}, input_specs=["S(0)R"])
+    planned_comm = sum(sum(r["step_us"]) for r in plan.redistributes)
+    assert planned_comm > 0
+    tg = trace(model, inputs)
+    plain = simulate_step(PlannedProgram(tg, plan, mesh, None, 0, False, False), 0)
+    assert plain.comm_us == pytest.approx(planned_comm, rel=1e-6)
+    assert plain.exposed_us == pytest.approx(plain.comm_us, rel=1e-6)
+    assert plain.step_us == pytest.approx(plain.compute_us + plain.comm_us, rel=1e-6)
+    assert plain.collectives == sum(len(r["steps"]) for r in plan.redistributes)
+    passes = simulate_step(PlannedProgram(tg, plan, mesh, None, 25, True, False), 0)
+    assert passes.collectives < plain.collectives
+    assert passes.comm_us < plain.comm_us  # one latency per bucket
+    assert passes.exposed_us < passes.comm_us  # some of it beside compute
+    assert passes.step_us < plain.step_us
+    assert passes.step_us >= passes.compute_us
