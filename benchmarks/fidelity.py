@@ -10,9 +10,11 @@ same run.
 3. Each plan measured by ``autoshard measure`` (its lowered programs with bucketing and overlap,
    as ``parallelize`` runs them by default): median step of the timed steps.
 
-Per plan: predicted, measured, predicted / measured, and the measured exposed communication.
-Last line: the median |predicted / measured - 1| over every plan, and the share of plan pairs
-(same model) whose measured steps differ by more than 15% that the prediction orders rightly.
+Per plan: the plan's own (additive) prediction, the simulated step of the lowered programs that
+ran (:mod:`autoshard.simulate`: bucketing and overlap, one compute and one communication
+stream), the measured step, and communication three ways. Last line, for each of the two
+predictions: the median |predicted / measured - 1| over every plan, and how many of the plan
+pairs (same model) whose measured steps differ by more than 15% it orders rightly.
 """
 
 from __future__ import annotations
@@ -114,23 +116,27 @@ def main() -> None:
         files = plan_all(name, profile, folder, args.nproc)
         for plan_name, plan_file in files.items():
             m = measure(name, plan_file, args.nproc, args.steps, folder / f"{name}-{plan_name}.measured.json")
-            p, q = m["predicted"], m["measured"]
-            rows.append((name, plan_name, p["step_us"] / 1e3, q["step_us"] / 1e3, q["comm_exposed_us"] / 1e3,
-                         p["comm_us"] / 1e3))
-            print(f"{name:6s} {plan_name:10s} predicted {p['step_us'] / 1e3:9.2f} ms  "
-                  f"measured {q['step_us'] / 1e3:9.2f} ms  ratio {m['ratio']:6.3f}  "
-                  f"(comm predicted {p['comm_us'] / 1e3:.2f} ms, measured exposed {q['comm_exposed_us'] / 1e3:.2f} ms)",
-                  flush=True)
-    errors = [abs(pred / meas - 1) for _, _, pred, meas, _, _ in rows]
-    pairs = right = 0
-    for a, b in itertools.combinations(rows, 2):
-        if a[0] != b[0] or max(a[3], b[3]) <= 1.15 * min(a[3], b[3]):
-            continue
-        pairs += 1
-        right += (a[2] < b[2]) == (a[3] < b[3])
-    order = f"{right}/{pairs}" if pairs else "no pair differs by > 15%"
-    print(f"median |predicted/measured - 1|: {statistics.median(errors):.3f}; "
-          f"order right on pairs > 15% apart: {order}")
+            p, q, sim = m["predicted"], m["measured"], m["simulated"]
+            rows.append({"model": name, "plan": plan_name, "additive": p["step_us"] / 1e3,
+                         "simulated": sim["step_us"] / 1e3, "measured": q["step_us"] / 1e3})
+            print(f"{name:6s} {plan_name:10s} additive {p['step_us'] / 1e3:8.2f} ms  simulated "
+                  f"{sim['step_us'] / 1e3:8.2f} ms  measured {q['step_us'] / 1e3:8.2f} ms  ratios "
+                  f"{m['ratio']:5.3f} {m['simulated_ratio']:5.3f}  (communication: plan {p['comm_us'] / 1e3:.2f}, "
+                  f"simulated {sim['comm_us'] / 1e3:.2f} of which exposed {sim['exposed_us'] / 1e3:.2f}, "
+                  f"measured exposed {q['comm_exposed_us'] / 1e3:.2f} ms)", flush=True)
+    summary = []
+    for model_of in ("additive", "simulated"):
+        errors = [abs(r[model_of] / r["measured"] - 1) for r in rows]
+        pairs = right = 0
+        for a, b in itertools.combinations(rows, 2):
+            lo, hi = sorted((a["measured"], b["measured"]))
+            if a["model"] != b["model"] or hi <= 1.15 * lo:
+                continue
+            pairs += 1
+            right += (a[model_of] < b[model_of]) == (a["measured"] < b["measured"])
+        summary.append(f"{model_of}: median |predicted/measured - 1| {statistics.median(errors):.3f}, order right "
+                       f"on {right}/{pairs} pairs > 15% apart")
+    print("; ".join(summary))
 
 
 if __name__ == "__main__":
