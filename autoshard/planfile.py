@@ -203,6 +203,10 @@ class Plan:
         if rc.get("mode", "none") != "none":
             lines.append(f"  activation checkpointing: {rc['mode']}, {rc.get('nodes', 0)} ops recomputed in "
                          f"{rc.get('layers', 0)} layers (+{rc.get('compute_us', 0) / 1e3:.3f} ms compute)")
+        if s.get("simulated"):
+            sim = s["simulated"]
+            lines.append(f"  simulated with overlap: {sim['step_us'] / 1e3:.3f} ms (communication "
+                         f"{sim['comm_us'] / 1e3:.3f} ms, of which exposed {sim['exposed_comm_us'] / 1e3:.3f} ms)")
         if s.get("load_imbalance"):
             li = s["load_imbalance"]
             lines.append(f"  experts: {li['expert_matmuls']} expert matmuls, costed at load imbalance {li['factor']:g} "

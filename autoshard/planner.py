@@ -28,6 +28,7 @@ from autoshard.pins import resolve_pins, to_spec
 from autoshard.planfile import RECOMPUTE_MODES, ParamPlacement, Plan
 from autoshard.problem import GraphProblem, build_problem, pin_indices
 from autoshard.recompute import NONE, Recompute, choose, recomputed, with_recompute
+from autoshard.simulate import simulate_plan
 from autoshard.tracing import trace
 from autoshard.units import human_bytes
 from autoshard.unroll import trace_unrolled
@@ -463,6 +464,9 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
     }
     if gp.imbalance:
         summary["load_imbalance"] = dict(gp.imbalance)
+    tl = simulate_plan(gp, choice)
+    summary["simulated"] = {"step_us": round(tl.step_us, 3), "exposed_comm_us": round(tl.exposed_us, 3),
+                            "comm_us": round(tl.comm_us, 3)}
     return Plan(
         mesh_shape=list(mesh_shape),
         axis_names=names,

@@ -1,5 +1,10 @@
 """The step as the lowered program runs it: one compute stream, one communication stream.
 
+Two walks share the model: :func:`simulate` over a rank's lowered program (after torch's
+bucketing and overlap passes: the program that runs), and :func:`simulate_plan` over the
+planned graph itself, any size, at plan time (no buckets: one collective per planned
+redistribute, each issued as soon as its data is ready).
+
 The plan's own prediction adds every op's compute and every redistribute's time. The program
 that runs is different: torch's bucketing merged collectives (one latency per bucket), and the
 overlap scheduler issues each collective early and waits for it late. This walks a rank's
@@ -87,3 +92,67 @@ def simulate_step(program, rank: int, profile: Profile | None = None) -> Timelin
     est = Estimator(profile)
     return (simulate(program.forward_program(rank).gm, profile, est)
             + simulate(program.backward_program(rank).gm, profile, est))
+
+
+def _order(gp) -> list[int]:
+    """The planned graph's nodes in the order they run: originals in graph order, a recomputed
+    copy just before the first node that reads it (its chain of copies before that)."""
+    readers: dict[int, list[int]] = {}
+    for e in gp.edges:
+        if e.arg >= 0:
+            readers.setdefault(e.producer, []).append(e.consumer)
+    n_orig = gp.num_originals
+    keys: dict[int, float] = {}
+
+    def key(v: int, depth: int = 0) -> float:
+        if v < n_orig:
+            return float(v)
+        if v not in keys:
+            keys[v] = min((key(c, depth + 1) for c in readers.get(v, [])), default=float(n_orig)) - 1e-3 / (depth + 2)
+        return keys[v]
+
+    return sorted(range(len(gp.nodes)), key=key)
+
+
+def simulate_plan(gp, choice) -> Timeline:
+    """The planned step on a compute and a communication stream, in planned-graph order.
+
+    Each node runs once every redistribute into it has arrived; a redistribute starts when its
+    producer has finished (a parameter's: at the start, i.e. prefetched) and the communication
+    stream is free; a gradient's move to its parameter's spec runs beside the rest of the
+    backward and only ends the step. Node times are the problem's own costs (compute, plus the
+    loss's reduction), edge times its edge costs."""
+    costs, mats = gp.problem.node_costs, gp.problem.edge_costs
+    into: dict[int, list[int]] = {}
+    grads_from: dict[int, list[int]] = {}
+    for k, e in enumerate(gp.edges):
+        (grads_from if e.arg < 0 else into).setdefault(e.producer if e.arg < 0 else e.consumer, []).append(k)
+    t_compute = t_comm = 0.0
+    done: dict[int, float] = {}
+    tl = Timeline()
+    for v in _order(gp):
+        ready = t_compute
+        for k in into.get(v, []):
+            e = gp.edges[k]
+            us = float(mats[k][choice[e.producer], choice[v]])
+            if us <= 0:
+                continue
+            start = max(done.get(e.producer, t_compute), t_comm)
+            t_comm = start + us
+            ready = max(ready, t_comm)
+            tl.comm_us += us
+            tl.collectives += 1
+        tl.exposed_us += ready - t_compute
+        us = float(costs[v][choice[v]])
+        t_compute = done[v] = ready + us
+        tl.compute_us += us
+        for k in grads_from.get(v, []):
+            e = gp.edges[k]
+            us = float(mats[k][choice[v], choice[e.consumer]])
+            if us > 0:
+                t_comm = max(t_compute, t_comm) + us
+                tl.comm_us += us
+                tl.collectives += 1
+    tl.step_us = max(t_compute, t_comm)
+    tl.exposed_us += tl.step_us - t_compute
+    return tl

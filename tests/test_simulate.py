@@ -36,3 +36,28 @@ def test_simulated_step_prices_the_programs_that_run(world):
     assert passes.exposed_us < passes.comm_us  # some of it beside compute
     assert passes.step_us < plain.step_us
     assert passes.step_us >= passes.compute_us
+
+
+def test_plan_simulation_overlaps_parameter_and_gradient_moves(world):
+    """At plan time, on the planned graph: a plan's simulated step never exceeds its additive
+    one and never undercuts its compute; an FSDP plan's gathers run ahead and its gradient
+    reductions beside the backward, so part of its communication is hidden; a plan with no
+    communication simulates to its additive step."""
+    world(8)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, max_seq_len=64)
+    inputs = (torch.randint(0, 512, (16, 64)),)
+    mesh = autoshard.fake_mesh((8,), ("dp",))
+    planner = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
+    fsdp = planner.solve(pins={"*": "S(0)"}, input_specs=["S(0)"])
+    alone = planner.solve(pins={"*": "R"}, input_specs=["R"])
+    for plan in (fsdp, alone, planner.solve()):
+        s, sim = plan.summary, plan.summary["simulated"]
+        assert s["compute_us"] <= sim["step_us"] <= s["step_us"] * (1 + 1e-9), (s, sim)
+        assert 0 <= sim["exposed_comm_us"] <= sim["comm_us"] * (1 + 1e-9) + 1e-6
+        assert sim["comm_us"] == pytest.approx(s["comm_us"], rel=1e-6, abs=1e-3)
+    assert fsdp.summary["comm_us"] > 0
+    assert fsdp.summary["simulated"]["exposed_comm_us"] < 0.9 * fsdp.summary["comm_us"]
+    assert fsdp.summary["simulated"]["step_us"] < fsdp.summary["step_us"]
+    assert alone.summary["comm_us"] == pytest.approx(0, abs=1e-3)
+    assert alone.summary["simulated"]["step_us"] == pytest.approx(alone.summary["step_us"], rel=1e-9)
