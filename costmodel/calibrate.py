@@ -166,6 +166,11 @@ class SweepResult:
     """(kind, group, group_size, intra_node, bytes, us) per timed run."""
     interrupted: bool = False
     matmul_tflops: float | None = None
+    mem_bandwidth_gbps: float | None = None
+    """Achieved bandwidth of a large copy (bytes read + written per second / 1e9)."""
+    launch_us: float | None = None
+    """Time per tiny op issued from Python: the floor of every op (kernel launch on a GPU, eager
+    dispatch on a CPU)."""
 
 
 def measure_matmul(device, n: int, dtype) -> float:
@@ -176,6 +181,24 @@ def measure_matmul(device, n: int, dtype) -> float:
     timer.run(lambda: a @ b, 2)
     best = min(timer.run(lambda: a @ b, 3) for _ in range(3))
     return 2 * n**3 / best / 1e12
+
+
+def measure_bandwidth(device, nbytes: int) -> float:
+    """Achieved GB/s of an ``nbytes`` copy (its bytes read and written), best of a few runs."""
+    src = torch.ones(max(1, nbytes // 4), device=device)
+    dst = torch.empty_like(src)
+    timer = _Timer(torch.device(device))
+    timer.run(lambda: dst.copy_(src), 2)
+    best = min(timer.run(lambda: dst.copy_(src), 3) for _ in range(3))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def measure_launch_us(device, iters: int = 200) -> float:
+    """Microseconds per one-element op issued from Python, best of a few runs."""
+    x = torch.zeros(1, device=device)
+    timer = _Timer(torch.device(device))
+    timer.run(lambda: x.add_(1), 20)
+    return min(timer.run(lambda: x.add_(1), iters) for _ in range(3)) * 1e6
 
 
 def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
@@ -201,6 +224,10 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             result.matmul_tflops = measure_matmul(device, cfg.matmul_size,
                                                   torch.bfloat16 if device.type == "cuda" else torch.float32)
             say(f"matmul {cfg.matmul_size}^3: {result.matmul_tflops:.3f} TFLOP/s")
+            # Every rank at once, as in a step: on shared CPU cores the contention is the point.
+            result.mem_bandwidth_gbps = measure_bandwidth(device, (512 if device.type == "cuda" else 32) * 2**20)
+            result.launch_us = measure_launch_us(device)
+            say(f"copy bandwidth {result.mem_bandwidth_gbps:.1f} GB/s, {result.launch_us:.1f} us per op")
         pgs = {g: flattened_group(mesh, g) for g in groups}
         for k, (g, kind, size) in enumerate(plan):
             axes = tuple(names.index(a) for a in g)
@@ -248,6 +275,10 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
         if ar:
             big = max(ar, key=lambda f: f.group_size)
             changes[key] = LinkModel(latency_us=big.alpha_us, busbw_gbps=min(big.busbw_gbps, 1e6))
+    if result.mem_bandwidth_gbps:
+        changes["mem_bandwidth_gbps"] = result.mem_bandwidth_gbps
+    if result.launch_us:
+        changes["kernel_launch_us"] = result.launch_us
     if result.matmul_tflops:
         if mesh.device_type == "cpu":
             changes.update(peak_tflops=result.matmul_tflops, compute_efficiency=1.0)

@@ -134,6 +134,9 @@ def test_real_gloo_calibration_two_processes(tmp_path, monkeypatch):
     assert prof.identity["backend"] == "gloo" and prof.identity["device_count"] == 2
     assert prof.mesh == {"shape": [2], "axis_names": ["dp"]}
     assert prof.peak_tflops > 0
+    base = load_profile("cpu-gloo")  # what the measured figures replace
+    assert prof.mem_bandwidth_gbps > 0 and prof.mem_bandwidth_gbps != base.mem_bandwidth_gbps
+    assert 0 < prof.kernel_launch_us < 1e4 and prof.kernel_launch_us != base.kernel_launch_us
     for f in prof.collectives:
         assert np.all(np.diff(f.predict(np.logspace(2, 9, 50))) >= -1e-9)
 
