@@ -82,7 +82,8 @@ class Measurement:
     mesh: dict
     backend: str
     predicted: dict
-    """``step_us``, ``compute_us``, ``comm_us`` as the plan states them."""
+    """``step_us``, ``compute_us``, ``comm_us`` as the plan states them (additive), and
+    ``plan_simulated_us``: the plan's own overlap simulation (None in older plan files)."""
     measured: dict
     """``step_us`` (median of the timed steps, slowest rank), ``comm_exposed_us``,
     ``compute_us`` (= step - exposed), ``steps``, ``step_us_all`` (every timed step)."""
@@ -311,7 +312,8 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
     return Measurement(
         plan_name=f"plan for {plan.model.get('class', 'a model')}",
         mesh=dict(zip(plan.axis_names, plan.mesh_shape)), backend=backend,
-        predicted={"step_us": s["step_us"], "compute_us": s["compute_us"], "comm_us": s["comm_us"]},
+        predicted={"step_us": s["step_us"], "compute_us": s["compute_us"], "comm_us": s["comm_us"],
+                   "plan_simulated_us": s.get("simulated", {}).get("step_us")},
         measured={"step_us": step_us, "comm_exposed_us": exposed, "compute_us": step_us - exposed,
                   "steps": len(steps), "step_us_all": [round(t * 1e6, 1) for t in steps]},
         collectives=table, simulated=simulated or {})
