@@ -205,7 +205,8 @@ class CollectiveLog(TorchDispatchMode):
         kind = KINDS.get(name)
         if kind is None:
             return out
-        group_name = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, str)), None)
+        # The group's name is the last string argument (a reduce op, when there is one, comes first).
+        group_name = next((a for a in reversed(list(args) + list(kwargs.values())) if isinstance(a, str)), None)
         axes, size = self.group_of(group_name)
         inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))

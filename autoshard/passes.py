@@ -26,6 +26,8 @@ way and the members of a group issue its collectives in one order.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -89,6 +91,31 @@ class Estimator:
         return self.compute_us(node) / 1e3
 
 
+_VIEW_CHAIN = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def reshape_strided_bucket_slices(gm: fx.GraphModule) -> int:
+    """A gathered bucket is split into its members along dim 1 (one row per rank): each member
+    is a strided slice, and a ``view`` the program recorded on the contiguous tensor the member
+    replaced (merging its rank rows) fails on it ("view size is not compatible"). Those views
+    become ``reshape``s, which copy only where a view cannot express the shape. Returns how
+    many were changed."""
+    changed = 0
+    for node in gm.graph.nodes:
+        src = node.args[0] if node.target is operator.getitem else None
+        if not (isinstance(src, fx.Node) and src.target is torch.ops.aten.split_with_sizes.default
+                and (src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)) != 0):
+            continue
+        todo = list(node.users)
+        while todo:
+            user = todo.pop()
+            if user.target in _VIEW_CHAIN:
+                user.target = torch.ops.aten.reshape.default
+                changed += 1
+                todo.extend(user.users)
+    return changed
+
+
 def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bool) -> fx.GraphModule:
     """``gm`` with its collectives bucketed (``bucket_mb`` > 0) and overlapped (``overlap``)."""
     # The passes trace their merge functions: an ambient LocalTensorMode would turn their
@@ -96,6 +123,7 @@ def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bo
     with tc.quiet_tracing():
         if bucket_mb > 0:
             tc.bucket_collectives(gm, bucket_mb)
+            reshape_strided_bucket_slices(gm)
         if overlap:
             gm = tc.schedule_overlap(gm, Estimator(profile).ms)
     gm.graph.lint()

@@ -61,3 +61,30 @@ def test_plan_simulation_overlaps_parameter_and_gradient_moves(world):
     assert fsdp.summary["simulated"]["step_us"] < fsdp.summary["step_us"]
     assert alone.summary["comm_us"] == pytest.approx(0, abs=1e-3)
     assert alone.summary["simulated"]["step_us"] == pytest.approx(alone.summary["step_us"], rel=1e-9)
+
+
+def test_views_of_a_gathered_bucket_member_become_reshapes():
+    """A gathered bucket is split along dim 1 (a row per rank), so a member is a strided slice;
+    a recorded view that merges its rows fails on it until the pass turns it into a reshape
+    (seen on GPT-2's DDP plan on 4 gloo ranks)."""
+    import operator
+
+    import torch.fx as fx
+
+    from autoshard.passes import reshape_strided_bucket_slices
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    split = g.call_function(aten.split_with_sizes.default, (x, [4, 6], 1))
+    member = g.call_function(operator.getitem, (split, 1))
+    rows = g.call_function(aten.view.default, (member, [2, 6]))
+    flat = g.call_function(aten.view.default, (rows, [12]))
+    g.output(flat)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    x_val = torch.arange(20.0).reshape(2, 10)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        gm(x_val)
+    assert reshape_strided_bucket_slices(gm) == 2
+    gm.recompile()
+    assert torch.equal(gm(x_val), x_val[:, 4:].reshape(12))
