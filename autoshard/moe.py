@@ -47,25 +47,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoshard.errors import ConfigError
-from autoshard.models import LlamaAttention, LlamaBlock, RMSNorm, SwiGLU, init_decoder, rope_buffers
+from autoshard.models import LlamaAttention, LlamaBlock, LlamaConfig, RMSNorm, SwiGLU, init_decoder, rope_buffers
 
 
 @dataclass
-class MoeConfig:
-    """Shape of a mixture-of-experts decoder (LLaMA attention, routed SwiGLU experts)."""
+class MoeConfig(LlamaConfig):
+    """Shape of a mixture-of-experts decoder: a LLaMA config (its attention; ``ffn_dim`` the
+    SwiGLU width of the dense blocks; ``n_layers`` the mixture-of-experts blocks, after
+    ``n_dense_layers`` dense ones) and its routed SwiGLU experts."""
 
-    dim: int = 256
-    """Model width."""
-    n_layers: int = 2
-    """Mixture-of-experts blocks (after the dense ones)."""
     n_dense_layers: int = 0
     """Leading blocks with a dense SwiGLU of width ``ffn_dim`` instead of experts (DeepSeek-V3: 3)."""
-    n_heads: int = 8
-    """Query heads; must divide ``dim``."""
-    n_kv_heads: int = 4
-    """Key/value heads (grouped-query attention); must divide ``n_heads``."""
-    ffn_dim: int = 688
-    """SwiGLU width of the dense blocks."""
     n_experts: int = 8
     """Routed experts per block."""
     top_k: int = 2
@@ -82,23 +74,10 @@ class MoeConfig:
     """Divide the top-k gates by their sum."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balance loss added to the cross-entropy when ``labels`` are given."""
-    vocab_size: int = 1024
-    """Vocabulary size."""
-    max_seq_len: int = 128
-    """Longest sequence the RoPE tables and the causal mask cover."""
-    rope_theta: float = 500000.0
-    """RoPE base frequency."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
 
     def __post_init__(self):
-        if self.dim % self.n_heads:
-            raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
-        if (self.dim // self.n_heads) % 2:
-            raise ConfigError(f"head dim dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
-        for name in ("n_layers", "n_experts", "top_k", "expert_dim", "vocab_size", "max_seq_len"):
+        super().__post_init__()
+        for name in ("n_experts", "top_k", "expert_dim"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, found {getattr(self, name)}")
         if self.n_dense_layers < 0 or self.n_shared_experts < 0:
