@@ -102,16 +102,13 @@ def _order(gp) -> list[int]:
         if e.arg >= 0:
             readers.setdefault(e.producer, []).append(e.consumer)
     n_orig = gp.num_originals
-    keys: dict[int, float] = {}
-
-    def key(v: int, depth: int = 0) -> float:
-        if v < n_orig:
-            return float(v)
-        if v not in keys:
-            keys[v] = min((key(c, depth + 1) for c in readers.get(v, [])), default=float(n_orig)) - 1e-3 / (depth + 2)
-        return keys[v]
-
-    return sorted(range(len(gp.nodes)), key=key)
+    keys = [float(v) for v in range(len(gp.nodes))]
+    # Copies follow every original, each after the copies it reads (they are appended in graph
+    # order): from the last one back, every reader's key is known.
+    eps = 1e-6 / len(gp.nodes)
+    for v in range(len(gp.nodes) - 1, n_orig - 1, -1):
+        keys[v] = min((keys[c] for c in readers.get(v, [])), default=float(n_orig)) - eps * (1 + v - n_orig)
+    return sorted(range(len(gp.nodes)), key=keys.__getitem__)
 
 
 def simulate_plan(gp, choice) -> Timeline:
