@@ -280,8 +280,9 @@ def _measure_worker(factory: str, plan_path: str, backend: str, cfg, bucket_mb: 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.measure import measure_on_this_rank, save, threads_per_rank
+    from autoshard.measure import measure_on_this_rank, save
     from autoshard.planfile import Plan
+    from costmodel.calibrate import threads_per_rank
 
     plan = Plan.load(plan_path)
     device_type = "cuda" if backend == "nccl" else "cpu"
@@ -302,48 +303,22 @@ def _measure_worker(factory: str, plan_path: str, backend: str, cfg, bucket_mb: 
             print(f"wrote {json_path}", flush=True)
 
 
-def _measure_spawned(rank, world, port, *args):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group(args[2], rank=rank, world_size=world)
-    try:
-        _measure_worker(*args)
-    finally:
-        dist.destroy_process_group()
-
-
 def cmd_measure(args) -> int:
     """Run a plan on real processes; print its predicted step against the measured one."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
     from autoshard.errors import AutoshardError
     from autoshard.measure import MeasureConfig
     from autoshard.planfile import Plan
-    from costmodel.calibrate import check_backend, free_port
+    from costmodel.calibrate import check_backend, run_distributed
 
     check_backend(args.backend)
     plan = Plan.load(args.plan)
     world = math.prod(plan.mesh_shape)
-    cfg = MeasureConfig(steps=args.steps, warmup=args.warmup, attribution_steps=args.attribution_steps)
-    work = (args.factory, args.plan, args.backend, cfg, args.bucket_mb, not args.no_overlap, args.json)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if not dist.is_initialized():
-            dist.init_process_group(args.backend)
-        try:
-            _measure_worker(*work)
-        finally:
-            dist.destroy_process_group()
-        return 0
-    if not args.nproc:
-        raise AutoshardError("measure: not under torchrun: pass --nproc N to spawn N local processes (or run "
-                             "`torchrun --nproc-per-node N -m autoshard measure ...`)")
-    if args.nproc != world:
+    if args.nproc is not None and args.nproc != world:
         raise AutoshardError(f"measure: the plan's mesh {dict(zip(plan.axis_names, plan.mesh_shape))} has {world} "
                              f"ranks but --nproc is {args.nproc}")
-    mp.start_processes(_measure_spawned, args=(world, free_port(), *work), nprocs=world, start_method="spawn")
+    cfg = MeasureConfig(steps=args.steps, warmup=args.warmup, attribution_steps=args.attribution_steps)
+    run_distributed(_measure_worker, (args.factory, args.plan, args.backend, cfg, args.bucket_mb,
+                                      not args.no_overlap, args.json), args.backend, args.nproc, "measure")
     return 0
 
 

@@ -21,31 +21,24 @@ before the compute that reads it), so per-collective GPU time needs the profiler
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import ConfigError, PlanError
+from autoshard.passes import KIND
 from autoshard.planfile import Plan
 
-#: Functional collective op -> the kind of collective the plan and the profile name.
-KINDS = {
-    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "all_reduce_coalesced_": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
-}
-
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 @dataclass(frozen=True)
 class MeasureConfig:
@@ -161,10 +154,6 @@ def full_buffer_bytes(kind: str, input_bytes: int, group_size: int) -> int:
 def group_axes(ranks, mesh_ranks, axis_names, rank: int) -> str:
     """The mesh axes (comma-joined) whose sub-mesh through ``rank`` holds exactly ``ranks``;
     ``"?"`` for a group that is no sub-mesh. ``mesh_ranks``: the mesh's rank grid (nested lists)."""
-    import itertools
-
-    import numpy as np
-
     grid = np.asarray(mesh_ranks)
     where = np.argwhere(grid == rank)
     if not len(where):
@@ -193,16 +182,15 @@ class CollectiveLog(TorchDispatchMode):
         kwargs = kwargs or {}
         if getattr(func, "namespace", "") != "_c10d_functional":
             return func(*args, **kwargs)
-        name = func._opname
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         dt = time.perf_counter() - t0
-        if name == "wait_tensor":
+        if func is _WAIT:
             rec = self._by_output.pop(id(args[0]), None)
             if rec is not None:
                 rec["exposed_s"] += dt
             return out
-        kind = KINDS.get(name)
+        kind = KIND.get(func)
         if kind is None:
             return out
         # The group's name is the last string argument (a reduce op, when there is one, comes first).
@@ -348,9 +336,3 @@ def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = M
 def save(m: Measurement, path: str) -> None:
     with open(path, "w") as f:
         json.dump(m.to_json(), f, indent=1)
-
-
-def threads_per_rank(world: int) -> int:
-    """Intra-op threads per CPU rank: the host's cores shared out (more threads than cores
-    turns timings into noise)."""
-    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))

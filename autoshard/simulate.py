@@ -57,9 +57,9 @@ def _source(node):
     return node
 
 
-def simulate(gm: fx.GraphModule, profile: Profile, estimator: Estimator | None = None) -> Timeline:
-    """Run ``gm``'s nodes on a compute and a communication stream (see the module doc)."""
-    est = estimator or Estimator(profile)
+def simulate(gm: fx.GraphModule, est: Estimator) -> Timeline:
+    """Run ``gm``'s nodes on a compute and a communication stream (see the module doc), priced
+    by ``est``."""
     t_compute = t_comm = 0.0
     ends: dict[fx.Node, float] = {}
     tl = Timeline()
@@ -88,10 +88,8 @@ def simulate(gm: fx.GraphModule, profile: Profile, estimator: Estimator | None =
 def simulate_step(program, rank: int, profile: Profile | None = None) -> Timeline:
     """Forward then backward of a :class:`autoshard.runtime.PlannedProgram` for ``rank``, priced
     by ``profile`` (default: the plan's, which the programs were scheduled with)."""
-    profile = profile or program.lowering.profile
-    est = Estimator(profile)
-    return (simulate(program.forward_program(rank).gm, profile, est)
-            + simulate(program.backward_program(rank).gm, profile, est))
+    est = Estimator(profile or program.lowering.profile)
+    return simulate(program.forward_program(rank).gm, est) + simulate(program.backward_program(rank).gm, est)
 
 
 def _order(gp) -> list[int]:

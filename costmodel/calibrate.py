@@ -327,8 +327,7 @@ def worker(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output:
                              f"but the world size is {world}")
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cpu":
-        # Ranks share the host's cores: more intra-op threads than cores makes timings noise.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        torch.set_num_threads(threads_per_rank(world))
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
     mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(axis_names))
@@ -350,14 +349,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned(rank, world, port, mesh_shape, axis_names, backend, cfg, output, name=None):
+def threads_per_rank(world: int) -> int:
+    """Intra-op threads per CPU rank: the host's cores shared out among the local ranks (more
+    threads than cores turns timings into noise)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def _in_process_group(rank, world, port, backend, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        worker(mesh_shape, axis_names, backend, cfg, output, devices_per_node=world, name=name)
+        fn(*args)
     finally:
         dist.destroy_process_group()
+
+
+def run_distributed(fn, args: tuple, backend: str, nproc: int | None, command: str) -> None:
+    """``fn(*args)`` on every rank of a process group: this process's, under torchrun (its
+    environment set), or ``nproc`` spawned local processes' (``fn`` picklable: module level)."""
+    import torch.multiprocessing as mp
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        try:
+            fn(*args)
+        finally:
+            dist.destroy_process_group()
+        return
+    if not nproc:
+        raise CostModelError(f"not under torchrun: pass --nproc N to spawn N local processes "
+                             f"(or run `torchrun --nproc-per-node N -m autoshard {command} ...`)")
+    mp.start_processes(_in_process_group, args=(nproc, free_port(), backend, fn, args), nprocs=nproc,
+                       start_method="spawn")
 
 
 def check_backend(backend: str) -> None:
@@ -375,21 +400,8 @@ def check_backend(backend: str) -> None:
 def run(mesh_shape, axis_names, backend: str, cfg: CalibrationConfig, output: str | None,
         nproc: int | None = None, name: str | None = None) -> None:
     """Calibrate under torchrun (env set), or spawn ``nproc`` local processes."""
-    import torch.multiprocessing as mp
-
     check_backend(backend)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if not dist.is_initialized():
-            dist.init_process_group(backend)
-        try:
-            worker(mesh_shape, axis_names, backend, cfg, output, name=name)
-        finally:
-            dist.destroy_process_group()
-        return
-    if not nproc:
-        raise CostModelError("not under torchrun: pass --nproc N to spawn N local processes "
-                         "(or run `torchrun --nproc-per-node N -m autoshard calibrate ...`)")
-    if math.prod(mesh_shape) != nproc:
+    if nproc and math.prod(mesh_shape) != nproc:
         raise CostModelError(f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} ranks but --nproc is {nproc}")
-    mp.start_processes(_spawned, args=(nproc, free_port(), tuple(mesh_shape), tuple(axis_names), backend, cfg,
-                                       output, name), nprocs=nproc, start_method="spawn")
+    run_distributed(worker, (tuple(mesh_shape), tuple(axis_names), backend, cfg, output, None, name), backend, nproc,
+                    "calibrate")
