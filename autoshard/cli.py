@@ -18,6 +18,7 @@ import importlib
 import logging
 import math
 import os
+import socket
 import sys
 import time
 
@@ -322,16 +323,23 @@ def cmd_measure(args) -> int:
     return 0
 
 
-def _read_token(path: str | None) -> str | None:
+def _read_tokens(path: str | None) -> tuple[str, ...]:
+    """The tokens of a token file: one per line; blank lines and ``#`` comments skipped."""
     if not path:
-        return None
+        return ()
     with open(path) as f:
-        token = f.read().strip()
-    if not token:
+        tokens = tuple(t.strip() for t in f if t.strip() and not t.lstrip().startswith("#"))
+    if not tokens:
         from autoshard.errors import AutoshardError
 
-        raise AutoshardError(f"--token-file {path}: the file is empty")
-    return token
+        raise AutoshardError(f"--token-file {path}: expected one token per line, found none")
+    return tokens
+
+
+def _read_token(path: str | None) -> str | None:
+    """A client's token: the first of the file."""
+    tokens = _read_tokens(path)
+    return tokens[0] if tokens else None
 
 
 def cmd_serve(args) -> int:
@@ -345,11 +353,17 @@ def cmd_serve(args) -> int:
         raise AutoshardError(f"autoshard serve needs the service extra ({exc.name} is missing): "
                          "pip install -c constraints.txt -e '.[serve]'") from None
 
-    token = _read_token(args.token_file)
+    from autoshard.serve.store import redact
+
+    tokens = _read_tokens(args.token_file)
     cfg = ServiceConfig(db=args.db, workers=args.workers, max_queue=args.max_queue, job_seconds=args.job_seconds,
-                        max_time_limit=args.max_time_limit, token=token, max_body_bytes=args.max_body_bytes)
-    _log(f"serving on http://{args.host}:{args.port} (db {args.db}, {args.workers} workers"
-         f"{', token required' if token else ''}); OpenAPI at /openapi.json")
+                        max_time_limit=args.max_time_limit, tokens=tokens, max_body_bytes=args.max_body_bytes,
+                        replica=args.replica or f"{socket.gethostname()}:{args.port}",
+                        lease_seconds=args.lease_seconds, max_plan_age=args.max_plan_age,
+                        max_plan_bytes=args.max_plan_bytes, rate_limit=args.rate_limit, rate_burst=args.rate_burst)
+    _log(f"serving on http://{args.host}:{args.port} as replica {cfg.replica} (db {redact(args.db)}, "
+         f"{args.workers} workers{f', {len(tokens)} token(s) accepted' if tokens else ''}); "
+         "OpenAPI at /openapi.json, metrics at /metrics")
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -475,14 +489,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", default=None, help="profile name (default: calibrated-<device>)")
     c.set_defaults(func=cmd_calibrate)
     sv = sub.add_parser("serve", help="run the plan service (HTTP JSON API, SQLite store, solve workers)")
-    sv.add_argument("--db", default="plans.sqlite")
+    sv.add_argument("--db", default="plans.sqlite",
+                    help="SQLite file, or postgresql://user@host:port/db shared by several replicas")
+    sv.add_argument("--replica", default=None,
+                    help="this replica's name in the store (default HOST:PORT; a restart under the same name "
+                         "takes back its jobs at once)")
+    sv.add_argument("--lease-seconds", type=float, default=30.0,
+                    help="a running job returns to the queue this long after its replica stops renewing it")
+    sv.add_argument("--max-plan-age", type=float, default=None,
+                    help="evict unpinned plans unused for this many seconds")
+    sv.add_argument("--max-plan-bytes", type=parse_bytes, default=None,
+                    help="evict least recently used unpinned plans beyond this total (e.g. 2GiB)")
+    sv.add_argument("--rate-limit", type=float, default=None, help="requests/s per token (per address without)")
+    sv.add_argument("--rate-burst", type=float, default=20.0, help="requests a client may send at once")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--workers", type=int, default=2, help="solve worker processes")
     sv.add_argument("--max-queue", type=int, default=64)
     sv.add_argument("--job-seconds", type=float, default=600.0, help="a job is stopped past this")
     sv.add_argument("--max-time-limit", type=float, default=300.0, help="largest solver time limit a request may ask")
-    sv.add_argument("--token-file", default=None, help="require 'Authorization: Bearer <token in this file>'")
+    sv.add_argument("--token-file", default=None,
+                    help="require 'Authorization: Bearer <token>', one accepted token per line of this file")
     sv.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("8MiB"))
     sv.set_defaults(func=cmd_serve)
     e = sub.add_parser("explain", help="per-layer table of a plan, totals, the dearest redistributes")

@@ -1,97 +1,160 @@
-"""The job runner: a bounded queue, N worker slots, one spawned process per job.
+"""The job runner of one replica: N worker slots that claim jobs from the shared store.
 
-Identical requests share a job (same key, while it is queued or running), and a
-finished key is answered from the store without a job. Each slot thread starts
-the job's process and waits at most the job time limit, then kills it and marks
-the job failed. On start, jobs that a dead service left queued or running are
-queued again (their process died with the service; nothing partial was stored).
+The queue is the database (:mod:`autoshard.serve.store`): any replica may take a
+request, every replica's slots claim the oldest queued job, so the work spreads over
+replicas with no coordinator. A slot runs its job in a spawned process, renews the
+job's lease while the process runs, kills it at the job time limit (job failed) or
+when the lease was lost to another replica (its result would not be stored anyway).
+
+A maintenance thread re-queues jobs whose lease passed (their replica died: it
+cannot renew; its worker processes died with it) and evicts old plans. On start a
+replica re-queues at once the jobs it held under the same name before a crash; on an
+orderly stop it hands its running jobs back to the queue.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
-import queue
+import os
 import threading
+import time
 
-from autoshard.serve.store import Store
+from autoshard.serve.store import QueueFull, Store
 from autoshard.serve.worker import run_job
 
+__all__ = ["JobRunner", "QueueFull"]
 
-class QueueFull(RuntimeError):
-    pass
+log = logging.getLogger("autoshard.serve")
 
 
 class JobRunner:
-    def __init__(self, store: Store, db_path: str, workers: int, max_queue: int, job_seconds: float):
-        self.store, self.db_path = store, db_path
-        self.workers, self.max_queue, self.job_seconds = workers, max_queue, job_seconds
-        self.queue: queue.Queue = queue.Queue()
-        self.lock = threading.Lock()
+    def __init__(self, store: Store, db: str, cfg, metrics=None):
+        self.store, self.db, self.cfg, self.metrics = store, db, cfg, metrics
+        self.replica = cfg.replica
         self.ctx = multiprocessing.get_context("spawn")
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
         self.procs: dict[str, multiprocessing.Process] = {}
 
     def start(self) -> int:
-        """Re-queue what a previous run left unfinished; start the slots. Returns how many were re-queued."""
-        leftover = self.store.jobs_with_status("running", "queued")
-        for job_id in leftover:
-            job = self.store.job(job_id)
-            note = "queued (re-run: the service restarted while it ran)" if job["status"] == "running" else None
-            self.store.set_status(job_id, "queued", phase=note or "queued")
-            self.queue.put(job_id)
-        for _ in range(self.workers):
-            t = threading.Thread(target=self._loop, daemon=True)
+        """Re-queue what this replica held when it died; start the slots and the maintenance
+        thread. Returns how many jobs were re-queued."""
+        n = self.store.requeue_owned(self.replica, "queued (re-run: its replica restarted while it ran)")
+        for _ in range(self.cfg.workers):
+            self.threads.append(threading.Thread(target=self._slot, daemon=True))
+        self.threads.append(threading.Thread(target=self._maintain, daemon=True))
+        for t in self.threads:
             t.start()
-            self.threads.append(t)
-        return len(leftover)
+        return n
 
     def stop(self) -> None:
-        for _ in self.threads:
-            self.queue.put(None)
+        self.stopping.set()
+        self.wake.set()
         with self.lock:
             for p in self.procs.values():
                 if p.is_alive():
                     p.kill()
+        for t in self.threads:
+            t.join(5)
+        # Other replicas need not wait for the leases to pass.
+        self.store.requeue_owned(self.replica, "queued (re-run: its replica stopped while it ran)")
 
     def submit(self, kind: str, key: str, request: dict) -> tuple[str, bool]:
-        """(job id, whether a new job was made): an active job for the same key is shared."""
-        with self.lock:
-            existing = self.store.active_job_for(key)
-            if existing is not None:
-                return existing, False
-            if self.queue.qsize() >= self.max_queue:
-                raise QueueFull(f"the queue holds {self.queue.qsize()} jobs (limit {self.max_queue})")
-            job_id = self.store.new_job(kind, key, request)
-            self.queue.put(job_id)
-            return job_id, True
+        """(job id, whether a new job was made): the active job for the same key is shared."""
+        job_id, created = self.store.submit(kind, key, request, self.cfg.max_queue)
+        if created:
+            self.wake.set()
+        return job_id, created
 
-    def _loop(self) -> None:
-        while True:
-            job_id = self.queue.get()
-            if job_id is None:
-                return
-            job = self.store.job(job_id)
-            if job is None or job["status"] != "queued":
-                continue  # done by a shared job in the meantime
-            if self.store.plan(job["key"]) is not None:
-                self.store.set_status(job_id, "done", phase="done")
+    # -- slots ------------------------------------------------------------
+    def _slot(self) -> None:
+        while not self.stopping.is_set():
+            job = None
+            try:
+                if self.store.has_queued():
+                    job = self.store.claim(self.replica, self.cfg.lease_seconds)
+            except Exception:  # the database away for a moment: retry, do not kill the slot
+                log.exception("claiming a job failed")
+            if job is None:
+                self.wake.wait(self.cfg.poll_seconds)
+                self.wake.clear()
                 continue
-            self.store.set_status(job_id, "running", phase="starting", started=True)
-            p = self.ctx.Process(target=run_job, args=(self.db_path, job_id), daemon=True)
-            with self.lock:
-                self.procs[job_id] = p
-            p.start()
-            p.join(self.job_seconds)
+            try:
+                self._run(job)
+            except Exception:
+                log.exception("job %s: the slot failed", job["id"])
+                try:
+                    self.store.fail(job["id"], self.replica, "the service failed running this job (see its log)")
+                except Exception:
+                    log.exception("job %s: could not mark it failed", job["id"])
+
+    def _run(self, job: dict) -> None:
+        job_id = job["id"]
+        if self.store.plan_text(job["key"]) is not None:
+            self.store.done_from_store(job_id, self.replica)
+            return
+        t0 = time.monotonic()
+        p = self.ctx.Process(target=run_job, args=(self.db, job_id, self.replica, os.getpid()),
+                             daemon=True)
+        with self.lock:
+            self.procs[job_id] = p
+        p.start()
+        lost = False
+        try:
+            renew = self.cfg.lease_seconds / 3
+            while p.is_alive():
+                left = self.cfg.job_seconds - (time.monotonic() - t0)
+                if left <= 0:
+                    break
+                p.join(min(renew, left))
+                if p.is_alive() and not self._renew(job_id):
+                    lost = True
+                    break
             if p.is_alive():
                 p.kill()
                 p.join()
-                self.store.set_status(job_id, "failed", phase="failed",
-                                      error=f"time limit: the job ran past {self.job_seconds:g} s and was stopped")
+                if lost:
+                    log.warning("job %s: lease lost to another replica; stopped here", job_id)
+                else:
+                    self.store.fail(job_id, self.replica,
+                                    f"time limit: the job ran past {self.cfg.job_seconds:g} s and was stopped")
             else:
                 after = self.store.job(job_id)
-                if after is not None and after["status"] == "running":
-                    self.store.set_status(job_id, "failed", phase="failed",
-                                          error=f"the worker process exited with code {p.exitcode} before "
-                                                "storing a result")
+                if after is not None and after["status"] == "running" and after["owner"] == self.replica:
+                    self.store.fail(job_id, self.replica, f"the worker process exited with code {p.exitcode} "
+                                                          "before storing a result")
+                elif after is not None and after["status"] == "done" and self.metrics is not None:
+                    self.metrics.solve_seconds.labels(kind=job["kind"]).observe(time.monotonic() - t0)
+        finally:
             with self.lock:
                 self.procs.pop(job_id, None)
+
+    def _renew(self, job_id: str) -> bool:
+        try:
+            return self.store.renew(job_id, self.replica, self.cfg.lease_seconds)
+        except Exception:  # keep running through a database hiccup; the next renewal may pass
+            log.exception("job %s: renewing the lease failed", job_id)
+            return True
+
+    # -- maintenance --------------------------------------------------------
+    def _maintain(self) -> None:
+        last_evict = 0.0
+        while not self.stopping.wait(min(self.cfg.lease_seconds / 3, 5.0)):
+            try:
+                requeued, failed = self.store.reap(self.cfg.max_attempts)
+                if requeued:
+                    log.warning("re-queued %d job(s) whose replica stopped renewing the lease", requeued)
+                    self.wake.set()
+                if self.metrics is not None and (requeued or failed):
+                    self.metrics.reclaimed.inc(requeued)
+                if time.monotonic() - last_evict > self.cfg.evict_every:
+                    last_evict = time.monotonic()
+                    if self.cfg.max_plan_age is not None or self.cfg.max_plan_bytes is not None:
+                        gone = self.store.evict(self.cfg.max_plan_age, self.cfg.max_plan_bytes)
+                        if gone and self.metrics is not None:
+                            self.metrics.evicted.inc(gone)
+            except Exception:
+                log.exception("service maintenance failed (will retry)")

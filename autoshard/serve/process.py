@@ -6,14 +6,29 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 
 class ServerProcess:
     """``autoshard serve`` on loopback with a given database; ``start`` waits for health."""
 
-    def __init__(self, db: str, *extra: str, workers: int = 2):
+    def __init__(self, db: str, *extra: str, workers: int = 2, replica: str | None = None):
+        import uuid
+
         self.db, self.extra, self.workers = db, extra, workers
+        # One name across restarts: a restarted replica takes back its jobs at once.
+        self.replica = replica or f"local-{uuid.uuid4().hex[:8]}"
+        self.log_path = os.path.join(tempfile.gettempdir(), f"autoshard-serve-{self.replica}.log")
+        self.log = None
+
+    def output(self) -> str:
+        """What the server printed (all its runs under this object)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.url = ""
@@ -26,9 +41,12 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        # A file, not a pipe: nobody reads the server's log while it runs, and a full pipe
+        # would block the server.
+        self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "autoshard", "serve", "--db", self.db, "--port",
-                                      str(self.port), "--workers", str(self.workers), *self.extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+                                      str(self.port), "--workers", str(self.workers), "--replica", self.replica,
+                                      *self.extra], stdout=self.log, stderr=subprocess.STDOUT, env=env)
         client = PlanClient(self.url, timeout=5)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -37,8 +55,7 @@ class ServerProcess:
                 return self
             except ServiceError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"autoshard serve exited: {self.proc.stdout.read().decode()[-3000:]}") from None
+                    raise RuntimeError(f"autoshard serve exited: {self.output()[-3000:]}") from None
                 time.sleep(0.2)
         raise RuntimeError(f"autoshard serve did not answer on {self.url} within {timeout:g} s")
 

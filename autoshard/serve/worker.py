@@ -3,7 +3,8 @@
 Each job runs in its own spawned process (the service kills it at the job time
 limit), opens its own connection to the store, reports its phase as it goes, and
 stores the result and marks the job done in one transaction, or marks it failed
-with the error. Nothing partial is ever stored.
+with the error. Nothing partial is ever stored, and nothing at all once the job's
+replica lost it to another (the store checks the owner).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ class _PhaseHandler(logging.Handler):
                 self.store.set_phase(self.job_id, phase)
 
 
-def _die_with_parent() -> None:
-    """Linux: end this worker when the service process dies (even by SIGKILL), so a
-    restarted service re-runs the job instead of racing an orphan."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: end this worker when the service process dies (even by SIGKILL), so the job
+    is re-run by a replica instead of raced by an orphan."""
     try:
         import ctypes
         import signal
@@ -42,28 +43,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:  # it died before the line above took effect
+        os._exit(1)
 
 
-def run_job(db_path: str, job_id: str) -> None:
-    _die_with_parent()
+def run_job(db: str, job_id: str, owner: str, parent: int) -> None:
+    _die_with_parent(parent)
     try:
         os.nice(10)  # solves yield the CPU to the API process: cached answers stay fast under load
     except OSError:
         pass
-    store = Store(db_path)
+    store = Store(db, pool_size=1)
     job = store.job(job_id)
-    if job is None:
+    if job is None or job["owner"] != owner:
         return
     try:
         if job["kind"] == "plan":
             body, summary = _plan(store, job)
         else:
             body, summary = _solve(store, job)
-        store.finish(job_id, job["key"], job["kind"], body, summary)
+        store.finish(job_id, owner, job["key"], job["kind"], body, summary)
     except Exception as exc:  # the job's own failure, reported to the client
-        msg = f"{type(exc).__name__}: {exc}"
-        store.set_status(job_id, "failed", phase="failed", error=msg[:2000])
+        store.fail(job_id, owner, f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
+    finally:
+        store.close()
 
 
 def _profile(store: Store, name: str):
