@@ -4,6 +4,11 @@
     plan = client.plan({"reference": "llama", "preset": "8b"}, batch=64, seq=2048,
                        mesh={"dp": 8, "tp": 8}, profile="h100-sxm")
 
+Several replicas (``"http://a:8000,http://b:8000"`` or a list): a request that gets no
+answer, a 503 (busy, database away) or a 429 (rate limit) moves on to the next replica
+and is retried, up to ``retries`` times, waiting as ``Retry-After`` says (capped).
+Every request is safe to repeat: a submit of the same question shares one job.
+
 Standard library only (urllib): a training script needs nothing more than autoshard.
 """
 
@@ -21,20 +26,49 @@ from autoshard.planfile import Plan
 class ServiceError(AutoshardError):
     """The service refused a request or a job failed; ``status`` is the HTTP status (0: no answer)."""
 
-    def __init__(self, message: str, status: int = 0):
+    def __init__(self, message: str, status: int = 0, retry_after: float | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
+
+
+_RETRY_STATUS = (0, 429, 503)
 
 
 class PlanClient:
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0):
-        self.url = url.rstrip("/")
+    def __init__(self, url: str | list[str], token: str | None = None, timeout: float = 30.0, retries: int = 0,
+                 max_wait: float = 5.0):
+        urls = url.split(",") if isinstance(url, str) else list(url)
+        self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        if not self.urls:
+            raise ValueError(f"PlanClient: expected at least one service URL, found {url!r}")
         self.token = token
         self.timeout = timeout
+        self.retries = retries
+        self.max_wait = max_wait
+        self._next = 0
+
+    @property
+    def url(self) -> str:
+        """The replica the next request goes to."""
+        return self.urls[self._next % len(self.urls)]
 
     def _call(self, method: str, path: str, body=None, query: str = "") -> tuple[int, dict]:
+        for attempt in range(self.retries + 1):
+            try:
+                return self._call_once(self.url, method, path, body, query)
+            except ServiceError as exc:
+                if exc.status not in _RETRY_STATUS or attempt == self.retries:
+                    raise
+                self._next += 1  # the next replica
+                # A whole round of replicas refused: wait before the next round.
+                if (attempt + 1) % len(self.urls) == 0:
+                    time.sleep(min(self.max_wait, exc.retry_after or 0.2 * 2 ** min(attempt, 5)))
+        raise AssertionError("unreachable")
+
+    def _call_once(self, base: str, method: str, path: str, body, query: str) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path + (f"?{query}" if query else ""), data=data, method=method)
+        req = urllib.request.Request(base + path + (f"?{query}" if query else ""), data=data, method=method)
         req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
@@ -46,9 +80,12 @@ class PlanClient:
                 msg = json.loads(exc.read()).get("error", exc.reason)
             except ValueError:
                 msg = exc.reason
-            raise ServiceError(f"{method} {path}: HTTP {exc.code}: {msg}", exc.code) from None
-        except urllib.error.URLError as exc:
-            raise ServiceError(f"{method} {path}: no answer from {self.url}: {exc.reason}") from None
+            after = exc.headers.get("Retry-After") if exc.headers else None
+            raise ServiceError(f"{method} {path}: HTTP {exc.code}: {msg}", exc.code,
+                               float(after) if after and after.isdigit() else None) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ServiceError(f"{method} {path}: no answer from {base}: {reason}") from None
 
     # -- raw endpoints ----------------------------------------------------------
     def health(self) -> dict:

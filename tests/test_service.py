@@ -165,3 +165,72 @@ def test_restart_keeps_plans_and_reruns_interrupted_jobs(tmp_path):
         assert c.stats()["running"] == 0 and c.stats()["queued"] == 0
     finally:
         s.stop()
+
+
+def _metrics(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return resp.read().decode()
+
+
+def _sample(text: str, name: str, **labels) -> float:
+    """The value of one Prometheus sample (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.timeout(300)
+def test_metrics_count_requests_hits_and_queue(server):
+    c = PlanClient(server.url)
+    answer = c.submit(tiny_request(dim=40))
+    c.wait(answer, timeout=240)
+    before = _metrics(server.url)
+    c.submit(tiny_request(dim=40))  # from the store
+    with pytest.raises(ServiceError):
+        c.job("missing")
+    text = _metrics(server.url)
+    assert _sample(text, "autoshard_cache_hits_total", kind="plan") == \
+        _sample(before, "autoshard_cache_hits_total", kind="plan") + 1
+    assert _sample(text, "autoshard_requests_total", endpoint="/v1/jobs/{job_id}", method="GET", status="404") >= 1
+    assert _sample(text, "autoshard_requests_total", endpoint="/v1/plans", method="POST", status="200") >= 1
+    assert _sample(text, "autoshard_solve_seconds_count", kind="plan") >= 1
+    assert "autoshard_queue_depth " in text and _sample(text, "autoshard_jobs", status="done") >= 1
+    assert _sample(text, "autoshard_plans_bytes") > 0
+    assert 'autoshard_request_seconds_bucket{endpoint="/v1/plans",le="0.05"}' in text
+
+
+def test_pins_through_the_api(server):
+    c = PlanClient(server.url)
+    body = c.wait(c.submit(tiny_request()), timeout=240)
+    key = c.submit(tiny_request())["key"]
+    assert c._call("PUT", f"/v1/plans/{key}/pin")[1] == {"key": key, "pinned": True}
+    assert {p["key"]: p for p in c.plans()}[key]["pinned"]
+    assert c._call("DELETE", f"/v1/plans/{key}/pin")[1]["pinned"] is False
+    with pytest.raises(ServiceError) as err:
+        c._call("PUT", "/v1/plans/sha256:nope/pin")
+    assert err.value.status == 404
+    assert body["params"]
+
+
+def test_rate_limit_answers_429_with_retry_after(tmp_path):
+    token = tmp_path / "tokens"
+    token.write_text("# two tenants\nalpha\nbeta\n")
+    s = Server(tmp_path, "--rate-limit", "0.5", "--rate-burst", "2", "--token-file", str(token))
+    try:
+        a = PlanClient(s.url, token="alpha")
+        a.plans()
+        a.plans()
+        with pytest.raises(ServiceError) as err:
+            a.plans()
+        assert err.value.status == 429 and err.value.retry_after >= 1 and "rate limit" in str(err.value)
+        PlanClient(s.url, token="beta").plans()  # another token has its own bucket
+        PlanClient(s.url).health()  # health and metrics are never limited
+        assert "autoshard_rate_limited_total" in _metrics(s.url)
+        assert PlanClient(s.url, token="alpha", retries=3).plans() == []  # waits as told, then passes
+    finally:
+        s.stop()
