@@ -153,7 +153,7 @@ class Plan:
                 model=data.get("model", {}),
                 recompute=_recompute_entry(data.get("recompute")),
             )
-        except (KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
             raise PlanError(f"plan: missing or malformed field {exc}") from None
         if len(plan.mesh_shape) != len(plan.axis_names):
             raise PlanError(
@@ -167,7 +167,7 @@ class Plan:
                 plan.param_spec(fqn)
             for s in plan.inputs:
                 Spec.parse(s)
-        except ValueError as exc:
+        except (ValueError, TypeError, AttributeError) as exc:
             raise PlanError(f"plan: bad placement: {exc}") from None
         return plan
 
@@ -185,6 +185,15 @@ class Plan:
     # ---- reading ---------------------------------------------------------
     def describe(self, max_params: int = 40) -> str:
         """A human-readable summary: mesh, predicted costs, parameter placements."""
+        try:
+            return self._describe(max_params)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # Only a hand-edited or corrupted file gets here: the loader checks what the plan
+            # needs to run, the report reads optional fields as the planner wrote them.
+            raise PlanError(f"plan: a report field (summary, solver, profile, model) is malformed: "
+                            f"{type(exc).__name__}: {exc}") from None
+
+    def _describe(self, max_params: int) -> str:
         s = self.summary
         lines = [
             f"autoshard plan v{self.version} for {self.model.get('class', '?')} "

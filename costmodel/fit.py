@@ -87,6 +87,10 @@ class CollectiveFit:
                              f"{len(self.knots_us)} knot times")
         if any(b2 <= b1 for b1, b2 in zip(self.knots_bytes, self.knots_bytes[1:])):
             raise CostModelError(f"fit {self.kind}@{self.group}: knot sizes must increase")
+        if any(not b > 0 for b in self.knots_bytes) or any(not t >= 0 for t in self.knots_us):
+            raise CostModelError(f"fit {self.kind}@{self.group}: knot sizes must be > 0 and knot times >= 0")
+        if not self.group_size >= 1:
+            raise CostModelError(f"fit {self.kind}@{self.group}: group_size must be >= 1, found {self.group_size}")
         self._logb = [math.log(b) for b in self.knots_bytes]
         self._logt = [math.log(max(t, 1e-9)) for t in self.knots_us]
 

@@ -95,9 +95,11 @@ class Profile:
         object.__setattr__(self, "samples", tuple(tuple(x) for x in self.samples))
         if self.mesh:
             shape, names = self.mesh.get("shape"), self.mesh.get("axis_names")
-            if not shape or not names or len(shape) != len(names):
-                raise CostModelError(f"profile {self.name!r}: mesh must have equal-length shape and axis_names, "
-                                 f"found {self.mesh}")
+            if not isinstance(shape, (list, tuple)) or not isinstance(names, (list, tuple)) or not shape \
+                    or len(shape) != len(names) \
+                    or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape):
+                raise CostModelError(f"profile {self.name!r}: mesh must have equal-length shape (sizes >= 1) and "
+                                     f"axis_names, found {self.mesh}")
 
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("collectives", "samples")}
@@ -166,14 +168,28 @@ class Profile:
         version = data.get("version") if isinstance(data, dict) else None
         if version != PROFILE_VERSION:
             raise CostModelError(f"profile version: expected {PROFILE_VERSION}, found {version!r}")
-        fields = {k: v for k, v in data.items() if k != "version"}
-        try:
-            return Profile(**fields)
-        except TypeError as exc:
-            raise CostModelError(f"profile: {exc}") from None
+        from costmodel.jsonfields import fields_of
+
+        fields = fields_of(Profile, {k: v for k, v in data.items() if k != "version"}, "profile")
+        fields["collectives"] = tuple(CollectiveFit(**fields_of(CollectiveFit, f, f"profile.collectives[{i}]"))
+                                      for i, f in enumerate(fields.get("collectives", ())))
+        fields["samples"] = tuple(_sample(x, f"profile.samples[{i}]")
+                                  for i, x in enumerate(fields.get("samples", ())))
+        return Profile(**fields)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _sample(x, where: str) -> tuple:
+    """One calibration sample ``(kind, group, group_size, intra_node, bytes, us)``, checked."""
+    ok = (isinstance(x, (list, tuple)) and len(x) == 6 and isinstance(x[0], str) and isinstance(x[1], str)
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  for v in (x[2], x[4], x[5])) and isinstance(x[3], (bool, int)))
+    if not ok:
+        raise CostModelError(f"{where}: expected [kind, group, group_size, intra_node, bytes, us], "
+                             f"found {json.dumps(x, default=str)[:80]}")
+    return tuple(x)
 
 
 _DIR = Path(__file__).parent / "profiles"
@@ -193,4 +209,8 @@ def load_profile(name_or_path: str | Path) -> Profile:
                 f"profile {str(name_or_path)!r}: no such file and no shipped profile of that name; "
                 f"shipped: {builtin_profiles()}"
             )
-    return Profile.from_json(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CostModelError(f"{path}: cannot read a profile JSON file: {exc}") from None
+    return Profile.from_json(data)

@@ -117,6 +117,9 @@ class Problem:
                     f"pin {v} -> {i}: node must be in [0, {n}) and strategy in [0, k_v)"
                 )
         for group in self.ties:
+            outside = [v for v in group if not 0 <= v < n]
+            if outside:
+                raise ProblemError(f"tie {group}: nodes {outside} are outside [0, {n})")
             ks = {self.num_strategies(v) for v in group}
             if len(ks) > 1:
                 raise ProblemError(f"tie {group}: nodes have different strategy counts {sorted(ks)}")

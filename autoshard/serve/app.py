@@ -39,6 +39,7 @@ from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from autoshard.errors import ConfigError
 from autoshard.serve.jobs import JobRunner, QueueFull
@@ -111,7 +112,9 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def create_app(cfg: ServiceConfig) -> FastAPI:
+def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
+    """The service's app. ``run_jobs=False``: an API-only replica that queues jobs but runs
+    none (another replica runs them; the API's fuzz tests use it)."""
     store = Store(cfg.db)
     metrics = Metrics(store)
     runner = JobRunner(store, cfg.db, cfg, metrics)
@@ -120,9 +123,11 @@ def create_app(cfg: ServiceConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app):
-        runner.start()
+        if run_jobs:
+            runner.start()
         yield
-        runner.stop()
+        if run_jobs:
+            runner.stop()
 
     import autoshard
 
@@ -180,8 +185,8 @@ def create_app(cfg: ServiceConfig) -> FastAPI:
         # A replica that lost its database answers like a full one: come back later.
         return _error(503, f"database unavailable: {str(exc.orig).strip()[:300]}; retry later", {"Retry-After": "2"})
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_request, exc: HTTPException):
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's own and the router's (404, 405)
+    async def http_error(_request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     shipped_digests: dict[str, str] = {}
