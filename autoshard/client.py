@@ -37,7 +37,8 @@ _RETRY_STATUS = (0, 429, 503)
 
 class PlanClient:
     def __init__(self, url: str | list[str], token: str | None = None, timeout: float = 30.0, retries: int = 0,
-                 max_wait: float = 5.0):
+                 max_wait: float = 5.0, first: int = 0):
+        """``first``: index of the replica asked first (clients spread over replicas)."""
         urls = url.split(",") if isinstance(url, str) else list(url)
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         if not self.urls:
@@ -46,7 +47,7 @@ class PlanClient:
         self.timeout = timeout
         self.retries = retries
         self.max_wait = max_wait
-        self._next = 0
+        self._next = first
 
     @property
     def url(self) -> str:

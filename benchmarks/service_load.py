@@ -1,6 +1,7 @@
 """The plan service under load, then killed mid-solve and restarted.
 
     python benchmarks/service_load.py [--requests 200] [--clients 8]
+    python benchmarks/service_load.py --replicated [--requests 300] [--clients 8] [--replicas 3]
 
 A real ``autoshard serve`` on loopback (2 workers, a fresh SQLite file). Ten
 distinct planning questions (tiny LLaMA shapes on 2-D and 3-D fake meshes);
@@ -12,6 +13,15 @@ server while it solves, restart it on the same file, and check that all ten plan
 are still there and that the interrupted job finishes (none left queued/running).
 Last line: cached-answer p99 in ms and its ratio to the 50 ms target (no other
 plan service to run beside it).
+
+``--replicated``: ``--replicas`` servers (1 worker each) on one PostgreSQL server on
+loopback (started from the distribution's binaries), clients spread over them, each
+client given every replica's URL (it moves to the next on no answer or 503). While the
+load runs, the first replica to hold a running job is SIGKILLed mid-solve. Checks:
+client errors after retries, one answer per question, every question solved exactly
+once (``plans.solves`` in the database, and the ``solves`` counter), no job left
+claimed by the dead replica after its lease, jobs re-claimed. Last line: errors and
+duplicate solves (both must be 0).
 """
 
 from __future__ import annotations
@@ -41,9 +51,9 @@ def question(k: int) -> dict:
             "profile": "h100-sxm", "time_limit": 60}
 
 
-def client(url: str, jobs: list[int]) -> list[tuple]:
+def client(url, jobs: list[int], first: int = 0) -> list[tuple]:
     """One client process: (question, first answer's status, ms, digest of the plan, error) per request."""
-    c = PlanClient(url, timeout=30)
+    c = PlanClient(url, timeout=30, retries=40, max_wait=2.0, first=first)
     rows = []
     for k in jobs:
         t0 = time.perf_counter()
@@ -59,11 +69,104 @@ def client(url: str, jobs: list[int]) -> list[tuple]:
     return rows
 
 
+def _p99(ms: list[float]) -> float:
+    ms = sorted(ms)
+    return ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else float("nan")
+
+
+def replicated(args) -> None:
+    import threading
+
+    from sqlalchemy import select
+
+    from autoshard.serve.postgres import LocalPostgres
+    from autoshard.serve.store import Store, jobs
+
+    lease = 5.0
+    pg = LocalPostgres().start()
+    servers = [ServerProcess(pg.url, "--lease-seconds", str(lease), workers=1, replica=f"replica{i}")
+               for i in range(args.replicas)]
+    for s in servers:
+        s.start()
+    urls = [s.url for s in servers]
+    store = Store(pg.url, pool_size=2)
+    rng = random.Random(0)
+    order = [k % 10 for k in range(args.requests)]
+    rng.shuffle(order)
+    killed: dict = {}
+
+    def killer():
+        """SIGKILL the first replica seen holding a running job, mid-solve."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            with store.engine.connect() as conn:
+                row = conn.execute(select(jobs.c.id, jobs.c.owner).where(jobs.c.status == "running")).first()
+            if row is not None:
+                time.sleep(1.0)  # into the solve, past the worker's start
+                victim = next(s for s in servers if s.replica == row.owner)
+                victim.kill()
+                killed.update(job=row.id, replica=row.owner, at=time.monotonic())
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=killer, daemon=True)
+    watcher.start()
+    t0 = time.perf_counter()
+    rows_all = []
+    with ProcessPoolExecutor(max_workers=args.clients) as pool:
+        for rows in pool.map(client, [urls] * args.clients, [order[i::args.clients] for i in range(args.clients)],
+                             [i % len(urls) for i in range(args.clients)]):
+            rows_all.extend(rows)
+    wall = time.perf_counter() - t0
+    watcher.join(1)
+    errors = [f"q{k}: {err}" for k, _, _, _, err in rows_all if err]
+    answers: dict[int, set] = {}
+    for k, _, _, digest, err in rows_all:
+        if not err:
+            answers.setdefault(k, set()).add(digest)
+    cached = [ms for _, status, ms, _, err in rows_all if status == "done" and not err]
+    consistent = sum(len(v) == 1 for v in answers.values())
+    plans = store.plans(1000)
+    duplicates = sum(p["solves"] - 1 for p in plans)
+    solves = store.counter("solves")
+    # The dead replica's claims must be gone once its lease has passed.
+    if killed:
+        time.sleep(max(0.0, killed["at"] + lease * 1.5 - time.monotonic()))
+    with store.engine.connect() as conn:
+        left = conn.execute(select(jobs.c.id).where(jobs.c.status == "running",
+                                                    jobs.c.owner == killed.get("replica"))).fetchall()
+    victim_job = store.job(killed["job"]) if killed else None
+    print(f"{args.requests} requests from {args.clients} clients over 10 questions to {args.replicas} replicas on "
+          f"PostgreSQL in {wall:.1f} s; {killed.get('replica', 'no replica')} SIGKILLed mid-solve")
+    print(f"client errors after retries {len(errors)}; questions answered consistently {consistent}/10; "
+          f"stored plans {len(plans)}, solves {solves} (expected 10), duplicate solves {duplicates}")
+    if victim_job:
+        print(f"the killed replica's job: {victim_job['status']} after {victim_job['attempts']} attempts, finished by "
+              f"{victim_job['owner'] or '-'}; jobs re-claimed {store.counter('reclaimed')}; jobs still claimed by "
+              f"the dead replica {len(left)}")
+    print(f"answered from the store: {len(cached)} requests, p50 "
+          f"{statistics.median(cached) if cached else float('nan'):.1f} ms, p99 {_p99(cached):.1f} ms")
+    for e in errors[:5]:
+        print("  error:", e)
+    for s in servers:
+        s.stop()
+    store.close()
+    pg.stop()
+    print(f"errors {len(errors)}, duplicate solves {duplicates + max(0, solves - 10)} (both must be 0); "
+          f"jobs left claimed by the dead replica {len(left)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=None, help="default 200 (300 replicated)")
     ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--replicated", action="store_true", help="replicas on PostgreSQL, one killed mid-solve")
+    ap.add_argument("--replicas", type=int, default=3)
     args = ap.parse_args()
+    if args.replicated:
+        args.requests = args.requests or 300
+        return replicated(args)
+    args.requests = args.requests or 200
     db = str(Path(tempfile.mkdtemp()) / "plans.sqlite")
     server = ServerProcess(db, workers=2).start()
     rng = random.Random(0)

@@ -98,8 +98,8 @@ class Profile:
             if not isinstance(shape, (list, tuple)) or not isinstance(names, (list, tuple)) or not shape \
                     or len(shape) != len(names) \
                     or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape):
-                raise CostModelError(f"profile {self.name!r}: mesh must have equal-length shape (sizes >= 1) and "
-                                     f"axis_names, found {self.mesh}")
+                raise CostModelError(f"profile {self.name!r}: mesh must have equal-length shape and axis_names "
+                                     f"(sizes >= 1), found {self.mesh}")
 
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("collectives", "samples")}
