@@ -198,6 +198,10 @@ def test_metrics_count_requests_hits_and_queue(server):
         _sample(before, "autoshard_cache_hits_total", kind="plan") + 1
     assert _sample(text, "autoshard_requests_total", endpoint="/v1/jobs/{job_id}", method="GET", status="404") >= 1
     assert _sample(text, "autoshard_requests_total", endpoint="/v1/plans", method="POST", status="200") >= 1
+    deadline = time.monotonic() + 30  # the slot records the solve once the worker process has exited
+    while _sample(text, "autoshard_solve_seconds_count", kind="plan") < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        text = _metrics(server.url)
     assert _sample(text, "autoshard_solve_seconds_count", kind="plan") >= 1
     assert "autoshard_queue_depth " in text and _sample(text, "autoshard_jobs", status="done") >= 1
     assert _sample(text, "autoshard_plans_bytes") > 0

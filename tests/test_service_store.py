@@ -221,3 +221,16 @@ def test_database_url():
     assert database_url("postgresql://u@h:5/d") == "postgresql+psycopg://u@h:5/d"
     with pytest.raises(ValueError, match="expected a SQLite file path or a postgresql:// URL"):
         database_url("mysql://u@h/d")
+
+
+def test_reads_see_other_writers_at_once(db):
+    """A lookup after another process's commit sees it (the hot path's per-thread reads must
+    not keep an old snapshot open)."""
+    reader, writer = Store(db), Store(db)
+    for key in ("k1", "k2"):
+        job_id, _ = writer.submit("plan", key, {}, 10)
+        writer.claim("w", 30)
+        assert reader.job(job_id)["status"] == "running"
+        assert reader.plan_text(key) is None
+        assert writer.finish(job_id, "w", key, "plan", {"key": key}, {})
+        assert reader.plan(key) == {"key": key} and reader.job(job_id)["status"] == "done"

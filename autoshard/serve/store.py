@@ -28,6 +28,7 @@ different hosts need clocks in sync to well within the lease (NTP does it).
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -41,6 +42,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    bindparam,
     create_engine,
     event,
     func,
@@ -114,6 +116,10 @@ MIGRATIONS = [_v1, _v2, _v3]
 
 _JOB_FIELDS = ("id", "kind", "key", "status", "phase", "request", "error", "created", "updated", "attempts",
                "owner", "lease_until")
+# The hot reads (cached answers, job polls), built once: SQLAlchemy's per-call statement
+# construction is most of a lookup's cost.
+_PLAN_BY_KEY = select(plans.c.body, plans.c.last_used).where(plans.c.key == bindparam("key"))
+_JOB_BY_ID = select(*[jobs.c[f] for f in _JOB_FIELDS]).where(jobs.c.id == bindparam("id"))
 
 
 def database_url(db: str) -> str:
@@ -146,6 +152,7 @@ class Store:
         else:
             engine = create_engine(self.url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
         self.engine = engine
+        self._local = threading.local()
         # Writes take SQLite's write lock at BEGIN (no deadlock upgrading a read lock);
         # PostgreSQL ignores the option.
         self._writer = engine.execution_options(sqlite_immediate=True)
@@ -158,6 +165,26 @@ class Store:
     def _write(self):
         with self._writer.begin() as conn:
             yield conn
+
+    def _hot_read(self, sql: str, stmt, params: dict):
+        """One-row lookup on the hot path. SQLite: a raw connection per thread (a lookup in
+        microseconds; SQLAlchemy's pool and statement layers cost ten times the query).
+        PostgreSQL: the prebuilt statement (the network round trip dominates)."""
+        if self.dialect != "sqlite":
+            with self._read() as conn:
+                return conn.execute(stmt, params).fetchone()
+        raw = getattr(self._local, "conn", None)
+        if raw is None:
+            import sqlite3
+
+            raw = sqlite3.connect(self.url[len("sqlite:///"):], isolation_level=None, check_same_thread=False,
+                                  timeout=30)
+            raw.execute("PRAGMA busy_timeout=30000")
+            self._local.conn = raw
+        # fetchall, not fetchone: a statement left unfinished would hold its read snapshot
+        # open, and every later lookup on this thread would see the past.
+        rows = raw.execute(sql, params).fetchall()
+        return rows[0] if rows else None
 
     @contextmanager
     def _read(self):
@@ -214,8 +241,8 @@ class Store:
         raise RuntimeError(f"could not submit or find an active job for {key} (three insert conflicts)")
 
     def job(self, job_id: str) -> dict | None:
-        with self._read() as conn:
-            row = conn.execute(select(*[jobs.c[f] for f in _JOB_FIELDS]).where(jobs.c.id == job_id)).fetchone()
+        row = self._hot_read(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE id = :id", _JOB_BY_ID,
+                             {"id": job_id})
         if row is None:
             return None
         out = dict(zip(_JOB_FIELDS, row))
@@ -335,8 +362,7 @@ class Store:
     def plan_text(self, key: str) -> str | None:
         """The stored JSON text, served as is (no parse and re-serialize on the hot path). Marks
         the plan used, at most once a minute (a write per read would serialize cached answers)."""
-        with self._read() as conn:
-            row = conn.execute(select(plans.c.body, plans.c.last_used).where(plans.c.key == key)).fetchone()
+        row = self._hot_read("SELECT body, last_used FROM plans WHERE key = :key", _PLAN_BY_KEY, {"key": key})
         if row is None:
             return None
         now = time.time()
@@ -441,4 +467,8 @@ def _sqlite_transactions(engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn):
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("sqlite_immediate") else "BEGIN")
+        # Reads run in autocommit: one SELECT is its own consistent snapshot, and skipping
+        # BEGIN/ROLLBACK keeps cached answers fast. Every read that needs more than one
+        # statement to agree goes through a write transaction.
+        if conn.get_execution_options().get("sqlite_immediate"):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
