@@ -8,7 +8,7 @@
   autoshard lower MODULE:FACTORY --plan plan.json   one rank's lowered programs: collectives, code
   autoshard calibrate --mesh dp=2,tp=4 -o prof.json  measure collectives (under torchrun, or --nproc N)
   autoshard measure MODULE:FACTORY --plan plan.json  run the plan, predicted against measured step
-  autoshard serve [--db plans.sqlite] [--port 8000]    the plan service (HTTP JSON API)
+  autoshard serve [--db plans.sqlite|postgresql://...]  the plan service (HTTP JSON API, replicas)
 """
 
 from __future__ import annotations
@@ -361,10 +361,18 @@ def cmd_serve(args) -> int:
                         replica=args.replica or f"{socket.gethostname()}:{args.port}",
                         lease_seconds=args.lease_seconds, max_plan_age=args.max_plan_age,
                         max_plan_bytes=args.max_plan_bytes, rate_limit=args.rate_limit, rate_burst=args.rate_burst)
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        app = create_app(cfg)
+    except OperationalError as exc:
+        from autoshard.errors import AutoshardError
+
+        raise AutoshardError(f"--db {redact(args.db)}: cannot open the database: {str(exc.orig).strip()}") from None
     _log(f"serving on http://{args.host}:{args.port} as replica {cfg.replica} (db {redact(args.db)}, "
          f"{args.workers} workers{f', {len(tokens)} token(s) accepted' if tokens else ''}); "
          "OpenAPI at /openapi.json, metrics at /metrics")
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -488,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-flattened", action="store_true", help="skip multi-axis (flattened) groups")
     c.add_argument("--name", default=None, help="profile name (default: calibrated-<device>)")
     c.set_defaults(func=cmd_calibrate)
-    sv = sub.add_parser("serve", help="run the plan service (HTTP JSON API, SQLite store, solve workers)")
+    sv = sub.add_parser("serve", help="run the plan service (HTTP JSON API, SQLite or PostgreSQL store, solve "
+                                      "workers; replicas share a PostgreSQL database)")
     sv.add_argument("--db", default="plans.sqlite",
                     help="SQLite file, or postgresql://user@host:port/db shared by several replicas")
     sv.add_argument("--replica", default=None,

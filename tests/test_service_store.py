@@ -234,3 +234,16 @@ def test_reads_see_other_writers_at_once(db):
         assert reader.plan_text(key) is None
         assert writer.finish(job_id, "w", key, "plan", {"key": key}, {})
         assert reader.plan(key) == {"key": key} and reader.job(job_id)["status"] == "done"
+
+
+def test_serve_refuses_a_bad_database_clearly(tmp_path):
+    import subprocess
+    import sys
+
+    from costmodel.calibrate import free_port
+
+    for db, words in (("mysql://u:pw@h/d", "expected a SQLite file path or a postgresql:// URL"),
+                      (f"postgresql://u:pw@127.0.0.1:{free_port()}/d", "cannot open the database")):
+        out = subprocess.run([sys.executable, "-m", "autoshard", "serve", "--db", db, "--port", "1"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and words in out.stderr and "pw" not in out.stderr, out.stderr

@@ -1,6 +1,6 @@
-"""``autoshard serve``: the plan service (HTTP JSON API, SQLite store, solve workers).
+"""``autoshard serve``: the plan service (HTTP JSON API, SQLite or PostgreSQL store, solve workers).
 
-Many jobs ask, one service solves, plans persist. See :mod:`autoshard.serve.app` for
+Many jobs ask, replicas solve (sharing one database), plans persist. See :mod:`autoshard.serve.app` for
 the endpoints and :class:`autoshard.client.PlanClient` for the client.
 """
 

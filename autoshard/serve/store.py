@@ -131,7 +131,9 @@ def database_url(db: str) -> str:
     if scheme in ("postgresql", "postgres"):
         return f"postgresql+psycopg://{rest}"
     if scheme.split("+")[0] not in ("sqlite", "postgresql"):
-        raise ValueError(f"--db: expected a SQLite file path or a postgresql:// URL, found {db!r}")
+        from autoshard.errors import ConfigError
+
+        raise ConfigError(f"--db: expected a SQLite file path or a postgresql:// URL, found {redact(db)!r}")
     return db
 
 
