@@ -113,15 +113,6 @@ def test_problem_loader_mutations(doc):
         assert problem.num_nodes == len(problem.node_costs)
 
 
-@FUZZ
-@given(truncated(PROBLEM))
-def test_problem_file_truncated(tmp_path_factory, text):
-    path = tmp_path_factory.mktemp("p") / "p.json"
-    path.write_text(text)
-    with pytest.raises(ProblemError):
-        iopddl.load(path)
-
-
 # -- the profile loader -----------------------------------------------------------
 @FUZZ
 @given(mutated(PROFILE))
@@ -130,15 +121,6 @@ def test_profile_loader_mutations(doc):
     if prof is not None:  # what loads is usable: it predicts every collective
         for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             assert prof.collective_predictor(kind, 4, True)(1e6) >= 0
-
-
-@FUZZ
-@given(truncated(PROFILE))
-def test_profile_file_truncated(tmp_path_factory, text):
-    path = tmp_path_factory.mktemp("p") / "prof.json"
-    path.write_text(text)
-    with pytest.raises(CostModelError):
-        load_profile(path)
 
 
 # -- the plan loader ------------------------------------------------------------------
@@ -164,16 +146,19 @@ def test_plan_loader_mutations():
     run()
 
 
-def test_plan_file_truncated(tmp_path):
-    doc = _plan_doc()
+@pytest.mark.parametrize("kind", ["problem", "profile", "plan"])
+def test_truncated_files_are_refused_clearly(kind, tmp_path):
+    doc, load, error = {"problem": lambda: (PROBLEM, iopddl.load, ProblemError),
+                        "profile": lambda: (PROFILE, load_profile, CostModelError),
+                        "plan": lambda: (_plan_doc(), Plan.load, AutoshardError)}[kind]()
 
     @FUZZ
     @given(truncated(doc))
     def run(text):
-        path = tmp_path / "plan.json"
+        path = tmp_path / f"{kind}.json"
         path.write_text(text)
-        with pytest.raises(AutoshardError):
-            Plan.load(path)
+        with pytest.raises(error):
+            load(path)
 
     run()
 
