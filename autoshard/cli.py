@@ -8,6 +8,7 @@
   autoshard lower MODULE:FACTORY --plan plan.json   one rank's lowered programs: collectives, code
   autoshard calibrate --mesh dp=2,tp=4 -o prof.json  measure collectives (under torchrun, or --nproc N)
   autoshard measure MODULE:FACTORY --plan plan.json  run the plan, predicted against measured step
+                    [--refine prof.json -o prof2.json]  ... and refit the profile to in-step collectives
   autoshard serve [--db plans.sqlite|postgresql://...]  the plan service (HTTP JSON API, replicas)
 """
 
@@ -275,7 +276,7 @@ def cmd_lower(args) -> int:
 
 
 def _measure_worker(factory: str, plan_path: str, backend: str, cfg, bucket_mb: float, overlap: bool,
-                    json_path: str | None) -> None:
+                    json_path: str | None, refine: tuple[str, str] | None = None) -> None:
     """One rank of ``autoshard measure`` in an initialized process group."""
     import torch
     import torch.distributed as dist
@@ -302,6 +303,17 @@ def _measure_worker(factory: str, plan_path: str, backend: str, cfg, bucket_mb: 
         if json_path:
             save(m, json_path)
             print(f"wrote {json_path}", flush=True)
+        if refine:
+            from autoshard.measure import refine_profile
+            from costmodel import load_profile
+
+            base, out = refine
+            refined, rows = refine_profile(m, plan, load_profile(base), f"autoshard measure {factory} --plan "
+                                           f"{os.path.basename(plan_path)}")
+            refined.save(out)
+            print(f"refined {base} from {len(m.step_samples)} in-step collective sizes: "
+                  + ", ".join(f"{r['kind']}(n={r['group_size']}) x{r['factor']:.3g}" for r in rows)
+                  + f"; wrote {out} (plan with --profile {out})", flush=True)
 
 
 def cmd_measure(args) -> int:
@@ -318,8 +330,19 @@ def cmd_measure(args) -> int:
         raise AutoshardError(f"measure: the plan's mesh {dict(zip(plan.axis_names, plan.mesh_shape))} has {world} "
                              f"ranks but --nproc is {args.nproc}")
     cfg = MeasureConfig(steps=args.steps, warmup=args.warmup, attribution_steps=args.attribution_steps)
+    refine = None
+    if args.refine:
+        from costmodel import load_profile
+
+        if not args.output:
+            raise AutoshardError("measure --refine PROFILE needs -o/--output for the refined profile")
+        if cfg.attribution_steps < 1:
+            raise AutoshardError("measure --refine needs --attribution-steps >= 1 (the in-step collectives are "
+                                 "timed there)")
+        load_profile(args.refine)  # a bad profile fails here, before any process starts
+        refine = (args.refine, args.output)
     run_distributed(_measure_worker, (args.factory, args.plan, args.backend, cfg, args.bucket_mb,
-                                      not args.no_overlap, args.json), args.backend, args.nproc, "measure")
+                                      not args.no_overlap, args.json, refine), args.backend, args.nproc, "measure")
     return 0
 
 
@@ -551,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--bucket-mb", type=float, default=25.0)
     ms.add_argument("--no-overlap", action="store_true")
     ms.add_argument("--json", default=None, help="also write the measurement as JSON here")
+    ms.add_argument("--refine", default=None, metavar="PROFILE",
+                    help="refit this profile's collective fits to the collectives timed inside the steps")
+    ms.add_argument("-o", "--output", default=None, help="with --refine: where the refined profile goes")
     ms.set_defaults(func=cmd_measure)
     s = sub.add_parser("show", help="print a plan file's summary")
     s.add_argument("plan")

@@ -85,6 +85,10 @@ class Measurement:
     simulated: dict = field(default_factory=dict)
     """The lowered programs that ran, simulated on a compute and a communication stream
     (:mod:`autoshard.simulate`): ``step_us``, ``compute_us``, ``comm_us``, ``exposed_us``."""
+    step_samples: list = field(default_factory=list)
+    """In-step collective times ``[kind, group, group_size, bytes, us]``: per message, the
+    shortest issue-to-wait time of the attribution steps, median over ranks (``group``: mesh
+    axes joined by ``+``). What ``--refine`` fits the profile to."""
 
     @property
     def ratio(self) -> float:
@@ -189,6 +193,7 @@ class CollectiveLog(TorchDispatchMode):
             rec = self._by_output.pop(id(args[0]), None)
             if rec is not None:
                 rec["exposed_s"] += dt
+                rec["span_s"] = time.perf_counter() - rec["issued"]
             return out
         kind = KIND.get(func)
         if kind is None:
@@ -198,11 +203,22 @@ class CollectiveLog(TorchDispatchMode):
         axes, size = self.group_of(group_name)
         inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
-        rec = {"kind": kind, "group": axes, "bytes": full_buffer_bytes(kind, nbytes, size), "exposed_s": dt}
+        rec = {"kind": kind, "group": axes, "size": size, "bytes": full_buffer_bytes(kind, nbytes, size),
+               "exposed_s": dt, "issued": t0, "span_s": dt}
         self.records.append(rec)
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
                 self._by_output[id(t)] = rec
+        return out
+
+    def spans(self) -> dict[str, float]:
+        """The shortest issue-to-wait time seen per (kind, group, group size, bytes), in us, keyed
+        ``kind|group|size|bytes``: a collective's in-step time. Overlap only lengthens a span (the
+        compute between issue and wait counts), so the shortest of the repeats is the estimate."""
+        out: dict[str, float] = {}
+        for rec in self.records:
+            key = f"{rec['kind']}|{rec['group']}|{rec['size']}|{rec['bytes']}"
+            out[key] = min(out.get(key, float("inf")), rec["span_s"] * 1e6)
         return out
 
     def by_kind(self, steps: int) -> dict[tuple[str, str], CollectiveStats]:
@@ -275,7 +291,8 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
                        backend: str, simulated: dict | None = None) -> Measurement | None:
     """Every rank's figures to rank 0, which returns the :class:`Measurement` (None elsewhere)."""
     mine = {"times": times, "rows": {f"{k}|{g}": asdict(s) for (k, g), s in
-                                     log.by_kind(max(cfg.attribution_steps, 1)).items()}}
+                                     log.by_kind(max(cfg.attribution_steps, 1)).items()},
+            "spans": log.spans()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
@@ -292,6 +309,15 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
             agg.bytes += s["bytes"] / len(everyone)
             agg.us += s["us"] / len(everyone)
     exposed = sum(s.us for s in rows.values()) if cfg.attribution_steps else float("nan")
+    spans: dict[str, list[float]] = {}
+    for r in everyone:
+        for key, us in r["spans"].items():
+            spans.setdefault(key, []).append(us)
+    step_samples = []
+    for key, values in sorted(spans.items()):
+        kind, group, size, nbytes = key.split("|")
+        if group != "?" and int(size) > 1 and int(nbytes) > 0:
+            step_samples.append([kind, group.replace(",", "+"), int(size), int(nbytes), statistics.median(values)])
     predicted = predicted_collectives(plan)
     table = []
     for key in sorted(set(predicted) | set(rows)):
@@ -305,7 +331,7 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
                    "plan_simulated_us": s.get("simulated", {}).get("step_us")},
         measured={"step_us": step_us, "comm_exposed_us": exposed, "compute_us": step_us - exposed,
                   "steps": len(steps), "step_us_all": [round(t * 1e6, 1) for t in steps]},
-        collectives=table, simulated=simulated or {})
+        collectives=table, simulated=simulated or {}, step_samples=step_samples)
 
 
 def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = MeasureConfig(), *, loss_fn=None,
@@ -331,6 +357,21 @@ def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = M
         simulated = {"step_us": tl.step_us, "compute_us": tl.compute_us, "comm_us": tl.comm_us,
                      "exposed_us": tl.exposed_us, "collectives": tl.collectives}
     return gather_measurement(plan, times, log, cfg, dist.get_backend(), simulated)
+
+
+def refine_profile(m: Measurement, plan: Plan, profile, source: str):
+    """``profile`` refitted to the measurement's in-step collectives (:func:`costmodel.refine.refine`).
+    Returns (refined profile, one row per refitted fit)."""
+    from costmodel.collectives import MeshTopology
+    from costmodel.refine import refine
+
+    topo = MeshTopology(tuple(plan.mesh_shape), profile.devices_per_node)
+    samples = []
+    for kind, group, size, nbytes, us in m.step_samples:
+        axes = tuple(plan.axis_names.index(a) for a in group.split("+"))
+        samples.append((kind, group, size, topo.group_is_intra_node(axes), nbytes, us))
+    return refine(profile, samples, {"source": source, "model": plan.model.get("class"), "mesh": m.mesh,
+                                     "backend": m.backend, "measured_step_us": round(m.measured["step_us"], 1)})
 
 
 def save(m: Measurement, path: str) -> None:

@@ -64,6 +64,11 @@ class Profile:
     """What was measured: device, count, backend, torch and NCCL versions, host hash, date."""
     samples: tuple = ()
     """Raw calibration samples ``(kind, group, group_size, intra_node, bytes, us)``."""
+    step_samples: tuple = ()
+    """Collectives timed inside real training steps (``autoshard measure --refine``), laid out as
+    ``samples`` and kept apart from them (:mod:`costmodel.refine`)."""
+    refinements: tuple = ()
+    """One record per refinement from in-step samples: date, what ran, the factor per fit."""
 
     def __hash__(self) -> int:
         return hash(self.digest())
@@ -93,6 +98,8 @@ class Profile:
         fits = tuple(CollectiveFit(**f) if isinstance(f, dict) else f for f in self.collectives)
         object.__setattr__(self, "collectives", fits)
         object.__setattr__(self, "samples", tuple(tuple(x) for x in self.samples))
+        object.__setattr__(self, "step_samples", tuple(tuple(x) for x in self.step_samples))
+        object.__setattr__(self, "refinements", tuple(dict(r) for r in self.refinements))
         if self.mesh:
             shape, names = self.mesh.get("shape"), self.mesh.get("axis_names")
             if not isinstance(shape, (list, tuple)) or not isinstance(names, (list, tuple)) or not shape \
@@ -102,9 +109,15 @@ class Profile:
                                      f"(sizes >= 1), found {self.mesh}")
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("collectives", "samples")}
+        d = {k: v for k, v in asdict(self).items()
+             if k not in ("collectives", "samples", "step_samples", "refinements")}
         d["collectives"] = [f.to_json() for f in self.collectives]
         d["samples"] = [list(x) for x in self.samples]
+        # Written only once present: an unrefined profile keeps its JSON form, hence its digest
+        # (plan files name their profile by it).
+        if self.step_samples or self.refinements:
+            d["step_samples"] = [list(x) for x in self.step_samples]
+            d["refinements"] = [dict(r) for r in self.refinements]
         return {"version": PROFILE_VERSION, **d}
 
     def link(self, intra_node: bool) -> LinkModel:
@@ -173,8 +186,11 @@ class Profile:
         fields = fields_of(Profile, {k: v for k, v in data.items() if k != "version"}, "profile")
         fields["collectives"] = tuple(CollectiveFit(**fields_of(CollectiveFit, f, f"profile.collectives[{i}]"))
                                       for i, f in enumerate(fields.get("collectives", ())))
-        fields["samples"] = tuple(_sample(x, f"profile.samples[{i}]")
-                                  for i, x in enumerate(fields.get("samples", ())))
+        for key in ("samples", "step_samples"):
+            fields[key] = tuple(_sample(x, f"profile.{key}[{i}]") for i, x in enumerate(fields.get(key, ())))
+        refinements = fields.get("refinements", ())
+        if not all(isinstance(r, dict) for r in refinements):
+            raise CostModelError("profile.refinements: expected a list of objects")
         return Profile(**fields)
 
     def save(self, path: str | Path) -> None:

@@ -167,3 +167,38 @@ def test_samples_and_fits_as_frames():
     assert (samples["predicted_us"] > 0).all()
     fits = prof.fits_frame()
     assert len(fits) == len(prof.collectives) and (fits["busbw_gbps"] > 0).all()
+
+
+def test_refine_scales_fits_to_in_step_times_and_converges():
+    from costmodel.errors import CostModelError
+    from costmodel.refine import refine
+
+    base = load_profile("cpu-gloo")
+    fit = next(f for f in base.collectives if f.kind == "all_reduce" and f.group == "dp")
+    sizes = [2**16, 2**20]
+    slow = [("all_reduce", "dp", 2, True, b, 3.0 * fit.predict_one(b)) for b in sizes]
+    # A group the profile never measured (8 ranks across nodes): the fit starts from its fallback line.
+    line = base.collective_predictor("all_gather", 8, False)
+    new_group = [("all_gather", "rep+dp", 8, False, b, 0.5 * line(b)) for b in sizes]
+    refined, rows = refine(base, slow + new_group, {"source": "test"})
+    assert {(r["kind"], r["group_size"]): r["factor"] for r in rows} == {("all_reduce", 2): 3.0,
+                                                                        ("all_gather", 8): 0.5}
+    for b in (2**10, 2**18, 2**24):  # sizes the step never used scale too: the curve keeps its shape
+        assert refined.collective_predictor("all_reduce", 2, True)(b) == pytest.approx(3.0 * fit.predict_one(b))
+        assert refined.collective_predictor("all_gather", 8, False)(b) == pytest.approx(0.5 * line(b), rel=1e-6)
+    other = next(f for f in base.collectives if f.kind == "reduce_scatter" and f.group == "tp")
+    assert other in refined.collectives  # untouched
+    tp = [next(f for f in p.collectives if f.kind == "all_reduce" and f.group == "tp") for p in (base, refined)]
+    assert tp[1].predict_one(2**20) == pytest.approx(3.0 * tp[0].predict_one(2**20))  # same size and link: same fix
+    assert len(refined.step_samples) == 4 and refined.samples == base.samples  # kept apart
+    assert refined.refinements[0]["source"] == "test" and refined.refinements[0]["fits"] == rows
+    again = Profile.from_json(json.loads(json.dumps(refined.to_json())))
+    assert again == refined and again.digest() != base.digest()
+    # Measured again at what the refined profile predicts: nothing moves.
+    same = [("all_reduce", "dp", 2, True, b, refined.collective_predictor("all_reduce", 2, True)(b)) for b in sizes]
+    twice, rows2 = refine(refined, same)
+    assert rows2[0]["factor"] == pytest.approx(1.0) and len(twice.refinements) == 2
+    with pytest.raises(CostModelError, match="no in-step collective samples"):
+        refine(base, [])
+    with pytest.raises(CostModelError, match="needs bytes > 0"):
+        refine(base, [("all_reduce", "dp", 2, True, 0, 5.0)])

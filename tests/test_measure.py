@@ -97,8 +97,10 @@ def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, worl
     assert plan.redistributes, plan.describe()
     run = lambda *a: subprocess.run([sys.executable, "-m", "autoshard", *a], cwd=tmp_path,  # noqa: E731
                                     capture_output=True, text=True, timeout=500)
+    refined_file = tmp_path / "refined.json"
     res = run("measure", "fac:make", "--plan", str(plan_file), "--backend", "gloo", "--nproc", "4", "--steps", "3",
-              "--warmup", "1", "--bucket-mb", "0", "--no-overlap", "--json", str(out))
+              "--warmup", "1", "--bucket-mb", "0", "--no-overlap", "--json", str(out),
+              "--refine", "cpu-gloo", "-o", str(refined_file))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "step (ms)" in res.stdout and "(dp)" in res.stdout, res.stdout
     m = json.loads(out.read_text())
@@ -109,5 +111,23 @@ def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, worl
     for key, r in rows.items():  # nothing runs that the plan does not have, and the reverse
         assert r["measured"]["count"] == pytest.approx(r["predicted"]["count"]), key
         assert r["measured"]["bytes"] == pytest.approx(r["predicted"]["bytes"]), key
+    # The closed loop: the profile refitted to the collectives timed in those steps.
+    from costmodel import load_profile
+
+    assert m["step_samples"] and all(s[2] == 4 and s[3] > 0 and s[4] > 0 for s in m["step_samples"])
+    refined, base = load_profile(refined_file), load_profile("cpu-gloo")
+    assert len(refined.step_samples) == len(m["step_samples"]) and refined.samples == base.samples
+    rec = refined.refinements[-1]
+    assert rec["source"].startswith("autoshard measure fac:make") and rec["mesh"] == {"dp": 4}
+    import statistics
+
+    for row in rec["fits"]:  # refined predictions meet the in-step times (median over the sizes seen)
+        seen = [s for s in m["step_samples"] if (s[0], s[2]) == (row["kind"], row["group_size"])]
+        predict = refined.collective_predictor(row["kind"], row["group_size"], True)
+        assert statistics.median(us / predict(b) for _, _, _, b, us in seen) == pytest.approx(1.0, rel=1e-6)
+    assert "refined cpu-gloo from" in res.stdout
+    bad = run("measure", "fac:make", "--plan", str(plan_file), "--backend", "gloo", "--nproc", "4",
+              "--refine", "cpu-gloo")
+    assert bad.returncode == 2 and "needs -o/--output" in bad.stderr, bad.stderr[-2000:]
     bad = run("measure", "fac:make", "--plan", str(plan_file), "--backend", "gloo", "--nproc", "2")
     assert bad.returncode == 2 and "has 4 ranks but --nproc is 2" in bad.stderr, bad.stderr[-2000:]
