@@ -303,7 +303,7 @@ def _measure_worker(factory: str, plan_path: str, backend: str, cfg, bucket_mb: 
         if json_path:
             save(m, json_path)
             print(f"wrote {json_path}", flush=True)
-        if refine:
+        if refine and m.step_samples:
             from autoshard.measure import refine_profile
             from costmodel import load_profile
 
@@ -341,8 +341,13 @@ def cmd_measure(args) -> int:
                                  "timed there)")
         load_profile(args.refine)  # a bad profile fails here, before any process starts
         refine = (args.refine, args.output)
+        if os.path.exists(args.output):
+            os.remove(args.output)  # written again only by a refinement that happened
     run_distributed(_measure_worker, (args.factory, args.plan, args.backend, cfg, args.bucket_mb,
                                       not args.no_overlap, args.json, refine), args.backend, args.nproc, "measure")
+    if refine and not os.path.exists(args.output) and int(os.environ.get("RANK", "0")) == 0:
+        raise AutoshardError(f"measure --refine: the plan ran no collective with a group of 2 or more ranks, so "
+                             f"there is nothing to refit; {args.output} was not written")
     return 0
 
 
