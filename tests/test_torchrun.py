@@ -17,6 +17,30 @@ def died_by_signal(stderr: str) -> bool:
     return bool(found) and re.search(r"exitcode\s*:\s*-\d+", root) is not None and "traceback : Signal" in root
 
 
+def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``autoshard.train`` on 4 gloo ranks under torchrun with ``args``.
+
+    Once in about a hundred runs a gloo worker aborts natively ("terminate called without
+    an active exception", SIGABRT) with no Python error. Such a run is rerun once, loudly;
+    any Python error, or a second abort, is returned as it is (and fails the test)."""
+    from costmodel.calibrate import free_port
+
+    # faulthandler: a worker that dies in native code prints every thread's Python stack.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+    def launch():
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+             str(free_port()), "-m", "autoshard.train", "--mesh", "dp=2,tp=2", *args],
+            capture_output=True, text=True, timeout=timeout, env=env)
+
+    done = launch()
+    if done.returncode != 0 and died_by_signal(done.stderr):
+        warnings.warn(f"torchrun worker killed by a signal, rerunning once:\n{done.stderr[-4000:]}", stacklevel=2)
+        done = launch()
+    return done
+
+
 def losses(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"^step \d+ loss ([-\d.e]+)$", out, flags=re.M)]
 
@@ -32,35 +56,14 @@ def test_torchrun_training_matches_single_process(tmp_path):
     common = ["--dim", "32", "--layers", "1", "--vocab", "64", "--batch", "8", "--seq", "8"]
     single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", "--steps", "4", *common],
                             capture_output=True, text=True, check=True)
-    from costmodel.calibrate import free_port
-
-    # faulthandler: a worker that dies in native code prints every thread's Python stack.
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-
-    def launch(args):
-        return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-             str(free_port()), "-m", "autoshard.train", "--mesh", "dp=2,tp=2", *args, *common],
-            capture_output=True, text=True, timeout=300, env=env,
-        )
-
-    def torchrun(*args):
-        done = launch(args)
-        if done.returncode != 0 and died_by_signal(done.stderr):
-            # Once in about a hundred runs a gloo worker aborts natively ("terminate called
-            # without an active exception", SIGABRT) with no Python error. One rerun, loudly;
-            # any Python error, or a second abort, fails the test.
-            warnings.warn(f"torchrun worker killed by a signal, rerunning once:\n{done.stderr[-4000:]}", stacklevel=2)
-            done = launch(args)
-        return done
-
     ckpt = tmp_path / "ckpt"
-    first = torchrun("--profile", str(prof), "--save-plan", str(plan_file), "--steps", "2", "--save", str(ckpt))
+    first = torchrun("--profile", str(prof), "--save-plan", str(plan_file), "--steps", "2", "--save", str(ckpt),
+                     *common)
     assert first.returncode == 0, first.stderr[-3000:]
     assert any(ckpt.glob("*.distcp")), "no sharded checkpoint files written"
-    run = torchrun("--plan", str(plan_file), "--resume", str(ckpt), "--start-step", "2", "--steps", "2")
+    run = torchrun("--plan", str(plan_file), "--resume", str(ckpt), "--start-step", "2", "--steps", "2", *common)
     assert run.returncode == 0, run.stderr[-3000:]
-    replay = torchrun("--plan", str(plan_file), "--replay", "--profile", str(prof), "--steps", "4")
+    replay = torchrun("--plan", str(plan_file), "--replay", "--profile", str(prof), "--steps", "4", *common)
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert losses(replay.stdout) == pytest.approx(losses(single.stdout), rel=1e-5, abs=1e-6)
     ref, got = losses(single.stdout), losses(first.stdout) + losses(run.stdout)
@@ -80,12 +83,7 @@ def _against_single_process(layers: int, *options: str, model: str = "gpt2") -> 
               "--model", model]
     single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", *common],
                             capture_output=True, text=True, check=True)
-    from costmodel.calibrate import free_port
-
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-         "-m", "autoshard.train", "--mesh", "dp=2,tp=2", *options, *common],
-        capture_output=True, text=True, timeout=400)
+    run = torchrun(*options, *common, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     ref, got = losses(single.stdout), losses(run.stdout)
     assert len(ref) == 3 and got == pytest.approx(ref, rel=1e-5, abs=1e-6)
