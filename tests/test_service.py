@@ -238,3 +238,27 @@ def test_rate_limit_answers_429_with_retry_after(tmp_path):
         assert PlanClient(s.url, token="alpha", retries=3).plans() == []  # waits as told, then passes
     finally:
         s.stop()
+
+
+@pytest.mark.timeout(400)
+def test_orderly_stop_hands_running_jobs_back(tmp_path):
+    """SIGTERM mid-solve: the replica's running job goes back to the queue (not failed), and
+    the next start runs it to the end."""
+    from autoshard.serve.store import Store
+
+    s = Server(tmp_path)
+    try:
+        c = PlanClient(s.url)
+        slow = c.submit(tiny_request(dim=64, mesh=((2, 2, 2), ("a", "b", "c"))))
+        deadline = time.monotonic() + 120
+        while c.job(slow["job_id"])["status"] != "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        s.stop()  # SIGTERM: the service shuts down in order
+        job = Store(s.db).job(slow["job_id"])
+        assert job["status"] == "queued" and job["owner"] is None and "stopped" in job["phase"], job
+        s.start()
+        c = PlanClient(s.url)
+        assert c.wait(slow, timeout=300)["mesh"]["shape"] == [2, 2, 2]
+        assert c.job(slow["job_id"])["attempts"] == 2
+    finally:
+        s.stop()

@@ -105,7 +105,7 @@ class JobRunner:
         lost = False
         try:
             renew = self.cfg.lease_seconds / 3
-            while p.is_alive():
+            while p.is_alive() and not self.stopping.is_set():
                 left = self.cfg.job_seconds - (time.monotonic() - t0)
                 if left <= 0:
                     break
@@ -113,6 +113,11 @@ class JobRunner:
                 if p.is_alive() and not self._renew(job_id):
                     lost = True
                     break
+            if self.stopping.is_set():
+                # An orderly stop: the job goes back to the queue (stop()), it did not fail.
+                p.kill()
+                p.join()
+                return
             if p.is_alive():
                 p.kill()
                 p.join()
