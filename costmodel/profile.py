@@ -127,17 +127,23 @@ class Profile:
         """``bytes -> microseconds`` for ``kind`` on a group of ``group_size`` ranks (see module doc)."""
         if group_size <= 1:
             return lambda b: 0.0
-        same = [f for f in self.collectives if f.kind == kind and f.intra_node == intra_node]
-        exact = [f for f in same if f.group_size == group_size]
+        exact = [f for f in self.collectives
+                 if f.kind == kind and f.intra_node == intra_node and f.group_size == group_size]
         if exact:
             return exact[0].predict_one
+        alpha, per_byte = self.fallback_line(kind, group_size, intra_node)
+        return lambda b: alpha + b * per_byte if b > 0 else 0.0
+
+    def fallback_line(self, kind: str, group_size: int, intra_node: bool) -> tuple[float, float]:
+        """``(alpha us, us per byte)`` for a group size with no fit of its own (rules 2 and 3 of
+        the module doc): the nearest measured size's fit rescaled, else the link's constants."""
+        same = [f for f in self.collectives if f.kind == kind and f.intra_node == intra_node]
         if same:
             near = min(same, key=lambda f: (abs(math.log(f.group_size / group_size)), f.group))
             link = LinkModel(near.alpha_us, near.busbw_gbps)
         else:
             link = self.link(intra_node)
-        alpha, per_byte = link.line(kind, group_size)
-        return lambda b: alpha + b * per_byte if b > 0 else 0.0
+        return link.line(kind, group_size)
 
     def samples_frame(self):
         """The raw calibration samples as a pandas DataFrame, one row per timed repeat, with the

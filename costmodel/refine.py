@@ -65,7 +65,7 @@ def refine(profile: Profile, samples, provenance: dict | None = None) -> tuple[P
                               knots_us=[t * r for t in f.knots_us])
         groups = sorted({g for g, _, _ in pts})
         if not at_key:
-            alpha, per_byte = _line(profile, kind, n, intra)
+            alpha, per_byte = profile.fallback_line(kind, n, intra)
             fits.append(CollectiveFit(kind, groups[0], n, intra, alpha * r, per_byte * r))
         rows.append({"kind": kind, "groups": groups, "group_size": n, "intra_node": intra, "samples": len(pts),
                      "factor": round(r, 4)})
@@ -75,12 +75,3 @@ def refine(profile: Profile, samples, provenance: dict | None = None) -> tuple[P
                       step_samples=tuple(profile.step_samples) + tuple(tuple(s) for s in samples),
                       refinements=tuple(profile.refinements) + (record,))
     return refined, rows
-
-
-def _line(profile: Profile, kind: str, n: int, intra: bool) -> tuple[float, float]:
-    """(alpha us, us per byte) of the predictor the profile uses for a group with no fit of its own:
-    read off two points of it (it is affine in bytes for every fallback)."""
-    predict = profile.collective_predictor(kind, n, intra)
-    lo, hi = predict(1.0), predict(1.0 + 2**20)
-    per_byte = max(0.0, (hi - lo) / 2**20)
-    return max(0.0, lo - per_byte), per_byte

@@ -13,6 +13,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +24,7 @@ from autoshard.errors import AutoshardError
 from autoshard.planfile import Plan
 from costmodel import Profile, load_profile
 from costmodel.errors import CostModelError
-from solver import iopddl
+from solver import evaluate, iopddl
 from solver.problem import ProblemError
 
 DATA = Path(__file__).parent / "data"
@@ -109,8 +110,9 @@ def _only(errors, fn, *args):
 @given(mutated(PROBLEM))
 def test_problem_loader_mutations(doc):
     problem = _only(ProblemError, iopddl.from_dict, doc)
-    if problem is not None:
-        assert problem.num_nodes == len(problem.node_costs)
+    if problem is not None:  # what loads is usable: any choice can be evaluated
+        ev = evaluate(problem, np.zeros(problem.num_nodes, dtype=np.int64))
+        assert not np.isnan(ev.cost), doc
 
 
 # -- the profile loader -----------------------------------------------------------

@@ -153,7 +153,7 @@ class JobRunner:
                 if requeued:
                     log.warning("re-queued %d job(s) whose replica stopped renewing the lease", requeued)
                     self.wake.set()
-                if self.metrics is not None and (requeued or failed):
+                if requeued and self.metrics is not None:
                     self.metrics.reclaimed.inc(requeued)
                 if time.monotonic() - last_evict > self.cfg.evict_every:
                     last_evict = time.monotonic()

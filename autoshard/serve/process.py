@@ -43,6 +43,7 @@ class ServerProcess:
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         # A file, not a pipe: nobody reads the server's log while it runs, and a full pipe
         # would block the server.
+        self._close_log()
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "autoshard", "serve", "--db", self.db, "--port",
                                       str(self.port), "--workers", str(self.workers), "--replica", self.replica,
@@ -59,10 +60,16 @@ class ServerProcess:
                 time.sleep(0.2)
         raise RuntimeError(f"autoshard serve did not answer on {self.url} within {timeout:g} s")
 
+    def _close_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
     def kill(self) -> None:
         """SIGKILL: no shutdown hook runs (what a crash or an OOM kill does)."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+        self._close_log()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -71,3 +78,4 @@ class ServerProcess:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._close_log()

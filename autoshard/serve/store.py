@@ -42,7 +42,6 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    bindparam,
     create_engine,
     event,
     func,
@@ -116,10 +115,20 @@ MIGRATIONS = [_v1, _v2, _v3]
 
 _JOB_FIELDS = ("id", "kind", "key", "status", "phase", "request", "error", "created", "updated", "attempts",
                "owner", "lease_until")
-# The hot reads (cached answers, job polls), built once: SQLAlchemy's per-call statement
-# construction is most of a lookup's cost.
-_PLAN_BY_KEY = select(plans.c.body, plans.c.last_used).where(plans.c.key == bindparam("key"))
-_JOB_BY_ID = select(*[jobs.c[f] for f in _JOB_FIELDS]).where(jobs.c.id == bindparam("id"))
+# The hot reads (cached answers, job polls) as plain SQL, the same in both dialects: on SQLite
+# they skip SQLAlchemy entirely (:meth:`Store._hot_read`).
+_PLAN_BY_KEY = "SELECT body, last_used FROM plans WHERE key = :key"
+_JOB_BY_ID = f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE id = :id"
+_PLANS_BYTES = select(func.coalesce(func.sum(plans.c.size), 0))
+
+
+def _held(job_id: str, owner: str | None = None) -> list:
+    """The rows a state change of a running job may touch: that job, still running, still
+    held by ``owner`` (when given): a replica that lost the job changes nothing."""
+    cond = [jobs.c.id == job_id, jobs.c.status == "running"]
+    if owner is not None:
+        cond.append(jobs.c.owner == owner)
+    return cond
 
 
 def database_url(db: str) -> str:
@@ -155,12 +164,16 @@ class Store:
             engine = create_engine(self.url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
         self.engine = engine
         self._local = threading.local()
+        self._raw: list = []  # every thread's raw SQLite connection, closed with the store
         # Writes take SQLite's write lock at BEGIN (no deadlock upgrading a read lock);
         # PostgreSQL ignores the option.
         self._writer = engine.execution_options(sqlite_immediate=True)
         self._migrate()
 
     def close(self) -> None:
+        for raw in self._raw:
+            raw.close()
+        self._raw.clear()
         self.engine.dispose()
 
     @contextmanager
@@ -168,13 +181,13 @@ class Store:
         with self._writer.begin() as conn:
             yield conn
 
-    def _hot_read(self, sql: str, stmt, params: dict):
+    def _hot_read(self, sql: str, params: dict):
         """One-row lookup on the hot path. SQLite: a raw connection per thread (a lookup in
         microseconds; SQLAlchemy's pool and statement layers cost ten times the query).
-        PostgreSQL: the prebuilt statement (the network round trip dominates)."""
+        PostgreSQL: through the pool (the network round trip dominates)."""
         if self.dialect != "sqlite":
             with self._read() as conn:
-                return conn.execute(stmt, params).fetchone()
+                return conn.execute(text(sql), params).fetchone()
         raw = getattr(self._local, "conn", None)
         if raw is None:
             import sqlite3
@@ -183,6 +196,7 @@ class Store:
                                   timeout=30)
             raw.execute("PRAGMA busy_timeout=30000")
             self._local.conn = raw
+            self._raw.append(raw)
         # fetchall, not fetchone: a statement left unfinished would hold its read snapshot
         # open, and every later lookup on this thread would see the past.
         rows = raw.execute(sql, params).fetchall()
@@ -243,8 +257,7 @@ class Store:
         raise RuntimeError(f"could not submit or find an active job for {key} (three insert conflicts)")
 
     def job(self, job_id: str) -> dict | None:
-        row = self._hot_read(f"SELECT {', '.join(_JOB_FIELDS)} FROM jobs WHERE id = :id", _JOB_BY_ID,
-                             {"id": job_id})
+        row = self._hot_read(_JOB_BY_ID, {"id": job_id})
         if row is None:
             return None
         out = dict(zip(_JOB_FIELDS, row))
@@ -271,31 +284,24 @@ class Store:
     def renew(self, job_id: str, owner: str, lease_seconds: float) -> bool:
         """Extend the lease; False when ``owner`` no longer holds the job (it was re-claimed)."""
         with self._write() as conn:
-            n = conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.owner == owner,
-                                                jobs.c.status == "running")
-                             .values(lease_until=time.time() + lease_seconds)).rowcount
-        return n == 1
+            return conn.execute(update(jobs).where(*_held(job_id, owner))
+                                .values(lease_until=time.time() + lease_seconds)).rowcount == 1
 
     def set_phase(self, job_id: str, phase: str) -> None:
         with self._write() as conn:
-            conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "running")
-                         .values(phase=phase, updated=time.time()))
+            conn.execute(update(jobs).where(*_held(job_id)).values(phase=phase, updated=time.time()))
 
     def fail(self, job_id: str, owner: str | None, error: str) -> bool:
         """Mark a running job failed (only if ``owner`` still holds it, when given)."""
-        cond = [jobs.c.id == job_id, jobs.c.status == "running"]
-        if owner is not None:
-            cond.append(jobs.c.owner == owner)
         with self._write() as conn:
-            return conn.execute(update(jobs).where(*cond).values(
+            return conn.execute(update(jobs).where(*_held(job_id, owner)).values(
                 status="failed", phase="failed", error=error[:2000], updated=time.time(),
                 lease_until=None)).rowcount == 1
 
     def done_from_store(self, job_id: str, owner: str) -> bool:
         """A claimed job whose question was answered meanwhile: done without a solve."""
         with self._write() as conn:
-            return conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.owner == owner,
-                                                   jobs.c.status == "running")
+            return conn.execute(update(jobs).where(*_held(job_id, owner))
                                 .values(status="done", phase="done", updated=time.time(),
                                         lease_until=None)).rowcount == 1
 
@@ -305,8 +311,7 @@ class Store:
         now = time.time()
         text_body = json.dumps(body)
         with self._write() as conn:
-            n = conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.owner == owner,
-                                                jobs.c.status == "running")
+            n = conn.execute(update(jobs).where(*_held(job_id, owner))
                              .values(status="done", phase="done", error=None, updated=now,
                                      lease_until=None)).rowcount
             if n != 1:
@@ -343,10 +348,6 @@ class Store:
                 self._bump(conn, "reclaimed", requeued)
         return requeued, failed
 
-    def count_status(self, status: str) -> int:
-        with self._read() as conn:
-            return conn.execute(select(func.count()).select_from(jobs).where(jobs.c.status == status)).scalar_one()
-
     def status_counts(self) -> dict[str, int]:
         with self._read() as conn:
             rows = conn.execute(select(jobs.c.status, func.count()).group_by(jobs.c.status)).fetchall()
@@ -364,7 +365,7 @@ class Store:
     def plan_text(self, key: str) -> str | None:
         """The stored JSON text, served as is (no parse and re-serialize on the hot path). Marks
         the plan used, at most once a minute (a write per read would serialize cached answers)."""
-        row = self._hot_read("SELECT body, last_used FROM plans WHERE key = :key", _PLAN_BY_KEY, {"key": key})
+        row = self._hot_read(_PLAN_BY_KEY, {"key": key})
         if row is None:
             return None
         now = time.time()
@@ -399,7 +400,7 @@ class Store:
                                                           < cutoff)).rowcount
                 conn.execute(jobs.delete().where(jobs.c.status.in_(("done", "failed")), jobs.c.updated < cutoff))
             if max_bytes is not None:
-                total = conn.execute(select(func.coalesce(func.sum(plans.c.size), 0))).scalar_one()
+                total = conn.execute(_PLANS_BYTES).scalar_one()
                 if total > max_bytes:
                     rows = conn.execute(select(plans.c.key, plans.c.size).where(plans.c.pinned == 0)
                                         .order_by(func.coalesce(plans.c.last_used, plans.c.created),
@@ -419,7 +420,7 @@ class Store:
 
     def plans_bytes(self) -> int:
         with self._read() as conn:
-            return conn.execute(select(func.coalesce(func.sum(plans.c.size), 0))).scalar_one()
+            return conn.execute(_PLANS_BYTES).scalar_one()
 
     # -- profiles ---------------------------------------------------------
     def add_profile(self, profile_id: str, name: str, body: dict) -> None:
