@@ -179,4 +179,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from costmodel.calibrate import exit_rank
+
+    exit_rank(main())  # a gloo rank can abort in finalization after its work is done
