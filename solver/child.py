@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 
@@ -36,14 +39,32 @@ def read(path: Path):
 class Child:
     """``python -m solver.<module> FOLDER`` with ``FOLDER/in.pkl`` holding ``args``."""
 
-    def __init__(self, module: str, args, prefix: str):
+    def __init__(self, module: str, args, prefix: str, watch: bool = False):
+        """``watch``: the child's stdout lines arrive in :attr:`lines` as ``(arrival time, text)``,
+        ``(time, None)`` once it closes (a thread reads the pipe, so the child never blocks)."""
         self.dir = tempfile.TemporaryDirectory(prefix=prefix)
         self.folder = Path(self.dir.name)
         write(self.folder / "in.pkl", args)
         root = str(Path(__file__).resolve().parents[1])  # the folder holding the solver package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self.proc = subprocess.Popen([sys.executable, "-m", f"solver.{module}", str(self.folder)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     env=env, stdout=subprocess.PIPE if watch else subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        self.lines: queue.Queue = queue.Queue()
+        if watch:
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            self.lines.put((time.perf_counter(), raw.decode(errors="replace")))
+        self.lines.put((time.perf_counter(), None))
+
+    def line(self, timeout: float) -> tuple[float, str | None] | None:
+        """The next line (see ``watch``), or None when none came within ``timeout`` seconds."""
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def wait(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds; whether the child has exited. Raises when it failed."""
@@ -61,6 +82,7 @@ class Child:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        if self.proc.stderr:
-            self.proc.stderr.close()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
         self.dir.cleanup()

@@ -355,18 +355,34 @@ def _memory_rows(model: ArrayModel, problem: Problem, rep: np.ndarray, allowed, 
     model.stats["memory_segments"] = mr.segments
 
 
-def _interrupt_after(h, deadline: float) -> None:
-    """Stop HiGHS at ``deadline``: its own time limit overran by a third (44.7 s of 40) on
-    LLaMA-70B's 1.7M columns. Interrupt callbacks come only between phases, so this bounds
-    the overrun, it does not remove it."""
+def _interrupt_after(h, deadline: float, stop=None) -> None:
+    """Stop HiGHS at ``deadline`` (or once ``stop()`` says so): its own time limit overran by a
+    third (44.7 s of 40) on LLaMA-70B's 1.7M columns. Interrupt callbacks come only between
+    phases, so this bounds the overrun, it does not remove it."""
 
     def check(event):
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline or (stop is not None and stop()):
             event.interrupt()
 
     h.cbMipInterrupt += check
     h.cbSimplexInterrupt += check
     h.cbIpmInterrupt += check
+
+
+def _report_to(h, const: float, report) -> None:
+    seen = {"bound": -math.inf}
+
+    def improved(event):
+        report("incumbent", float(event.data_out.objective_function_value) + const)
+
+    def bound(event):
+        lower = float(event.data_out.mip_dual_bound)
+        if math.isfinite(lower) and lower > seen["bound"]:
+            seen["bound"] = lower
+            report("bound", lower + const)
+
+    h.cbMipImprovingSolution += improved
+    h.cbMipInterrupt += bound
 
 
 def row_matrix(model: ArrayModel):
@@ -380,11 +396,12 @@ def row_matrix(model: ArrayModel):
     return starts, c.astype(np.int32), v, np.concatenate(model.row_lower), np.concatenate(model.row_upper)
 
 
-def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int = 1, log: bool = False):
+def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int = 1, log: bool = False,
+             stop=None):
     import highspy
 
     h = highspy.Highs()
-    _interrupt_after(h, time.perf_counter() + max(0.1, time_limit) + 0.5)
+    _interrupt_after(h, time.perf_counter() + max(0.1, time_limit) + 0.5, stop)
     h.setOptionValue("output_flag", bool(log))
     h.setOptionValue("time_limit", float(max(0.1, time_limit)))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
@@ -403,15 +420,20 @@ def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int 
     return h
 
 
-def solve_model(model: ArrayModel, n: int, seconds: float, mip_gap: float, start: np.ndarray | None = None
-                ) -> tuple[np.ndarray | None, float | None, bool]:
+def solve_model(model: ArrayModel, n: int, seconds: float, mip_gap: float, start: np.ndarray | None = None,
+                stop=None, report=None) -> tuple[np.ndarray | None, float | None, bool]:
     """HiGHS on ``model`` (of a problem with ``n`` nodes) for ``seconds``, from ``start`` when
-    given: (choice or None, proven lower bound or None, proved optimal)."""
+    given: (choice or None, proven lower bound or None, proved optimal). It ends early, with
+    its incumbent, once ``stop()`` is true (asked between HiGHS's phases); ``report(kind,
+    value)`` hears of each improving answer (``"incumbent"``) and raised dual bound
+    (``"bound"``), in the problem's cost units."""
     import highspy
 
     if model.cost.size == 0:  # the reductions fixed every node
         return extract(model, np.zeros(0), n), model.const, True
-    h = to_highs(model, seconds, mip_gap)
+    h = to_highs(model, seconds, mip_gap, stop=stop)
+    if report is not None:
+        _report_to(h, model.const, report)
     if start is not None:
         sol = highspy.HighsSolution()
         sol.col_value = start_vector(model, start).tolist()

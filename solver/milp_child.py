@@ -21,6 +21,10 @@ import numpy as np
 from solver import highs_model
 from solver.child import Child, read, write
 from solver.problem import Problem, ProvedInfeasible
+from solver.stall import DEFAULT_STALL, Progress, StallRule
+
+#: Seconds a child asked to stop may take to hand in its answer before it is given up.
+STOP_GRACE = 3.0
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,10 @@ def without_edges(problem: Problem) -> Problem:
     return replace(problem, edges=np.zeros((0, 2), dtype=np.int64), edge_costs=[])
 
 
-def run(problem: Problem, reduced, start, seconds: float, mip_gap: float, max_nonzeros: float) -> MilpAnswer:
-    """Build and solve the MILP (memory rows included) within ``seconds``."""
+def run(problem: Problem, reduced, start, seconds: float, mip_gap: float, max_nonzeros: float,
+        stop=None, report=None) -> MilpAnswer:
+    """Build and solve the MILP (memory rows included) within ``seconds`` (see
+    :func:`highs_model.solve_model` for ``stop`` and ``report``)."""
     t0 = time.perf_counter()
     try:
         model = highs_model.build(problem, max_nonzeros=max_nonzeros, memory=True, reduced=reduced)
@@ -50,7 +56,7 @@ def run(problem: Problem, reduced, start, seconds: float, mip_gap: float, max_no
     except ProvedInfeasible as exc:
         return MilpAnswer(None, None, False, {}, infeasible=str(exc))
     choice, lower, optimal = highs_model.solve_model(model, problem.num_nodes, t0 + seconds - time.perf_counter(),
-                                                     mip_gap, start)
+                                                     mip_gap, start, stop=stop, report=report)
     return MilpAnswer(choice, lower, optimal, model.stats)
 
 
@@ -59,17 +65,39 @@ class MilpChild:
 
     def __init__(self, problem: Problem, reduced, start, seconds: float, mip_gap: float, max_nonzeros: float):
         self.child = Child("milp_child", (without_edges(problem), reduced, start, seconds, mip_gap, max_nonzeros),
-                           prefix="autoshard-milp-")
+                           prefix="autoshard-milp-", watch=True)
         self._answer: MilpAnswer | None = None
 
-    def answer(self, timeout: float | None = None) -> MilpAnswer | None:
-        """The child's answer (waiting up to ``timeout``), or None while it still runs."""
-        if self._answer is None:
-            if not self.child.wait(timeout):
+    def answer(self, until: float, stall: StallRule | None = None, since: float | None = None) -> MilpAnswer | None:
+        """The child's answer, waiting until the time ``until`` at most, or (with ``stall``)
+        until its search stops paying, counted from ``since`` (when it started): then it is
+        asked to stop and hand in its incumbent. None when it had no answer by then."""
+        progress = Progress(stall or DEFAULT_STALL)
+        progress.begin(time.perf_counter() if since is None else since)
+        asked, reported = None, False
+        while self._answer is None:
+            if self.child.proc.poll() is not None:
+                self.child.wait(0)  # raises when it failed
+                self._answer = read(self.child.folder / "out.pkl")
+                if self._answer is None:
+                    raise RuntimeError("the MILP's child process exited without an answer")
+                break
+            got = self.child.line(timeout=0.1)
+            now = time.perf_counter()
+            if got is not None and got[1]:
+                kind, _, value = got[1].partition(" ")
+                reported = True
+                if kind == "@incumbent":
+                    progress.incumbent(float(value), got[0])
+                elif kind == "@bound":
+                    progress.bound(float(value), got[0])
+            if asked is None and (now >= until or (stall is not None and progress.stalled(now))):
+                (self.child.folder / "stop").touch()
+                asked = now
+            # Deaf to it (in presolve, where HiGHS calls nothing back): no answer. A child that
+            # never reported is taken to be there after a second.
+            if asked is not None and now - asked > (STOP_GRACE if reported else 1.0):
                 return None
-            self._answer = read(self.child.folder / "out.pkl")
-            if self._answer is None:
-                raise RuntimeError("the MILP's child process exited without an answer")
         return self._answer
 
     def close(self) -> None:
@@ -82,7 +110,13 @@ def _main(folder: str) -> None:
     # ``__main__.MilpAnswer``, which the caller cannot load.
     from solver import milp_child
 
-    write(Path(folder) / "out.pkl", milp_child.run(problem, reduced, start, seconds, mip_gap, max_nonzeros))
+    stop_file = Path(folder) / "stop"
+
+    def report(kind: str, value: float) -> None:
+        print(f"@{kind} {value!r}", flush=True)
+
+    write(Path(folder) / "out.pkl", milp_child.run(problem, reduced, start, seconds, mip_gap, max_nonzeros,
+                                                   stop=stop_file.exists, report=report))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -16,6 +17,7 @@ from solver import cfn, heuristic, highs_model, ilp, lns, weights
 from solver.evaluate import evaluate, memory_profile
 from solver.exact import build_exact
 from solver.exact import finish as exact_answer
+from solver.exact_child import ExactChild
 from solver.lns_child import LnsChild
 from solver.memrows import RowsTooLarge
 from solver.milp_child import MilpChild
@@ -23,6 +25,7 @@ from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 from solver.quotient import quotient, tie_heads
 from solver.schedule import DEFAULT as DEFAULT_SCHEDULE
 from solver.schedule import Schedule
+from solver.stall import DEFAULT_STALL, StallRule
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +259,7 @@ def solve(
     starts: Sequence[tuple[str, np.ndarray]] = (),
     exact: bool = True,
     schedule: Schedule = DEFAULT_SCHEDULE,
+    stall: StallRule | None = DEFAULT_STALL,
 ) -> Solution:
     """Pick one strategy per node minimizing cost under the memory limit.
 
@@ -267,15 +271,17 @@ def solve(
     (:mod:`solver.exact`) until ``schedule.exact`` of the time, the answer when proved; then
     the MILP, or on models too large for it the per-node weight search and windowed MILPs.
     Raises :class:`InfeasibleError` when even the least-usage strategies exceed the
-    limit. Always returns the best feasible choice it found within ``time_limit``. Progress goes
-    to the ``solver`` loggers (INFO).
+    limit. Always returns the best feasible choice it found within ``time_limit``, sooner where
+    the searches that remain stop improving (``stall``, :mod:`solver.stall`; None: search until
+    proved or the time limit, as a contest's fixed budget wants). Progress goes to the
+    ``solver`` loggers (INFO).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, found {backend!r}")
     if time_limit <= 0:
         raise ValueError(f"time_limit must be > 0 seconds, found {time_limit}")
     _check_memory_floor(problem)
-    run = _Run(problem, time.perf_counter(), time_limit, backend, mip_gap, max_nonzeros, schedule)
+    run = _Run(problem, time.perf_counter(), time_limit, backend, mip_gap, max_nonzeros, schedule, stall)
     _first_incumbent(run, starts)
     if pairwise and cfn.available():
         done = _pairwise_stage(run)
@@ -302,6 +308,7 @@ class _Run:
     mip_gap: float
     max_nonzeros: float
     sched: Schedule
+    stall: StallRule | None = None
     inc: _Incumbent = None
     stats: dict = field(default_factory=dict)
     bound: float | None = None
@@ -405,8 +412,11 @@ def _pairwise_stage(run: _Run) -> Solution | None:
 
 
 def _exact_stage(run: _Run, model) -> Solution:
-    """toulbar2 with the memory rows (:mod:`solver.exact`), with the MILP beside it in a child
-    process when a core is free (killed once toulbar2 proves), else the MILP after it."""
+    """toulbar2 with the memory rows (:mod:`solver.exact`) in a watched child process
+    (:mod:`solver.exact_child`: DGVNS, then branch and bound under its answer), with the MILP
+    beside it in another when a core is free (killed once toulbar2 proves), else the MILP after
+    it. With ``run.stall`` both end when they stop paying (:mod:`solver.stall`) instead of at
+    the time limit."""
     problem, inc = run.problem, run.inc
     milp = None
     if run.backend == "highs" and second_core_free() and _milp_fits(model, run.max_nonzeros):
@@ -414,24 +424,32 @@ def _exact_stage(run: _Run, model) -> Solution:
                          run.t0 + run.time_limit - time.perf_counter() - 1.0, run.mip_gap, run.max_nonzeros)
         log.info(f"milp runs beside the exact search in a child process ({cores()} cores)")
     try:
-        seconds = run.deadline("exact_beside_milp" if milp is not None else "exact") - time.perf_counter()
-        if seconds >= 1:
+        deadline = run.deadline("exact_beside_milp" if milp is not None else "exact")
+        if deadline - time.perf_counter() >= 1:
             t_start = time.perf_counter()
             upper = inc.cost if inc.feasible else None
-            res = exact_answer(problem, model, *cfn.solve_tables(model.costs, model.tables, seconds, model.scale,
-                                                                upper, model.rows))
-            _exact_said(res, t_start)
-            run.stats["exact"] = dict(res.stats, proved=res.proved, seconds=round(time.perf_counter() - run.t0, 3))
+            child = ExactChild(model, upper, deadline - t_start)
+            try:
+                ans = child.run(deadline, run.stall or DEFAULT_STALL, run.stall is not None, log.info)
+            finally:
+                child.close()
+            res = exact_answer(problem, model, ans.picked, ans.proved, ans.gap)
+            run.stats["exact"] = dict(res.stats, proved=ans.proved, phases=ans.phases,
+                                      seconds=round(time.perf_counter() - run.t0, 3))
             inc.offer(res.choice, "exact", res.evaluation)
+            if ans.picked is None and ans.proved and inc.feasible:  # nothing beats the incumbent
+                res = dataclasses.replace(res, proved=True, lower_bound=inc.cost - ans.gap)
+            _exact_said(res, t_start)
             run.raise_bound(res.lower_bound)
             if res.proved:
                 return run.finish("optimal", run.bound)
         if milp is None:
             return _milp_or_weights(run)
-        ans = milp.answer(timeout=max(0.0, run.t0 + run.time_limit - time.perf_counter()))
+        ans = milp.answer(until=run.t0 + run.time_limit, stall=run.stall, since=run.t0)
         status = "heuristic"
         if ans is None:
-            log.info("milp (child): no answer within the time limit")
+            log.info("milp (child): no answer within the time limit" if run.stall is None
+                     else "milp (child): no answer before it stalled or the time limit")
         elif ans.too_large or ans.infeasible:
             log.info(f"milp (child): {ans.too_large or ans.infeasible}")
         else:

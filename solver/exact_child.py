@@ -1,0 +1,154 @@
+"""toulbar2's search of the exact network (:mod:`solver.exact`) in a child process, watched.
+
+toulbar2 holds the GIL for its whole search and reports nothing to Python until it ends,
+so a search in the caller can only run to its time limit. In a child interpreter
+(:mod:`solver.child`) its progress lines (``cfn.solve_tables(progress=True)``) come through
+a pipe, and SIGVTALRM, the signal of toulbar2's own CPU timer, ends a search early with its
+incumbent. The child runs two phases over the same network:
+
+1. ``vns``: DGVNS, which finds good answers fast (the planner's 70B problem: 0.06% under
+   60 s of branch and bound in 7 s; IOPDDL V: the proven optimum in 15 s), ended by the
+   stall rule (:mod:`solver.stall`) on its incumbents, or at half of the time left;
+2. ``hbfs``: branch and bound under the first phase's cost, which proves optimality where it
+   can (a tight upper bound prunes), ended when proved, when stalled on incumbents and lower
+   bounds (unless the caller wants the whole time), or at the deadline.
+
+The caller (:class:`ExactChild`) reads the lines, keeps one :class:`solver.stall.Progress` per
+phase and signals the child; the child writes its best answer after each phase (``out.pkl``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from solver.child import Child, read, write
+from solver.stall import Progress, StallRule
+
+PHASES = ("vns", "hbfs")
+#: Share of the time left that the first (no proof) phase may take at most.
+VNS_SHARE = 0.5
+_NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"
+_SOLUTION = re.compile(rf"New solution: {_NUMBER}")
+_BOUNDS = re.compile(rf"(?:Optimality gap|Initial lower and upper bounds): \[{_NUMBER}, {_NUMBER}\]")
+
+
+@dataclass
+class ExactAnswer:
+    picked: list[int] | None
+    """One value index per network variable, or None when nothing beat the given upper bound."""
+    proved: bool
+    """``picked`` (or, when None, the given upper bound's choice) is optimal."""
+    gap: float
+    """How far the answer can be above the optimum (cost units), inf when unknown."""
+    phases: list[dict] = field(default_factory=list)
+    """Per phase: method, seconds, how it ended, best cost seen."""
+
+
+def table_cost(costs, tables, picked) -> float:
+    """The network's cost of ``picked`` (unscaled)."""
+    total = sum(float(c[i]) for c, i in zip(costs, picked))
+    return total + sum(float(m[picked[a], picked[b]]) for (a, b), m in tables.items())
+
+
+class ExactChild:
+    """The two phases in a child process; :meth:`run` watches it until it ends."""
+
+    def __init__(self, model, upper: float | None, seconds: float):
+        self.scale = model.scale
+        self.upper = math.inf if upper is None else upper
+        self.child = Child("exact_child", (model.costs, model.tables, model.rows, model.scale, upper, seconds),
+                           prefix="autoshard-exact-", watch=True)
+
+    def run(self, deadline: float, rule: StallRule, stop_when_stalled: bool = True, log=None) -> ExactAnswer:
+        """Watch the child until it ends (signalled at each phase's stall or deadline, killed a
+        few seconds past ``deadline``); its answer."""
+        phase, progress, phase_end, signalled, stats = None, None, math.inf, 0.0, []
+        best = self.upper
+        ended = False
+        while not ended:
+            t, line = self.child.line(timeout=0.1) or (time.perf_counter(), "")
+            if line is None:
+                ended = True
+            elif line.startswith("@phase "):
+                phase = line.split()[1]
+                progress, signalled = Progress(rule), 0.0
+                progress.best = best  # bounds close the gap to the best answer known, not only this phase's
+                left = deadline - t
+                phase_end = t + VNS_SHARE * left if phase == "vns" else deadline
+                stats.append({"method": phase, "start": t, "ended": "finished", "best": None})
+            elif line.startswith("@end ") and stats:
+                stats[-1]["seconds"] = round(t - stats[-1].pop("start"), 3)
+                phase = None
+            elif phase is not None and (m := _SOLUTION.search(line)):
+                progress.incumbent(float(m.group(1)) / self.scale, t)
+                stats[-1]["best"] = best = progress.best
+            elif phase == "hbfs" and (m := _BOUNDS.search(line)):
+                progress.bound(float(m.group(1)) / self.scale, t)
+            now = time.perf_counter()
+            if phase is not None and now - signalled > 1.0:
+                why = None
+                if now >= phase_end:
+                    why = "time"
+                elif progress.stalled(now) and (phase == "vns" or stop_when_stalled):
+                    why = "stalled"
+                if why:
+                    if not signalled:
+                        stats[-1]["ended"] = why
+                        if log:
+                            log(f"exact ({phase}): {why}, best {progress.best:.6g}")
+                    # Again each second: a signal that came while the phase was still posting
+                    # its network is ignored there.
+                    os.kill(self.child.proc.pid, signal.SIGVTALRM)
+                    signalled = now
+            if now > deadline + 5.0:  # a search deaf to its signal: its last phase's answer stands
+                break
+        for s in stats:
+            s.pop("start", None)
+        if ended:
+            self.child.wait(timeout=5.0)  # raises when the child failed
+        out = read(self.child.folder / "out.pkl")
+        self.child.close()
+        if out is None:
+            return ExactAnswer(None, False, math.inf, stats)
+        picked, proved, gap = out
+        return ExactAnswer(picked, proved, gap, stats)
+
+    def close(self) -> None:
+        self.child.close()
+
+
+def _main(folder: str) -> None:
+    from solver import cfn
+
+    # Outside a search, a late stop signal must not end the process (its default action).
+    signal.signal(signal.SIGVTALRM, signal.SIG_IGN)
+    costs, tables, rows, scale, upper, seconds = read(Path(folder) / "in.pkl")
+    t0 = time.perf_counter()
+    best, proved, gap = None, False, math.inf
+    for method in PHASES:
+        left = seconds - (time.perf_counter() - t0)
+        if left < 1:
+            break
+        print(f"@phase {method}", flush=True)
+        picked, proved, gap = cfn.solve_tables(costs, tables, left, scale, upper, rows, method=method, progress=True)
+        signal.signal(signal.SIGVTALRM, signal.SIG_IGN)  # toulbar2's handler stays installed after a search
+        sys.stdout.flush()
+        if picked is not None:
+            best, upper = picked, table_cost(costs, tables, picked)
+        write(Path(folder) / "out.pkl", (best, proved, gap))
+        print(f"@end {method}", flush=True)
+        if proved:
+            break
+    if not (Path(folder) / "out.pkl").exists():
+        write(Path(folder) / "out.pkl", (None, False, math.inf))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

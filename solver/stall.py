@@ -1,0 +1,110 @@
+r"""When a search has stopped paying: the stall rule that ends a search before its deadline.
+
+A search reports events over time: incumbents (costs that only fall) and, where it proves
+things, lower bounds (that only rise). An event *counts* when it moves enough:
+
+    incumbent c counts   when  c <= c_counted - gain * |c_counted|
+    bound b counts       when  b >= b_counted + gap_share * (c_best - b_counted)
+
+(the first incumbent and the first bound always count). With ``t_first`` the time of the
+first counted event and ``t_last`` that of the last, the search is stalled at time t when
+
+    t - t_last >= max(min_seconds, patience * (t_last - t_first))
+
+i.e. it has gone without progress for a fixed share of the time it took to make the progress
+it made. Before its first counted event a search is never stalled (a deadline bounds it).
+The rule adapts to what a run shows, not to a problem's size: a search that keeps finding
+better answers runs on, one that found its answer early stops early.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StallRule:
+    """What counts as progress and how long a search may go without it."""
+
+    gain: float = 1e-3
+    """An incumbent counts when it is at least this share below the last one that counted."""
+    gap_share: float = 0.1
+    """A lower bound counts when it closes at least this share of the gap left to the best incumbent."""
+    patience: float = 0.5
+    """Stalled after this multiple of the time from the first to the last counted event, without one."""
+    min_seconds: float = 3.0
+    """...and never sooner than this after the last counted event."""
+
+    def __post_init__(self):
+        for name in ("gain", "gap_share"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"StallRule.{name}: expected a share in [0, 1), found {getattr(self, name)}")
+        if self.patience < 0 or self.min_seconds < 0:
+            raise ValueError(f"StallRule: patience and min_seconds must be >= 0, found {self.patience} and "
+                             f"{self.min_seconds}")
+
+
+#: The rule :func:`solver.solve` uses unless given another.
+DEFAULT_STALL = StallRule()
+
+
+class Progress:
+    """The counted events of one search, against :class:`StallRule` ``rule`` (times in seconds
+    on any one clock)."""
+
+    def __init__(self, rule: StallRule):
+        self.rule = rule
+        self.best = math.inf
+        """The best incumbent seen (counted or not)."""
+        self.counted_cost = math.inf
+        self.counted_bound = -math.inf
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def begin(self, t: float) -> None:
+        """The search began at ``t``: counted as its first event, so a search that reports
+        nothing is stalled ``min_seconds`` after it began."""
+        self._count(t)
+
+    def _count(self, t: float) -> None:
+        if self.first is None:
+            self.first = t
+        self.last = t
+
+    def incumbent(self, cost: float, t: float) -> bool:
+        """Record an incumbent found at ``t``; whether it counted."""
+        self.best = min(self.best, cost)
+        if math.isinf(self.counted_cost) or cost <= self.counted_cost - self.rule.gain * abs(self.counted_cost):
+            self.counted_cost = cost
+            self._count(t)
+            return True
+        return False
+
+    def bound(self, lower: float, t: float) -> bool:
+        """Record a lower bound proved at ``t``; whether it counted."""
+        if math.isinf(self.counted_bound):
+            self.counted_bound = lower
+            self._count(t)
+            return True
+        gap = self.best - self.counted_bound
+        if lower > self.counted_bound and (math.isinf(gap) or lower - self.counted_bound >= self.rule.gap_share * gap):
+            self.counted_bound = lower
+            self._count(t)
+            return True
+        return False
+
+    def stalled(self, t: float) -> bool:
+        """Whether the search has gone too long without a counted event at time ``t``."""
+        if self.last is None:
+            return False
+        return t - self.last >= max(self.rule.min_seconds, self.rule.patience * (self.last - self.first))
+
+    def stalls_at(self) -> float:
+        """The time at which the search will be stalled if nothing counts before (inf before its first event)."""
+        if self.last is None:
+            return math.inf
+        return self.last + max(self.rule.min_seconds, self.rule.patience * (self.last - self.first))
+
+
+__all__ = ["DEFAULT_STALL", "Progress", "StallRule"]
