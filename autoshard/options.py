@@ -73,10 +73,10 @@ class PlanOptions:
     raise it to cost a dropless runtime or routing measured to be skewed."""
 
     seed_baselines: bool = True
-    """Unless the first solve (three quarters of ``time_limit``) proves its plan optimal, the
-    hand-written plans (DDP, FSDP, TP, FSDP+TP, FSDP+TP with full recomputation) are solved
-    under their pins; where one beats the first answer, it starts a second solve with that
-    answer, so the plan is never dearer than any of them."""
+    """Unless the solve's cheap stages (heuristic start, memory-free optimum) prove its plan
+    optimal, the hand-written plans (DDP, FSDP, TP, FSDP+TP, FSDP+TP with full recomputation)
+    are solved under their pins (a quarter of ``time_limit`` in all) and the solve's long
+    searches start from them, so the plan is never dearer than any of them."""
 
     loss_fn: Callable | None = None
     """Maps the model's output to a scalar loss (default: the output's mean, or the model's own

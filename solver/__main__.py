@@ -8,6 +8,7 @@ import logging
 import sys
 
 from solver import InfeasibleError, ProblemError, load_iopddl, solve
+from solver.stall import DEFAULT_STALL
 
 
 def main(argv=None) -> int:
@@ -15,11 +16,15 @@ def main(argv=None) -> int:
     ap.add_argument("file", help="IOPDDL instance (.json or .json.gz)")
     ap.add_argument("timeout", type=float, help="time limit in seconds")
     ap.add_argument("--backend", default="highs", choices=["highs", "cbc"])
+    ap.add_argument("--stop-when-stalled", action="store_true",
+                    help="end the searches once they stop improving (solver/stall.py) instead of using the "
+                         "whole time limit, as a contest's fixed budget invites")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     try:
         problem = load_iopddl(args.file)
-        sol = solve(problem, time_limit=args.timeout, backend=args.backend)
+        sol = solve(problem, time_limit=args.timeout, backend=args.backend,
+                    stall=DEFAULT_STALL if args.stop_when_stalled else None)
     except (ProblemError, InfeasibleError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

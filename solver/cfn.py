@@ -41,11 +41,12 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     Costs are multiplied by ``scale`` and rounded (toulbar2's costs are integers);
     entries at or above ``FORBIDDEN`` (or inf) are hard. ``gap`` (in cost units,
     rounding included) bounds how far the choice can be above the optimum. With
-    ``upper`` (the cost of a known choice) only strictly cheaper choices are searched.
+    ``upper`` (the cost of a known choice) only choices at most as costly (within rounding)
+    are searched, so the known choice's own may come back, proved optimal.
     ``rows`` are hard linear constraints sum_(i, w) w[x_i] <= rhs with integer w >= 0
     (toulbar2's knapsack constraint, propagated during the search: memory rows).
-    Choice None when nothing (better) was found in time; then ``proved`` says whether the
-    search proved that nothing beats ``upper`` (its choice is optimal, within ``gap``).
+    Choice None when nothing was found in time; then ``proved`` says whether the bounds
+    alone proved that nothing beats ``upper`` (its choice is optimal, within ``gap``).
 
     ``method``: ``"hbfs"`` (toulbar2's default hybrid best-first branch and bound: exact,
     proves) or ``"vns"`` (its decomposition-guided variable neighbourhood search, DGVNS,
@@ -58,7 +59,11 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     """
     if method not in ("hbfs", "vns"):
         raise ValueError(f"method: expected 'hbfs' or 'vns', found {method!r}")
-    ub = TOP if upper is None else min(TOP, float(np.floor(upper * scale)))
+    # Up to ``upper`` itself, plus what rounding may add to its choice's integer cost: a search
+    # that finds only the given answer again, and proves it, has proved that answer optimal
+    # (toulbar2 searches below its bound and, finding nothing, leaves its root bound).
+    slack = 0.5 * (len(costs) + len(edges))
+    ub = TOP if upper is None else min(TOP, float(np.floor(upper * scale + slack)) + 1)
     # A solve that finds no solution leaves toulbar2's global state (options and more) such
     # that every later solve in the process ran ~15x slower; CFN()'s own reinit does not undo
     # it, a full init does (found through the test suite: the planner slowed after it).
@@ -77,13 +82,7 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
         return None, upper is not None, rounding if upper is not None else np.inf
     if not res:
         found = net.GetSolutions()
-        if found:
-            return list(found[-1][1]), False, np.inf
-        if upper is None or method != "hbfs":
-            return None, False, np.inf
-        # Nothing under ``upper``: a completed branch and bound proves that ``upper`` is optimal.
-        dual = float(net.GetDDualBound())
-        return None, dual >= ub, max(0.0, ub - dual) / scale + rounding
+        return (list(found[-1][1]), False, np.inf) if found else (None, False, np.inf)
     # Solve returns its incumbent on a time limit too: optimal only when the dual bound meets it.
     primal, dual = float(res[1]), float(net.GetDDualBound())
     if method != "hbfs":  # DGVNS's bound is not relied on: no proof, no gap

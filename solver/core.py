@@ -71,9 +71,10 @@ class CoreSolver:
         t0 = time.perf_counter()
         picked, _, self.gap = cfn.solve_tables(costs, edges, limit, self.scale,
                                                upper if upper < FORBIDDEN else None)
-        self.found = picked is not None
         gain = 0.0 if picked is None else (upper - net.cost(np.asarray(picked))) / max(abs(upper), 1e-12)
-        self.adapt(limit, time.perf_counter() - t0, picked is not None, gain)
+        # toulbar2 may hand the start's cost back (proved optimal): found means found cheaper.
+        self.found = picked is not None and (upper >= FORBIDDEN or gain > 0)
+        self.adapt(limit, time.perf_counter() - t0, self.found, gain)
         self.previous = list(picked if picked is not None else start)
         return self.previous
 

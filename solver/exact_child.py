@@ -79,6 +79,7 @@ class ExactChild:
             elif line.startswith("@phase "):
                 phase = line.split()[1]
                 progress, signalled = Progress(rule), 0.0
+                progress.begin(t)
                 progress.best = best  # bounds close the gap to the best answer known, not only this phase's
                 left = deadline - t
                 phase_end = t + VNS_SHARE * left if phase == "vns" else deadline

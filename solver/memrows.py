@@ -41,7 +41,8 @@ from solver.evaluate import memory_profile
 from solver.problem import Problem, ProvedInfeasible
 
 #: Largest number of live-node entries (summed over segments) materialized before
-#: aggregation; the industrial IOPDDL instances (untied, ~1e8) stop here.
+#: aggregation, and of (segment group x class) counts; the industrial IOPDDL instances
+#: (untied, ~1e8) stop here.
 MAX_NODE_ENTRIES = 2e7
 
 #: Dominance checks (row x kept row x class comparisons) made before the rest are kept unchecked.
@@ -82,22 +83,36 @@ class MemoryRows:
     """Sum over rows and groups of the allowed strategy counts."""
 
 
-def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray, max_entries: float = np.inf):
-    """The memory rows that are not implied by others: ``[(live varying nodes, base usage)]``.
+@dataclass(frozen=True)
+class _Segments:
+    """The kept segment groups of :func:`_kept_segments`: runs of time segments with the same
+    live varying nodes, each keeping the largest base usage."""
 
-    Time splits into segments between interval endpoints; on segment k the
-    varying nodes S_k are live and the least usage of everything live is b_k.
-    The row of k reads  sum_(v in S_k) (usage_v - least_v) <= limit - b_k.  It is
-    implied by a neighbour j when S_k is a subset of S_j (no varying node starts or
-    ends between them, in the right direction) and b_k <= b_j. Runs of segments with
-    the same S keep the largest b; neighbours then differ in S, so no two rows drop
-    each other, and the survivors imply every dropped row.
-    """
+    times: np.ndarray
+    vn: np.ndarray
+    """The live varying nodes."""
+    gid: np.ndarray
+    """``gid[t]``: the group of time segment t."""
+    gfirst: np.ndarray
+    """First segment of each group."""
+    gbase: np.ndarray
+    keep: np.ndarray
+    """Groups whose row no neighbour implies."""
+
+
+def _kept_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray) -> _Segments | None:
+    """Time splits into segments between interval endpoints; on segment k the varying nodes
+    S_k are live and the least usage of everything live is b_k. The row of k reads
+    sum_(v in S_k) (usage_v - least_v) <= limit - b_k. It is implied by a neighbour j when
+    S_k is a subset of S_j (no varying node starts or ends between them, in the right
+    direction) and b_k <= b_j. Runs of segments with the same S keep the largest b;
+    neighbours then differ in S, so no two rows drop each other, and the survivors imply
+    every dropped row. None when there is no segment."""
     iv = problem.intervals
     live = iv[:, 1] > iv[:, 0]
     times, base_total = memory_profile(problem, np.where(live, base_usage, 0.0))
     if times.size < 2:
-        return []
+        return None
     vn = np.nonzero(varying & live)[0]
     # Per boundary (times[k]) whether a varying node starts / ends there.
     vstart = np.zeros(times.size, dtype=bool)
@@ -123,6 +138,18 @@ def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarra
             t_right = gfirst[g + 1]
             if not vend[t_right] and gbase[g] <= gbase[g + 1]:
                 keep[g] = False  # only starts at the right boundary: S_g is inside S_(g+1)
+    return _Segments(times, vn, gid, gfirst, gbase, keep)
+
+
+def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray, max_entries: float = np.inf):
+    """The memory rows that are not implied by others (:func:`_kept_segments`), as
+    ``[(live varying nodes, base usage)]``; :class:`RowsTooLarge` when the live sets would
+    hold more than ``max_entries`` nodes in all."""
+    seg = _kept_segments(problem, varying, base_usage)
+    if seg is None:
+        return []
+    iv, times, vn, gfirst, gbase, keep = problem.intervals, seg.times, seg.vn, seg.gfirst, seg.gbase, seg.keep
+    ng = gfirst.size
     # Live-node entries of the kept rows, from live counts alone, before any set is built.
     w_start = np.zeros(times.size)
     np.add.at(w_start, np.searchsorted(times, iv[vn, 0]), 1.0)
@@ -148,6 +175,39 @@ def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarra
             out.append((np.array(sorted(cur), dtype=np.int64), float(gbase[g])))
         elif keep[g] and gbase[g] > (problem.usage_limit or np.inf):
             out.append((np.zeros(0, dtype=np.int64), float(gbase[g])))
+    return out
+
+
+def _class_counts(problem: Problem, seg: _Segments, cls: np.ndarray, n_classes: int, limit: float):
+    """The kept segments' rows as live members per class, ``[(classes, counts, limit - base)]``
+    deduplicated as :func:`_distinct` does, without building any live set: every varying node
+    starts and ends on a group boundary, so a (groups x classes) table of +1 at its first
+    group and -1 after its last, summed down the groups, counts each group's live members."""
+    iv, times, vn = problem.intervals, seg.times, seg.vn
+    ng = seg.gfirst.size
+    nseg = times.size - 1
+    first_g = seg.gid[np.searchsorted(times, iv[vn, 0])]
+    end_t = np.searchsorted(times, iv[vn, 1])
+    end_g = np.where(end_t < nseg, seg.gid[np.minimum(end_t, nseg - 1)], ng)
+    table = np.zeros((ng + 1, n_classes), dtype=np.int32)
+    np.add.at(table, (first_g, cls[vn]), 1)
+    np.add.at(table, (end_g, cls[vn]), -1)
+    live = np.cumsum(table[:ng], axis=0, dtype=np.int32)[seg.keep]
+    seen: dict[bytes, int] = {}
+    out: list[tuple[np.ndarray, np.ndarray, float]] = []
+    for counts, base in zip(live, seg.gbase[seg.keep].tolist()):
+        c = np.nonzero(counts)[0]
+        if c.size == 0:
+            if base > limit:
+                raise MemoryInfeasible(base, limit)
+            continue
+        key = counts.tobytes()
+        k = seen.get(key)
+        if k is None:
+            seen[key] = len(out)
+            out.append((c, counts[c].astype(np.int64), limit - base))
+        elif limit - base < out[k][2]:
+            out[k] = (out[k][0], out[k][1], limit - base)
     return out
 
 
@@ -274,9 +334,17 @@ def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
         return MemoryRows([], 0, 0)
     limit = float(problem.usage_limit)
     low, varying = least_usage(problem, allowed)
-    segments = memory_segments(problem, varying, low, MAX_NODE_ENTRIES)
     cls, first = _classes(problem, rep)
-    distinct = _distinct(segments, cls, limit)
+    seg = _kept_segments(problem, varying, low)
+    if seg is None:
+        segments, distinct = 0, []
+    elif seg.gfirst.size * len(first) <= MAX_NODE_ENTRIES:  # tied layers: few classes, count them
+        segments = int(seg.keep.sum())
+        distinct = _class_counts(problem, seg, cls, len(first), limit)
+    else:  # about a class per node (untied graphs): the live sets themselves
+        live_sets = memory_segments(problem, varying, low, MAX_NODE_ENTRIES)
+        segments = len(live_sets)
+        distinct = _distinct(live_sets, cls, limit)
     if progressions:
         distinct = [distinct[k] for k in _midpoints(distinct)]
     keep = _undominated(distinct)
@@ -293,9 +361,9 @@ def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
         heads = sorted(h for h, e in terms.items() if e.any())
         entries += sum(allowed[h].size for h in heads)
         if entries > max_entries:
-            raise RowsTooLarge(f"{len(keep)} memory rows (of {len(segments)} segments) with over "
+            raise RowsTooLarge(f"{len(keep)} memory rows (of {segments} segments) with over "
                                f"{entries:.3g} entries exceed the budget of {max_entries:.3g}")
         if not heads:
             continue
         rows.append(Row(np.array(heads, dtype=np.int64), [terms[h] for h in heads], rhs))
-    return MemoryRows(rows, len(segments), entries)
+    return MemoryRows(rows, segments, entries)

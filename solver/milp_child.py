@@ -11,6 +11,7 @@ matrices. It runs in a fresh interpreter (:mod:`solver.child`).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -68,12 +69,16 @@ class MilpChild:
                            prefix="autoshard-milp-", watch=True)
         self._answer: MilpAnswer | None = None
 
-    def answer(self, until: float, stall: StallRule | None = None, since: float | None = None) -> MilpAnswer | None:
+    def answer(self, until: float, stall: StallRule | None = None, since: float | None = None,
+               best: float = math.inf) -> MilpAnswer | None:
         """The child's answer, waiting until the time ``until`` at most, or (with ``stall``)
         until its search stops paying, counted from ``since`` (when it started): then it is
-        asked to stop and hand in its incumbent. None when it had no answer by then."""
+        asked to stop and hand in its incumbent. Where it never reported an answer below
+        ``best`` (the caller's), its last reported bound is the answer (no choice), at once.
+        None when it had nothing by then."""
         progress = Progress(stall or DEFAULT_STALL)
-        progress.begin(time.perf_counter() if since is None else since)
+        bound = None
+        progress.begin(time.perf_counter() if since is None else since, counts=True)
         asked, reported = None, False
         while self._answer is None:
             if self.child.proc.poll() is not None:
@@ -91,7 +96,10 @@ class MilpChild:
                     progress.incumbent(float(value), got[0])
                 elif kind == "@bound":
                     progress.bound(float(value), got[0])
+                    bound = float(value)
             if asked is None and (now >= until or (stall is not None and progress.stalled(now))):
+                if progress.best >= best - 1e-9 * abs(best):  # its answer cannot win: no wind-down
+                    return MilpAnswer(None, bound, False, {})
                 (self.child.folder / "stop").touch()
                 asked = now
             # Deaf to it (in presolve, where HiGHS calls nothing back): no answer. A child that

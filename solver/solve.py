@@ -9,7 +9,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -260,6 +260,7 @@ def solve(
     exact: bool = True,
     schedule: Schedule = DEFAULT_SCHEDULE,
     stall: StallRule | None = DEFAULT_STALL,
+    late_starts: Callable[[], Sequence[tuple[str, np.ndarray]]] | None = None,
 ) -> Solution:
     """Pick one strategy per node minimizing cost under the memory limit.
 
@@ -271,7 +272,11 @@ def solve(
     (:mod:`solver.exact`) until ``schedule.exact`` of the time, the answer when proved; then
     the MILP, or on models too large for it the per-node weight search and windowed MILPs.
     Raises :class:`InfeasibleError` when even the least-usage strategies exceed the
-    limit. Always returns the best feasible choice it found within ``time_limit``, sooner where
+    limit. ``late_starts`` is called once the cheap stages (heuristic start, memory-free
+    optimum) have proved nothing, before the searches that take the time: the named choices it
+    returns (a caller's hand-written plans, solved only when needed) join the starts, and steer
+    the exact search; its own time does not count against ``time_limit``. Always returns the
+    best feasible choice it found within ``time_limit``, sooner where
     the searches that remain stop improving (``stall``, :mod:`solver.stall`; None: search until
     proved or the time limit, as a contest's fixed budget wants). Progress goes to the
     ``solver`` loggers (INFO).
@@ -287,6 +292,10 @@ def solve(
         done = _pairwise_stage(run)
         if done is not None:
             return done
+    if late_starts is not None:
+        t_late = time.perf_counter()
+        _offer_starts(run, late_starts())
+        run.t0 += time.perf_counter() - t_late
     model = None
     groups = len(np.unique(tie_heads(problem)))
     if exact and problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
@@ -365,14 +374,7 @@ def _check_memory_floor(problem: Problem) -> None:
 def _first_incumbent(run: _Run, starts) -> None:
     """The given starts, then the heuristic start (least usage, local search, pair repair)."""
     problem, inc = run.problem, run.inc
-    for name, choice in starts:
-        choice = np.asarray(choice, dtype=np.int64)
-        if choice.shape != (problem.num_nodes,):
-            raise ValueError(f"start {name!r}: expected {problem.num_nodes} strategy indices, "
-                             f"found shape {choice.shape}")
-        ev = evaluate(problem, choice)
-        inc.offer(choice, f"start:{name}", ev)
-        log.info(f"start {name}: cost {ev.cost:.6g} ({'feasible' if ev.feasible else ev.reason})")
+    _offer_starts(run, starts)
     start = heuristic.initial_choice(problem)
     start = heuristic.local_search(problem, start, deadline=run.deadline("start_descent"))
     start = heuristic.repair_pairs(problem, start, deadline=run.deadline("start_repair"))
@@ -380,6 +382,17 @@ def _first_incumbent(run: _Run, starts) -> None:
     inc.offer(start, "heuristic")
     log.info(f"incumbent: cost {inc.ev.cost:.6g} (feasible={inc.feasible}, {inc.source}) "
              f"after {time.perf_counter() - run.t0:.2f}s")
+
+
+def _offer_starts(run: _Run, starts) -> None:
+    for name, choice in starts:
+        choice = np.asarray(choice, dtype=np.int64)
+        if choice.shape != (run.problem.num_nodes,):
+            raise ValueError(f"start {name!r}: expected {run.problem.num_nodes} strategy indices, "
+                             f"found shape {choice.shape}")
+        ev = evaluate(run.problem, choice)
+        run.inc.offer(choice, f"start:{name}", ev)
+        log.info(f"start {name}: cost {ev.cost:.6g} ({'feasible' if ev.feasible else ev.reason})")
 
 
 def _pairwise_stage(run: _Run) -> Solution | None:
@@ -445,7 +458,7 @@ def _exact_stage(run: _Run, model) -> Solution:
                 return run.finish("optimal", run.bound)
         if milp is None:
             return _milp_or_weights(run)
-        ans = milp.answer(until=run.t0 + run.time_limit, stall=run.stall, since=run.t0)
+        ans = milp.answer(until=run.t0 + run.time_limit, stall=run.stall, since=run.t0, best=inc.cost)
         status = "heuristic"
         if ans is None:
             log.info("milp (child): no answer within the time limit" if run.stall is None
@@ -455,7 +468,7 @@ def _exact_stage(run: _Run, model) -> Solution:
         else:
             run.stats.update(ans.stats)
             run.raise_bound(ans.lower)
-            if inc.offer(ans.choice, "milp") and inc.feasible:
+            if ans.choice is not None and inc.offer(ans.choice, "milp") and inc.feasible:
                 status = "feasible"
             if ans.optimal and inc.feasible:
                 status = "optimal"

@@ -165,9 +165,9 @@ def test_ops_without_rule_fall_back_and_are_listed(mesh64):
 
 
 def test_unproved_plans_are_seeded_by_the_hand_written_ones(mesh64, monkeypatch, tmp_path):
-    """When the first solve proves nothing, the baselines are solved and start a second solve:
-    the plan is never dearer than any of them, and says where it came from. The first solve is
-    made to return the dearest feasible answer it can find (the heuristic's, unproved)."""
+    """When the solve's cheap stages prove nothing, the baselines are solved and join its
+    starts: the plan is never dearer than any of them, and says where it came from. The solve
+    is made to return the dearest feasible answer it can find (the heuristic's, unproved)."""
     import solver as solver_pkg
 
     model, inputs = small_gpt()

@@ -1,0 +1,82 @@
+"""The stall rule (solver.stall) and the watched exact search that it ends (solver.exact_child)."""
+
+import math
+
+import numpy as np
+import pytest
+from test_memrows import layered_problem
+
+from solver import cfn, evaluate
+from solver.exact import build_exact, finish
+from solver.exact_child import ExactChild
+from solver.stall import Progress, StallRule
+
+
+def test_small_gains_do_not_count_and_patience_follows_the_run():
+    rule = StallRule(gain=0.01, gap_share=0.1, patience=1.0, min_seconds=2.0)
+    p = Progress(rule)
+    assert not p.stalled(100.0)  # nothing reported, not begun: a deadline bounds it
+    p.begin(0.0)
+    assert not p.stalled(100.0) and p.stalls_at() == math.inf
+    assert p.incumbent(100.0, 1.0)  # the first always counts
+    assert p.stalled(3.0) and not p.stalled(2.9)  # min_seconds after it (1 s of run: patience 1 s)
+    assert not p.incumbent(99.5, 2.0)  # 0.5% < gain: seen, not counted
+    assert p.best == 99.5 and p.stalled(3.0)
+    assert p.incumbent(98.0, 6.0)  # 1.5% below the last counted (100)
+    assert p.stalls_at() == 12.0  # 6 s of run to it: 6 s more
+    assert not p.stalled(11.9) and p.stalled(12.0)
+    # Bounds count when they close a tenth of the gap left to the best answer (98).
+    assert p.bound(50.0, 7.0)
+    assert not p.bound(54.0, 8.0)  # 4 < 0.1 * (98 - 50)
+    assert p.bound(55.0, 9.0)
+    assert p.stalls_at() == 18.0
+
+
+def test_a_begun_search_that_counts_its_start_stalls_when_silent():
+    p = Progress(StallRule(min_seconds=3.0))
+    p.begin(10.0, counts=True)
+    assert not p.stalled(12.9) and p.stalled(13.0)
+
+
+@pytest.mark.parametrize("field,value", [("gain", 1.0), ("gap_share", -0.1), ("patience", -1.0),
+                                         ("min_seconds", -1.0)])
+def test_rule_checks_its_fields(field, value):
+    with pytest.raises(ValueError, match=field if field in ("gain", "gap_share") else "patience and min_seconds"):
+        StallRule(**{field: value})
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_watched_exact_search_proves_and_answers_within_the_memory_limit():
+    """A small tied problem: DGVNS then branch and bound in the child, proved optimal, the answer
+    feasible and no dearer than the brute-force optimum's bound."""
+    from test_memrows import tied_brute_force
+
+    p = layered_problem(np.random.default_rng(3), layers=3, tight=0.4)
+    model = build_exact(p)
+    child = ExactChild(model, None, 20.0)
+    import time
+
+    ans = child.run(time.perf_counter() + 20.0, StallRule())
+    assert [ph["method"] for ph in ans.phases][:1] == ["vns"]
+    res = finish(p, model, ans.picked, ans.proved, ans.gap)
+    best = tied_brute_force(p)
+    assert res.evaluation.feasible and res.proved
+    assert res.evaluation.cost == pytest.approx(best, abs=1e-6)
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_branch_and_bound_under_an_optimal_cost_proves_it():
+    """Given an optimal answer's cost as the upper bound, branch and bound finds an answer that
+    good again and proves it (toulbar2 alone, searching strictly below, would find nothing and
+    keep its root bound: no proof)."""
+    from test_memrows import tied_brute_force
+
+    p = layered_problem(np.random.default_rng(5), layers=3, tight=0.4)
+    best = tied_brute_force(p)
+    model = build_exact(p)
+    picked, proved, gap = cfn.solve_tables(model.costs, model.tables, 10, model.scale, best, model.rows)
+    assert picked is not None and proved and 0 <= gap < 1e-2
+    assert evaluate(p, model.choice(picked)).cost == pytest.approx(best, abs=1e-6)
+    # With DGVNS nothing is proved.
+    picked, proved, _ = cfn.solve_tables(model.costs, model.tables, 2, model.scale, None, model.rows, method="vns")
+    assert picked is not None and not proved and evaluate(p, model.choice(picked)).feasible
