@@ -15,7 +15,7 @@ Members of a group with equal usage vectors form a *class*; a row is then a coun
 live members per class. A model with 80 tied layers has thousands of segments but few
 classes (LLaMA-70B on (8, 8, 8): 6,979 segments, 155 classes, at most 29 groups a row):
 
-- rows with the same counts keep the smallest right-hand side (:func:`_distinct`);
+- rows with the same counts keep the smallest right-hand side (:func:`distinct_rows`);
 - row k is implied by rows i and j when its counts are their mean and its right-hand side
   at least theirs (every coefficient is >= 0, so the mean of rows i and j is a valid row).
   Tied layers make such rows common: the segment at one place in layer l has the counts
@@ -85,7 +85,7 @@ class MemoryRows:
 
 @dataclass(frozen=True)
 class _Segments:
-    """The kept segment groups of :func:`_kept_segments`: runs of time segments with the same
+    """The kept segment groups of :func:`kept_segments`: runs of time segments with the same
     live varying nodes, each keeping the largest base usage."""
 
     times: np.ndarray
@@ -100,7 +100,7 @@ class _Segments:
     """Groups whose row no neighbour implies."""
 
 
-def _kept_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray) -> _Segments | None:
+def kept_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray) -> _Segments | None:
     """Time splits into segments between interval endpoints; on segment k the varying nodes
     S_k are live and the least usage of everything live is b_k. The row of k reads
     sum_(v in S_k) (usage_v - least_v) <= limit - b_k. It is implied by a neighbour j when
@@ -142,10 +142,10 @@ def _kept_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray
 
 
 def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray, max_entries: float = np.inf):
-    """The memory rows that are not implied by others (:func:`_kept_segments`), as
+    """The memory rows that are not implied by others (:func:`kept_segments`), as
     ``[(live varying nodes, base usage)]``; :class:`RowsTooLarge` when the live sets would
     hold more than ``max_entries`` nodes in all."""
-    seg = _kept_segments(problem, varying, base_usage)
+    seg = kept_segments(problem, varying, base_usage)
     if seg is None:
         return []
     iv, times, vn, gfirst, gbase, keep = problem.intervals, seg.times, seg.vn, seg.gfirst, seg.gbase, seg.keep
@@ -178,9 +178,9 @@ def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarra
     return out
 
 
-def _class_counts(problem: Problem, seg: _Segments, cls: np.ndarray, n_classes: int, limit: float):
+def class_counts(problem: Problem, seg: _Segments, cls: np.ndarray, n_classes: int, limit: float):
     """The kept segments' rows as live members per class, ``[(classes, counts, limit - base)]``
-    deduplicated as :func:`_distinct` does, without building any live set: every varying node
+    deduplicated as :func:`distinct_rows` does, without building any live set: every varying node
     starts and ends on a group boundary, so a (groups x classes) table of +1 at its first
     group and -1 after its last, summed down the groups, counts each group's live members."""
     iv, times, vn = problem.intervals, seg.times, seg.vn
@@ -218,7 +218,7 @@ def least_usage(problem: Problem, allowed: list[np.ndarray]) -> tuple[np.ndarray
     return low, high > low
 
 
-def _classes(problem: Problem, rep: np.ndarray) -> tuple[np.ndarray, list[int]]:
+def tie_classes(problem: Problem, rep: np.ndarray) -> tuple[np.ndarray, list[int]]:
     """(``cls[v]``, a member of each class): nodes of one tie group with equal usage vectors."""
     keys: dict = {}
     cls = np.empty(problem.num_nodes, dtype=np.int64)
@@ -233,7 +233,7 @@ def _classes(problem: Problem, rep: np.ndarray) -> tuple[np.ndarray, list[int]]:
     return cls, first
 
 
-def _distinct(segments, cls: np.ndarray, limit: float) -> list[tuple[np.ndarray, np.ndarray, float]]:
+def distinct_rows(segments, cls: np.ndarray, limit: float) -> list[tuple[np.ndarray, np.ndarray, float]]:
     seen: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray, float]] = {}
     for live, base in segments:
         if live.size == 0:
@@ -334,17 +334,17 @@ def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
         return MemoryRows([], 0, 0)
     limit = float(problem.usage_limit)
     low, varying = least_usage(problem, allowed)
-    cls, first = _classes(problem, rep)
-    seg = _kept_segments(problem, varying, low)
+    cls, first = tie_classes(problem, rep)
+    seg = kept_segments(problem, varying, low)
     if seg is None:
         segments, distinct = 0, []
     elif seg.gfirst.size * len(first) <= MAX_NODE_ENTRIES:  # tied layers: few classes, count them
         segments = int(seg.keep.sum())
-        distinct = _class_counts(problem, seg, cls, len(first), limit)
+        distinct = class_counts(problem, seg, cls, len(first), limit)
     else:  # about a class per node (untied graphs): the live sets themselves
         live_sets = memory_segments(problem, varying, low, MAX_NODE_ENTRIES)
         segments = len(live_sets)
-        distinct = _distinct(live_sets, cls, limit)
+        distinct = distinct_rows(live_sets, cls, limit)
     if progressions:
         distinct = [distinct[k] for k in _midpoints(distinct)]
     keep = _undominated(distinct)

@@ -103,16 +103,16 @@ def test_aggregated_rows_hold_exactly_when_memory_fits(seed):
 def test_class_counts_equal_the_live_sets_they_replace(seed):
     """Counting live members per class down the segment groups gives the rows that building
     every live set gives, in the same (time) order, tied layers or not."""
-    from solver.memrows import _class_counts, _classes, _distinct, _kept_segments, least_usage, memory_segments
+    from solver.memrows import class_counts, distinct_rows, kept_segments, least_usage, memory_segments, tie_classes
 
     rng = np.random.default_rng(seed)
     p = layered_problem(rng, layers=2 + seed, tight=0.4, grads=seed % 2 == 0) if seed < 5 else \
         random_problem(rng, n=30, kmax=3, ties=seed == 7)
     red = reduce(p)
     low, varying = least_usage(p, red.allowed)
-    cls, first = _classes(p, red.rep)
-    via_sets = _distinct(memory_segments(p, varying, low), cls, float(p.usage_limit))
-    via_counts = _class_counts(p, _kept_segments(p, varying, low), cls, len(first), float(p.usage_limit))
+    cls, first = tie_classes(p, red.rep)
+    via_sets = distinct_rows(memory_segments(p, varying, low), cls, float(p.usage_limit))
+    via_counts = class_counts(p, kept_segments(p, varying, low), cls, len(first), float(p.usage_limit))
     assert len(via_sets) == len(via_counts) > 0
     for (c1, n1, r1), (c2, n2, r2) in zip(via_sets, via_counts):
         assert c1.tolist() == c2.tolist() and n1.tolist() == n2.tolist() and r1 == r2
