@@ -62,7 +62,8 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     # Up to ``upper`` itself, plus what rounding may add to its choice's integer cost: a search
     # that finds only the given answer again, and proves it, has proved that answer optimal
     # (toulbar2 searches below its bound and, finding nothing, leaves its root bound).
-    slack = 0.5 * (len(costs) + len(edges))
+    slack = 0.5 * (len(costs) + len(edges))  # one rounded entry per table in any choice
+    rounding = slack / scale
     ub = TOP if upper is None else min(TOP, float(np.floor(upper * scale + slack)) + 1)
     # A solve that finds no solution leaves toulbar2's global state (options and more) such
     # that every later solve in the process ran ~15x slower; CFN()'s own reinit does not undo
@@ -70,7 +71,6 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     pytoulbar2.pytb2.init()
     net = pytoulbar2.CFN(ub, resolution=0, verbose=0 if progress else -1, seed=1,
                          vns=-4 if method == "vns" else None)
-    rounding = 0.5 * (len(costs) + len(edges)) / scale  # one rounded entry per table in any choice
     try:
         for i, c in enumerate(costs):
             net.AddVariable(f"x{i}", list(range(c.size)))

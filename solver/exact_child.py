@@ -42,7 +42,7 @@ _BOUNDS = re.compile(rf"(?:Optimality gap|Initial lower and upper bounds): \[{_N
 @dataclass
 class ExactAnswer:
     picked: list[int] | None
-    """One value index per network variable, or None when nothing beat the given upper bound."""
+    """One value index per network variable, or None when the searches found nothing."""
     proved: bool
     """``picked`` (or, when None, the given upper bound's choice) is optimal."""
     gap: float

@@ -118,13 +118,20 @@ def _main(folder: str) -> None:
     # ``__main__.MilpAnswer``, which the caller cannot load.
     from solver import milp_child
 
-    stop_file = Path(folder) / "stop"
+    stop_file, asked = Path(folder) / "stop", {"at": 0.0, "stop": False}
+
+    def stop() -> bool:
+        # HiGHS asks at every simplex iteration: look at the file a few times a second.
+        now = time.perf_counter()
+        if not asked["stop"] and now - asked["at"] >= 0.2:
+            asked["at"], asked["stop"] = now, stop_file.exists()
+        return asked["stop"]
 
     def report(kind: str, value: float) -> None:
         print(f"@{kind} {value!r}", flush=True)
 
     write(Path(folder) / "out.pkl", milp_child.run(problem, reduced, start, seconds, mip_gap, max_nonzeros,
-                                                   stop=stop_file.exists, report=report))
+                                                   stop=stop, report=report))
 
 
 if __name__ == "__main__":

@@ -103,9 +103,7 @@ class Progress:
 
     def stalled(self, t: float) -> bool:
         """Whether the search has gone too long without a counted event at time ``t``."""
-        if self.last is None:
-            return False
-        return t - self.last >= max(self.rule.min_seconds, self.rule.patience * (self.last - self.first))
+        return t >= self.stalls_at()
 
     def stalls_at(self) -> float:
         """The time at which the search will be stalled if nothing counts before (inf before its first event)."""
