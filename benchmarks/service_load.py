@@ -27,6 +27,7 @@ duplicate solves (both must be 0).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import random
@@ -53,6 +54,10 @@ def question(k: int) -> dict:
 
 def client(url, jobs: list[int], first: int = 0) -> list[tuple]:
     """One client process: (question, first answer's status, ms, digest of the plan, error) per request."""
+    # The client imports torch (through autoshard): its first full garbage collection walks
+    # ~3e5 import-time objects and, with 8 clients on 2 cores, paused every client for ~0.6 s
+    # at once, which the cached-answer p99 then reported as the service's latency.
+    gc.freeze()
     c = PlanClient(url, timeout=30, retries=40, max_wait=2.0, first=first)
     rows = []
     for k in jobs:

@@ -111,6 +111,16 @@ class JobRunner:
                     break
                 p.join(min(renew, left))
                 if p.is_alive() and not self._renew(job_id):
+                    # The renewal fails once the job is no longer running: either another
+                    # replica took it, or our worker stored its result and is still exiting
+                    # (a torch process takes a moment to tear down). Only the first is a loss.
+                    after = self.store.job(job_id)
+                    if after is not None and after["status"] != "running" and after["owner"] == self.replica:
+                        p.join(self.cfg.lease_seconds)
+                        if p.is_alive():  # stuck in its exit: its result is stored already
+                            p.kill()
+                            p.join()
+                        break
                     lost = True
                     break
             if self.stopping.is_set():

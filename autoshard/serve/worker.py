@@ -15,6 +15,7 @@ import os
 import traceback
 
 from autoshard.serve.store import Store
+from costmodel.calibrate import exit_rank
 
 _PHASES = (("traced", "building problem"), ("built problem", "solving"), ("solved", "assembling plan"))
 
@@ -68,6 +69,10 @@ def run_job(db: str, job_id: str, owner: str, parent: int) -> None:
         traceback.print_exc()
     finally:
         store.close()
+    # The result is stored: end now. The interpreter's teardown (torch, the fake process
+    # group) takes seconds on a busy host, CPU the API process needs, and the slot waits
+    # for this process to end before it claims the next job.
+    exit_rank(0)
 
 
 def _profile(store: Store, name: str):
