@@ -332,7 +332,10 @@ class Planner:
         t1 = time.perf_counter()
         budget = self._budget(opts)
         starts = [(name, _project(choice, gp)) for name, choice in starts]
-        recomputing = f" and recompute={rc.mode!r}" if rc.mode != "none" else ""
+        # The mode is always named: a budget that only recomputation meets is not "infeasible
+        # for this model" (a baseline without recomputation was said to be, beside our plan
+        # that fit it).
+        recomputing = f" ({'these pins, ' if problem.pins else ''}recompute={rc.mode!r})"
         try:
             late = None if late_starts is None else (
                 lambda: [(name, _project(choice, gp)) for name, choice in late_starts()])
@@ -340,7 +343,7 @@ class Planner:
         except solver.InfeasibleError as exc:
             err = MemoryBudgetError(
                 f"memory budget {human_bytes(budget)} per device is infeasible for this model"
-                f"{' with these pins' if problem.pins else ''}{recomputing} on mesh {tuple(self.mesh.shape)}: "
+                f"{recomputing} on mesh {tuple(self.mesh.shape)}: "
                 f"the smallest feasible budget is at least {human_bytes(exc.min_feasible_limit_bound)} "
                 f"({int(exc.min_feasible_limit_bound)} bytes)",
                 budget_bytes=budget, min_feasible_bytes=exc.min_feasible_limit_bound,
