@@ -62,8 +62,8 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     # Up to ``upper`` itself, plus what rounding may add to its choice's integer cost: a search
     # that finds only the given answer again, and proves it, has proved that answer optimal
     # (toulbar2 searches below its bound and, finding nothing, leaves its root bound).
-    slack = 0.5 * (len(costs) + len(edges))  # one rounded entry per table in any choice
-    rounding = slack / scale
+    rounding = rounding_slack(len(costs) + len(edges), scale)
+    slack = rounding * scale
     ub = TOP if upper is None else min(TOP, float(np.floor(upper * scale + slack)) + 1)
     # A solve that finds no solution leaves toulbar2's global state (options and more) such
     # that every later solve in the process ran ~15x slower; CFN()'s own reinit does not undo
@@ -88,6 +88,12 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     if method != "hbfs":  # DGVNS's bound is not relied on: no proof, no gap
         return list(res[0]), False, np.inf
     return list(res[0]), dual >= primal, max(0.0, primal - dual) / scale + rounding
+
+
+def rounding_slack(n_tables: int, scale: float) -> float:
+    """How far rounding to toulbar2's integer costs can move any choice's cost (cost units):
+    one rounded entry per table, half a unit each."""
+    return 0.5 * n_tables / scale
 
 
 def _post_tables(net, costs, edges, scale: float) -> None:

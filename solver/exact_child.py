@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from solver import cfn
 from solver.child import Child, read, write
 from solver.stall import Progress, StallRule
 
@@ -62,6 +63,7 @@ class ExactChild:
 
     def __init__(self, model, upper: float | None, seconds: float):
         self.scale = model.scale
+        self.rounding = cfn.rounding_slack(len(model.costs) + len(model.tables), model.scale)
         self.upper = math.inf if upper is None else upper
         self.child = Child("exact_child", (model.costs, model.tables, model.rows, model.scale, upper, seconds),
                            prefix="autoshard-exact-", watch=True)
@@ -71,6 +73,7 @@ class ExactChild:
         few seconds past ``deadline``); its answer."""
         phase, progress, phase_end, signalled, stats = None, None, math.inf, 0.0, []
         best = self.upper
+        lower_seen = -math.inf  # branch and bound's best bound line (the child may be stopped before its gap)
         ended = False
         while not ended:
             t, line = self.child.line(timeout=0.1) or (time.perf_counter(), "")
@@ -80,7 +83,14 @@ class ExactChild:
                 phase = line.split()[1]
                 progress, signalled = Progress(rule), 0.0
                 progress.begin(t)
-                progress.best = best  # bounds close the gap to the best answer known, not only this phase's
+                if phase == "hbfs":
+                    # Branch and bound under DGVNS's answer finds that answer again: only a
+                    # better one is progress (LLaMA-70B: 7 s were waited out after the re-find).
+                    progress.known(best)
+                else:
+                    # DGVNS's first answer is progress whatever it costs (it may take seconds
+                    # to post the network); bounds close the gap to the best answer known.
+                    progress.best = best
                 left = deadline - t
                 phase_end = t + VNS_SHARE * left if phase == "vns" else deadline
                 stats.append({"method": phase, "start": t, "ended": "finished", "best": None})
@@ -91,7 +101,8 @@ class ExactChild:
                 progress.incumbent(float(m.group(1)) / self.scale, t)
                 stats[-1]["best"] = best = progress.best
             elif phase == "hbfs" and (m := _BOUNDS.search(line)):
-                progress.bound(float(m.group(1)) / self.scale, t)
+                lower_seen = max(lower_seen, float(m.group(1)) / self.scale)
+                progress.bound(lower_seen, t)
             now = time.perf_counter()
             if phase is not None and now - signalled > 1.0:
                 why = None
@@ -119,6 +130,11 @@ class ExactChild:
         if out is None:
             return ExactAnswer(None, False, math.inf, stats)
         picked, proved, gap = out
+        if picked is not None and math.isfinite(lower_seen) and math.isfinite(best):
+            # Branch and bound stopped before it found any answer has no gap of its own; its
+            # bound lines still bound the optimum (searched below an upper bound above it).
+            # Both figures are rounded costs: each may be off by the rounding slack.
+            gap = min(gap, max(0.0, best - lower_seen) + 2 * self.rounding)
         return ExactAnswer(picked, proved, gap, stats)
 
     def close(self) -> None:
@@ -126,8 +142,6 @@ class ExactChild:
 
 
 def _main(folder: str) -> None:
-    from solver import cfn
-
     # Outside a search, a late stop signal must not end the process (its default action).
     signal.signal(signal.SIGVTALRM, signal.SIG_IGN)
     costs, tables, rows, scale, upper, seconds = read(Path(folder) / "in.pkl")

@@ -74,6 +74,17 @@ class Progress:
         if counts:
             self.last = t
 
+    def known(self, cost: float = math.inf, lower: float = -math.inf) -> None:
+        """An answer ``cost`` and a bound ``lower`` found before this search (by another one):
+        its own incumbents and bounds count only when they move past these, as if these were
+        its first counted events (no event is recorded: the patience still runs from
+        :meth:`begin`). A search that only finds the known answer again has not progressed."""
+        self.best = min(self.best, cost)
+        if cost < math.inf:
+            self.counted_cost = min(self.counted_cost, cost)
+        if lower > -math.inf:
+            self.counted_bound = max(self.counted_bound, lower)
+
     def _count(self, t: float) -> None:
         if self.first is None:
             self.first = t

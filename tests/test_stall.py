@@ -38,6 +38,27 @@ def test_a_begun_search_that_counts_its_start_stalls_when_silent():
     assert not p.stalled(12.9) and p.stalled(13.0)
 
 
+def test_a_search_after_another_progresses_only_past_what_is_known():
+    """Branch and bound under DGVNS's answer finds that answer again, and a MILP beside the
+    exact search reports bounds weaker than its: neither is progress."""
+    p = Progress(StallRule(gain=0.01, gap_share=0.1, min_seconds=2.0))
+    p.begin(0.0)
+    p.known(100.0, 80.0)
+    assert p.best == 100.0 and p.stalls_at() == math.inf  # nothing counted yet
+    assert not p.incumbent(100.0, 5.0)  # the known answer again
+    assert not p.incumbent(99.5, 6.0)  # below it, but by less than the gain
+    assert not p.bound(70.0, 7.0) and not p.bound(81.0, 7.5)  # weaker, or closing < 10% of 20
+    assert p.stalls_at() == math.inf
+    assert p.bound(82.5, 8.0)  # closes 2.5 of the 19.5 left: counts
+    assert p.stalls_at() == 16.0
+    assert p.incumbent(98.0, 9.0) and p.stalls_at() == 18.0
+    # Begun counting its start (the MILP beside the exact search): silent means stalled.
+    q = Progress(StallRule(min_seconds=3.0))
+    q.begin(0.0, counts=True)
+    q.known(100.0, 80.0)
+    assert not q.incumbent(100.0, 1.0) and q.stalled(3.0)
+
+
 @pytest.mark.parametrize("field,value", [("gain", 1.0), ("gap_share", -0.1), ("patience", -1.0),
                                          ("min_seconds", -1.0)])
 def test_rule_checks_its_fields(field, value):
