@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from solver.memrows import RowsTooLarge, memory_rows
+from solver.evaluate import memory_profile
+from solver.memrows import SPARSE_ENTRIES, RowsTooLarge, live_matrix, memory_rows
 from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 
 
@@ -336,7 +337,11 @@ def check_memory_rows(problem: Problem, max_entries: float) -> None:
 
 def _memory_rows(model: ArrayModel, problem: Problem, rep: np.ndarray, allowed, max_entries: float) -> None:
     """One row per memory row of :func:`solver.memrows.memory_rows` (tied groups aggregated,
-    implied rows dropped), over the node columns."""
+    implied rows dropped), over the node columns; large untied problems through
+    :func:`_sparse_memory_rows`."""
+    if not problem.ties and _live_entries(problem, allowed) > SPARSE_ENTRIES:
+        _sparse_memory_rows(model, problem, allowed, max_entries)
+        return
     try:
         mr = memory_rows(problem, rep, allowed, max_entries)
     except RowsTooLarge as exc:
@@ -353,6 +358,44 @@ def _memory_rows(model: ArrayModel, problem: Problem, rep: np.ndarray, allowed, 
                        np.concatenate(rr), np.concatenate(cc), np.concatenate(vv))
     model.stats["memory_rows"] = len(mr.rows)
     model.stats["memory_segments"] = mr.segments
+
+
+def _live_entries(problem: Problem, allowed) -> float:
+    """Live-node entries summed over the time points where some node's usage can vary: an
+    upper bound on what the rows hold, in one sweep."""
+    spread = np.array([problem.node_usages[v][a].max() - problem.node_usages[v][a].min() if a.size else 0.0
+                       for v, a in enumerate(allowed)])
+    _, live = memory_profile(problem, (spread > 0).astype(np.float64))
+    return float(live.sum()) if live.size else 0.0
+
+
+def _sparse_memory_rows(model: ArrayModel, problem: Problem, allowed, max_entries: float) -> None:
+    """The rows of :func:`solver.memrows.live_matrix`, expanded over each node's columns with numpy."""
+    try:
+        lm = live_matrix(problem, allowed, max_entries)
+    except RowsTooLarge as exc:
+        raise ModelTooLarge(str(exc)) from exc
+    cols, coefs, length = [], [], np.zeros(problem.num_nodes, dtype=np.int64)
+    for v in np.unique(lm.node).tolist():
+        c = problem.node_usages[v][allowed[v]] - lm.low[v]
+        nz = c != 0
+        cols.append(model.node_cols[v][allowed[v]][nz])
+        coefs.append(c[nz])
+        length[v] = int(nz.sum())
+    start = np.cumsum(length) - length  # nodes in increasing order, as the loop appended them
+    per = length[lm.node]
+    total = int(per.sum())
+    if total > max_entries:
+        raise ModelTooLarge(f"{lm.rhs.size} memory rows with {total:.3g} entries exceed the budget of "
+                            f"{max_entries:.3g}")
+    at = np.repeat(start[lm.node], per) + np.arange(total) - np.repeat(np.cumsum(per) - per, per)
+    flat_cols = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
+    flat_coefs = np.concatenate(coefs) if coefs else np.zeros(0)
+    if lm.rhs.size:
+        model.add_rows(np.full(lm.rhs.size, -math.inf), lm.rhs, np.repeat(lm.row, per), flat_cols[at],
+                       flat_coefs[at])
+    model.stats["memory_rows"] = int(lm.rhs.size)
+    model.stats["memory_segments"] = int(lm.rhs.size)
 
 
 def _interrupt_after(h, deadline: float, stop=None) -> None:

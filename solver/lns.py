@@ -62,22 +62,33 @@ def subproblem(problem: Problem, adj: local.Adjacency, mem: local.Memory, choice
     if not np.isfinite(limit):
         return Problem(costs, usages, np.stack([a, b], axis=1), np.array(edges, dtype=np.int64).reshape(-1, 2),
                        mats, None, ties=_window_ties(problem, index))
-    # Usage of the fixed nodes per time segment; the window's runs of equal live sets.
     current = np.array([problem.node_usages[v][choice[v]] for v in free.tolist()])
+    intervals, fillers, top = fold_fixed(mem, free, current)
+    costs += [np.zeros(1) for _ in fillers]
+    usages += [np.array([u]) for u in fillers]
+    return Problem(costs, usages, intervals, np.array(edges, dtype=np.int64).reshape(-1, 2),
+                   mats, top, ties=_window_ties(problem, index))
+
+
+def fold_fixed(mem: local.Memory, free: np.ndarray, current: np.ndarray) -> tuple[np.ndarray, list[float], float]:
+    """The memory of every node outside ``free`` folded into one limit: (intervals of the free
+    nodes, then of one filler per run, in run indices; each filler's usage; the limit). Runs
+    are the stretches of segments with the same live free nodes; a run's residual is the limit
+    less the most the fixed nodes (``current``: the free nodes' usage now) use in it, and its
+    filler takes up ``top - residual``, ``top`` the largest residual."""
+    a, b = mem.a[free], mem.b[free]
     fixed_total = mem.total - mem.profile(current, free)
     cuts = np.unique(np.concatenate([a, b]))
     cuts = cuts[cuts < fixed_total.size]
-    residual = limit - np.maximum.reduceat(fixed_total, cuts) if cuts.size else np.zeros(0)
-    run_of = lambda t: np.searchsorted(cuts, t)  # noqa: E731 - segment index -> run index
-    intervals = [np.stack([run_of(a), run_of(b)], axis=1)]
+    residual = mem.limit - np.maximum.reduceat(fixed_total, cuts) if cuts.size else np.zeros(0)
+    intervals = [np.stack([np.searchsorted(cuts, a), np.searchsorted(cuts, b)], axis=1)]
     top = float(residual.max()) if residual.size else 0.0
+    fillers = []
     for r, res in enumerate(residual.tolist()):
         if top - res > 0:
-            costs.append(np.zeros(1))
-            usages.append(np.array([top - res]))
+            fillers.append(top - res)
             intervals.append(np.array([[r, r + 1]]))
-    return Problem(costs, usages, np.concatenate(intervals), np.array(edges, dtype=np.int64).reshape(-1, 2),
-                   mats, max(top, 0.0), ties=_window_ties(problem, index))
+    return np.concatenate(intervals), fillers, max(top, 0.0)
 
 
 def _window_ties(problem: Problem, index: dict[int, int]) -> list[list[int]]:

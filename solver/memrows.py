@@ -100,14 +100,19 @@ class _Segments:
     """Groups whose row no neighbour implies."""
 
 
-def kept_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray) -> _Segments | None:
+def kept_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray,
+                  spread: np.ndarray | None = None) -> _Segments | None:
     """Time splits into segments between interval endpoints; on segment k the varying nodes
     S_k are live and the least usage of everything live is b_k. The row of k reads
     sum_(v in S_k) (usage_v - least_v) <= limit - b_k. It is implied by a neighbour j when
     S_k is a subset of S_j (no varying node starts or ends between them, in the right
     direction) and b_k <= b_j. Runs of segments with the same S keep the largest b;
     neighbours then differ in S, so no two rows drop each other, and the survivors imply
-    every dropped row. None when there is no segment."""
+    every dropped row. With ``spread`` (per node, its largest allowed usage less its least)
+    a row that cannot bind, b_k + sum_(v in S_k) spread_v <= limit, is dropped too: on a
+    sub-problem around an answer that fits (:mod:`solver.recombine`) most rows are such. A row
+    that a neighbour implies cannot bind when that neighbour cannot. None when there is no
+    segment."""
     iv = problem.intervals
     live = iv[:, 1] > iv[:, 0]
     times, base_total = memory_profile(problem, np.where(live, base_usage, 0.0))
@@ -138,14 +143,21 @@ def kept_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray)
             t_right = gfirst[g + 1]
             if not vend[t_right] and gbase[g] <= gbase[g + 1]:
                 keep[g] = False  # only starts at the right boundary: S_g is inside S_(g+1)
+    if spread is not None and problem.usage_limit is not None:
+        events = np.zeros(times.size)
+        np.add.at(events, np.searchsorted(times, iv[vn, 0]), spread[vn])
+        np.add.at(events, np.searchsorted(times, iv[vn, 1]), -spread[vn])
+        most = gbase + np.cumsum(events)[gfirst]
+        keep &= most > float(problem.usage_limit) * (1 + 1e-12)
     return _Segments(times, vn, gid, gfirst, gbase, keep)
 
 
-def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray, max_entries: float = np.inf):
+def memory_segments(problem: Problem, varying: np.ndarray, base_usage: np.ndarray, max_entries: float = np.inf,
+                    spread: np.ndarray | None = None):
     """The memory rows that are not implied by others (:func:`kept_segments`), as
     ``[(live varying nodes, base usage)]``; :class:`RowsTooLarge` when the live sets would
     hold more than ``max_entries`` nodes in all."""
-    seg = kept_segments(problem, varying, base_usage)
+    seg = kept_segments(problem, varying, base_usage, spread)
     if seg is None:
         return []
     iv, times, vn, gfirst, gbase, keep = problem.intervals, seg.times, seg.vn, seg.gfirst, seg.gbase, seg.keep
@@ -324,6 +336,60 @@ def _undominated(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class LiveMatrix:
+    """Memory rows of an untied problem as (row, node) pairs: row ``row[j]`` holds node ``node[j]``
+    with coefficients ``m_v(i) - low_v``; ``rhs[r]`` is its right-hand side."""
+
+    rhs: np.ndarray
+    row: np.ndarray
+    node: np.ndarray
+    low: np.ndarray
+    """``low[v]``: the least allowed usage of v (its coefficients are the usage above it)."""
+
+
+#: Live-node entries past which an untied problem's rows are built by :func:`live_matrix`.
+SPARSE_ENTRIES = 2e5
+
+
+def live_matrix(problem: Problem, allowed: list[np.ndarray], max_entries: float = np.inf) -> LiveMatrix:
+    """The rows of :func:`kept_segments` (those that can bind and that no neighbour implies) for
+    a problem without ties, built as arrays: each varying node is live on a contiguous range of
+    kept rows, so its (row, node) pairs are one ``arange``. Rows are neither deduplicated nor
+    checked for dominance (a repeated or implied row is harmless to the MILP): where every node
+    is its own class, that materialization cost a Python step per entry (IOPDDL T's merges: 5e6
+    entries, 100 s). :class:`RowsTooLarge` past ``max_entries``, :class:`MemoryInfeasible` where a
+    row with nothing to choose already breaks the limit."""
+    limit = float(problem.usage_limit)
+    low, varying = least_usage(problem, allowed)
+    spread = np.array([problem.node_usages[v][a].max() for v, a in enumerate(allowed)]) - low
+    seg = kept_segments(problem, varying, low, spread)
+    empty = np.zeros(0, dtype=np.int64)
+    if seg is None:
+        return LiveMatrix(np.zeros(0), empty, empty, low)
+    iv, times, vn = problem.intervals, seg.times, seg.vn
+    ng, nseg = seg.gfirst.size, times.size - 1
+    first_g = seg.gid[np.searchsorted(times, iv[vn, 0])]
+    end_t = np.searchsorted(times, iv[vn, 1])
+    end_g = np.where(end_t < nseg, seg.gid[np.minimum(end_t, nseg - 1)], ng)
+    kept_before = np.concatenate([[0], np.cumsum(seg.keep)])  # kept row index of group g
+    lo, hi = kept_before[first_g], kept_before[end_g]
+    counts = hi - lo
+    total = int(counts.sum())
+    if total > max_entries:
+        raise RowsTooLarge(f"{int(seg.keep.sum())} memory rows with {total:.3g} live-node entries exceed the "
+                           f"budget of {max_entries:.3g}")
+    row = np.repeat(lo, counts) + np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    node = np.repeat(vn, counts)
+    rhs = limit - seg.gbase[seg.keep]
+    used = np.zeros(rhs.size, dtype=bool)
+    used[row] = True
+    if (rhs[~used] < 0).any():
+        raise MemoryInfeasible(float(limit - rhs[~used].min()), limit)
+    renumber = np.cumsum(used) - 1
+    return LiveMatrix(rhs[used], renumber[row], node, low)
+
+
 def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
                 max_entries: float = np.inf, progressions: bool = True) -> MemoryRows:
     """The memory rows of ``problem`` over tie-group heads ``rep`` with the final ``allowed``
@@ -334,15 +400,16 @@ def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
         return MemoryRows([], 0, 0)
     limit = float(problem.usage_limit)
     low, varying = least_usage(problem, allowed)
+    spread = np.array([problem.node_usages[v][a].max() for v, a in enumerate(allowed)]) - low
     cls, first = tie_classes(problem, rep)
-    seg = kept_segments(problem, varying, low)
+    seg = kept_segments(problem, varying, low, spread)
     if seg is None:
         segments, distinct = 0, []
     elif seg.gfirst.size * len(first) <= MAX_NODE_ENTRIES:  # tied layers: few classes, count them
         segments = int(seg.keep.sum())
         distinct = class_counts(problem, seg, cls, len(first), limit)
     else:  # about a class per node (untied graphs): the live sets themselves
-        live_sets = memory_segments(problem, varying, low, MAX_NODE_ENTRIES)
+        live_sets = memory_segments(problem, varying, low, min(max_entries, MAX_NODE_ENTRIES), spread)
         segments = len(live_sets)
         distinct = distinct_rows(live_sets, cls, limit)
     if progressions:

@@ -25,7 +25,10 @@ overflow by at most ``REPAIR_OVERFLOW``, are repaired: the broken nodes' weights
 are raised and the core re-descended (:func:`_reweigh`, so core nodes move with the trees
 and chains eliminated into them), then a greedy per-byte repair
 (:func:`solver.heuristic.repair_memory`) and local search. The best feasible answer is
-kept, and :mod:`solver.lns` then polishes it.
+kept, and :mod:`solver.lns` then polishes it. A round that breaks the limit but costs less
+than the best answer is merged with it (:func:`solver.recombine.merge`: the best answer whose
+every node takes the strategy one of the two takes, solved exactly with the memory rows):
+rounds land either well under the limit or over it, and the merge finds what lies between.
 
 Per-segment Lagrange multipliers (one per run of time points, summed over a node's
 interval) were the previous design. L(mu) bounds the optimum, but on IOPDDL S the
@@ -43,7 +46,7 @@ import time
 
 import numpy as np
 
-from solver import cfn, heuristic, local
+from solver import cfn, heuristic, local, recombine
 from solver.core import CoreSolver, cost_scale, descend
 from solver.eliminate import Eliminator
 from solver.evaluate import evaluate
@@ -67,6 +70,9 @@ ROUND_SHARE = 0.2
 #: rounds 14-24 only repeated answers 15% above it.)
 STALL_ROUNDS = 5
 STALL_SHARE = 1 / 2
+
+#: Share of the remaining time one merge (:func:`solver.recombine.merge`) may take at most.
+MERGE_SHARE = 0.25
 
 
 class Brackets:
@@ -182,6 +188,9 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
 
     w = np.zeros(n)
     seen: set[bytes] = set()
+    merged_with: set[bytes] = set()
+    no_gain_at = np.inf  # the least overflow of a round whose merge gained nothing
+    adj = local.Adjacency(problem)
     rounds, last = 0, 0.0
     own, last_gain, gain_round = np.inf, 0.0, 0  # the search's own answers, the start aside
     retried = False
@@ -239,8 +248,29 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
                         best, upper = fixed, ev.cost
                         if on_best is not None:
                             on_best(best, upper)
+        merged = None
+        if (own < np.inf and not raw.feasible and raw.cost < upper and raw.peak_usage < no_gain_at
+                and key not in merged_with):
+            # An overflowing round is cheaper than the best answer somewhere: keep what it gains
+            # where memory allows, node by node (the rounds alone sit either well under the limit
+            # or over it, never near it). Only once the search fits on its own (its weights then
+            # bracket the limit; merges of IOPDDL T's heuristic start with rounds 1.5-6.7x over the
+            # limit took 72 s for nothing), and below the overflow of any merge that gained nothing.
+            merged_with.add(key)
+            until = min(deadline, time.perf_counter() + max(5.0, MERGE_SHARE * (deadline - time.perf_counter())))
+            found = recombine.merge(problem, best, [choice], until, adj)
+            if found is None:
+                no_gain_at = raw.peak_usage
+            else:
+                merged = evaluate(problem, found).cost
+                if merged < own:
+                    own, last_gain, gain_round = merged, time.perf_counter(), rounds
+                best, upper = found, merged
+                if on_best is not None:
+                    on_best(best, upper)
         log.info(f"weights round {rounds}: pairwise cost {raw.cost:.6g}, peak {raw.peak_usage / limit:.4f}x limit, "
             f"{int(broken.sum())} nodes broken, repaired {'-' if repaired is None else f'{repaired:.6g}'}, "
-            f"best {upper:.6g} ({time.perf_counter() - t_begin:.1f}s)")
+            f"merged {'-' if merged is None else f'{merged:.6g}'}, best {upper:.6g} "
+            f"({time.perf_counter() - t_begin:.1f}s)")
         last = time.perf_counter() - now
     return best, lower
