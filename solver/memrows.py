@@ -391,16 +391,17 @@ def live_matrix(problem: Problem, allowed: list[np.ndarray], max_entries: float 
 
 
 def memory_rows(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
-                max_entries: float = np.inf, progressions: bool = True) -> MemoryRows:
+                max_entries: float = np.inf, progressions: bool = True, binding: bool = True) -> MemoryRows:
     """The memory rows of ``problem`` over tie-group heads ``rep`` with the final ``allowed``
     strategies (after reductions; tied nodes share their head's). :class:`RowsTooLarge` past
     ``max_entries``; :class:`MemoryInfeasible` when a segment's least usage breaks the limit.
-    ``progressions=False`` keeps the rows inside progressions (:func:`_midpoints`), for comparison."""
+    ``progressions=False`` keeps the rows inside progressions (:func:`_midpoints`), ``binding=False``
+    the rows that cannot bind (:func:`kept_segments`), for comparison."""
     if problem.usage_limit is None:
         return MemoryRows([], 0, 0)
     limit = float(problem.usage_limit)
     low, varying = least_usage(problem, allowed)
-    spread = np.array([problem.node_usages[v][a].max() for v, a in enumerate(allowed)]) - low
+    spread = np.array([problem.node_usages[v][a].max() for v, a in enumerate(allowed)]) - low if binding else None
     cls, first = tie_classes(problem, rep)
     seg = kept_segments(problem, varying, low, spread)
     if seg is None:
