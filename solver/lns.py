@@ -179,10 +179,13 @@ def _trading_seeds(problem, adj, choice, live: np.ndarray, rng, count: int = 6) 
     return seeds, rng.permutation(live).tolist()
 
 
-def _solve_window(sub: Problem, start: np.ndarray, seconds: float) -> np.ndarray | None:
+def solve_window(sub: Problem, start: np.ndarray, seconds: float,
+                 model: highs_model.ArrayModel | None = None) -> np.ndarray | None:
+    """HiGHS on ``sub`` (its MILP ``model``, built here when not given) for ``seconds`` from
+    ``start``: its answer, or None when it found none."""
     import highspy
 
-    model = highs_model.build(sub)
+    model = model if model is not None else highs_model.build(sub)
     if model.cost.size == 0:
         return highs_model.extract(model, np.zeros(0), sub.num_nodes)
     h = highs_model.to_highs(model, seconds, 1e-9)
@@ -245,7 +248,7 @@ class WindowSearch:
         if seconds < 0.2:
             return False
         try:
-            found = _solve_window(sub, start, seconds)
+            found = solve_window(sub, start, seconds)
         except ProvedInfeasible:  # the window's fixed surroundings leave it no feasible choice
             return False
         if found is None:

@@ -60,8 +60,6 @@ def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline
     """The merge's answer (see the module doc) found by HiGHS before ``deadline``, started from
     ``base`` (feasible): a cheaper feasible answer, or None (nothing cheaper, no time, or a
     model over :data:`MAX_NONZEROS`)."""
-    import highspy
-
     base = np.asarray(base, dtype=np.int64)
     others = [np.asarray(o, dtype=np.int64) for o in others if not np.array_equal(o, base)]
     before = evaluate(problem, base)
@@ -79,18 +77,7 @@ def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline
     if seconds < 0.5:
         return None
     start = np.concatenate([base[free], np.zeros(sub.num_nodes - free.size, dtype=np.int64)])
-    if model.cost.size == 0:  # the reductions fixed every node
-        found = highs_model.extract(model, np.zeros(0), sub.num_nodes)
-    else:
-        h = highs_model.to_highs(model, seconds, 1e-9)
-        sol = highspy.HighsSolution()
-        sol.col_value = highs_model.start_vector(model, start).tolist()
-        sol.value_valid = True
-        h.setSolution(sol)
-        h.run()
-        if h.getInfo().primal_solution_status < 2:
-            return None
-        found = highs_model.extract(model, np.asarray(h.getSolution().col_value), sub.num_nodes)
+    found = lns.solve_window(sub, start, seconds, model)
     if found is None:
         return None
     trial = base.copy()
