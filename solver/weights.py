@@ -25,10 +25,11 @@ overflow by at most ``REPAIR_OVERFLOW``, are repaired: the broken nodes' weights
 are raised and the core re-descended (:func:`_reweigh`, so core nodes move with the trees
 and chains eliminated into them), then a greedy per-byte repair
 (:func:`solver.heuristic.repair_memory`) and local search. The best feasible answer is
-kept, and :mod:`solver.lns` then polishes it. A round that breaks the limit but costs less
-than the best answer is merged with it (:func:`solver.recombine.merge`: the best answer whose
-every node takes the strategy one of the two takes, solved exactly with the memory rows):
-rounds land either well under the limit or over it, and the merge finds what lies between.
+kept, and :mod:`solver.lns` then polishes it. Once the search fits on its own, each round
+that breaks the limit is merged with the best answer and the last round merged
+(:func:`solver.recombine.merge`: the best answer whose every node takes the strategy one of
+the three takes, solved exactly with the memory rows): rounds land either well under the
+limit or over it, and the merge finds what lies between.
 
 Per-segment Lagrange multipliers (one per run of time points, summed over a node's
 interval) were the previous design. L(mu) bounds the optimum, but on IOPDDL S the
@@ -66,7 +67,7 @@ ROUND_SHARE = 0.2
 
 #: The same for the memory-free round, which every later round starts from and which gives
 #: the bound: capped at a fifth, IOPDDL A's (proved in 6.5-8 s alone) was cut off twice inside
-#: its 60 s, and its rounds then started from a descent's answer (A 0.44 against 0.996).
+#: its 60 s, so its rounds started from a descent's answer and it reported no bound.
 FREE_ROUND_SHARE = 0.5
 
 #: The search stops early once its own answers (repaired rounds) have not improved for this
@@ -195,7 +196,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
     seen: set[bytes] = set()
     merged_with: set[bytes] = set()
     no_gain_at = np.inf  # the least overflow of a round whose merge gained nothing
-    partners: list[np.ndarray] = []  # the rounds merged so far
+    partner: list[np.ndarray] = []  # the last round merged
     adj = local.Adjacency(problem)
     rounds, last = 0, 0.0
     own, last_gain, gain_round = np.inf, 0.0, 0  # the search's own answers, the start aside
@@ -267,8 +268,8 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
             # limit and dearer than the best were left unmerged: K 0.965).
             merged_with.add(key)
             until = min(deadline, time.perf_counter() + max(5.0, MERGE_SHARE * (deadline - time.perf_counter())))
-            found = recombine.merge(problem, best, [choice] + partners[-1:], until, adj)
-            partners.append(choice)
+            found = recombine.merge(problem, best, [choice] + partner, until, adj)
+            partner = [choice]
             if found is None:
                 no_gain_at = raw.peak_usage
             else:
