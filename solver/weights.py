@@ -259,16 +259,14 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
         merged = None
         if own < np.inf and not raw.feasible and key not in merged_with and (raw.peak_usage < no_gain_at
                                                                              or raw.cost < upper):
-            # An overflowing round is cheaper than the best answer somewhere: keep what it gains
-            # where memory allows, node by node (the rounds alone sit either well under the limit
-            # or over it, never near it), together with the last round merged (IOPDDL T: 0.976-0.986
-            # merging one round, 0.996 two). Only once the search fits on its own (its weights then
-            # bracket the limit; merges of IOPDDL T's heuristic start with rounds 1.5-6.7x over the
-            # limit took 72 s for nothing), and below the overflow of any merge that gained nothing
-            # unless the round costs less than the best in all (IOPDDL K: a round 5% cheaper at
-            # 1.037x the limit went unmerged after a merge at 1.022x gained nothing; K 0.964).
-            # A round dearer in all may still be cheaper in places (IOPDDL K's rounds 1-3% over the
-            # limit and dearer than the best were left unmerged: K 0.965).
+            # Rounds land well under the limit or over it, never near it; an overflowing round is
+            # cheaper than the best answer somewhere, and the merge keeps that where memory allows.
+            # It is merged together with the last round merged (IOPDDL T: 0.976-0.986 merging one
+            # round, 0.996 two), and whether or not it costs less in all (K's rounds 1-3% over and
+            # dearer than the best, left unmerged: K 0.965). Only once the search fits on its own
+            # (merges of T's heuristic start with rounds 1.5-6.7x over took 72 s for nothing), and
+            # below the overflow of a merge that gained nothing unless the round costs less than
+            # the best (K: a round 5% cheaper at 1.037x left unmerged after one at 1.022x: 0.964).
             merged_with.add(key)
             until = min(deadline, time.perf_counter() + max(5.0, MERGE_SHARE * (deadline - time.perf_counter())))
             found = recombine.merge(problem, best, [choice] + partner, until, adj)
