@@ -8,15 +8,17 @@ axes of size >= 2 whose innermost axis stays within a node (``devices_per_node``
 profile; a 1-D mesh is always tried). Shapes that differ only in the order of their
 inter-node axes cost the same and are tried once.
 
-The model is traced once (the trace does not depend on the mesh); each shape's problem is
-built, then bounded from below by its cheapest strategy per node, edges free (a proof:
-edges and memory only add cost); a shape whose bound is not below the best plan found so
-far is not solved. The others are screened in :func:`search_order`, each with an equal share
-of half the time limit (at least ``MIN_SCREEN_SECONDS``); shapes whose turn comes after that
-half is spent are skipped. The cheapest is then solved in full (seeded by the hand-written
-plans, as on a given mesh) for at least the other half. ``time_limit`` is the whole search's:
-raise it to screen more shapes. Every shape goes in the table, with why it was pruned or
-skipped or what it cost.
+The model is traced once (the trace does not depend on the mesh). Each shape's problem is
+built and bounded from below: by its cheapest strategy per node, edges free, and by its
+optimum with memory ignored (toulbar2 on the tied layers' quotient, seconds per shape; both
+are proofs, since edges, memory and recomputation only add cost). Shapes are bounded in
+:func:`search_order` for ``BOUND_SHARE`` of the time limit, then solved in increasing bound,
+each as a plan on a given mesh is (hand-written seeds included) with an equal share of the
+time left; a shape whose bound is not below the best plan found is pruned unsolved. Where
+memory does not bind the lowest bound's plan, the first solve proves it and every other
+shape is pruned. ``time_limit`` is the whole search's: raise it to bound or solve more
+shapes. Every shape goes in the table, with its bound and why it was pruned or skipped or
+what it cost.
 """
 
 from __future__ import annotations
@@ -75,13 +77,14 @@ class ShapeResult:
     shape: tuple[int, ...]
     outcome: str
     """``chosen`` (the answer's shape), ``planned``, ``pruned`` (its bound is not below the best
-    plan found before it), ``infeasible`` (nothing fits the memory budget), ``skipped`` (the
-    screening time was spent before its turn) or ``error`` (the note says why: a pin written for
-    another number of axes ...)."""
+    plan found before its turn), ``infeasible`` (nothing fits the memory budget), ``skipped``
+    (the time was spent before it was bounded or solved) or ``error`` (the note says why: a pin
+    written for another number of axes ...)."""
     step_us: float | None = None
     peak_mem_bytes: int | None = None
     bound_us: float | None = None
-    """A proved lower bound on any plan of this shape (cheapest strategy per node)."""
+    """A proved lower bound on any plan of this shape: the larger of its cheapest strategy per
+    node, its memory-free optimum's bound and the solver's own."""
     seconds: float = 0.0
     note: str = ""
 
@@ -95,27 +98,56 @@ def axis_names(k: int) -> tuple[str, ...]:
     return tuple(f"axis{a}" for a in range(k))
 
 
-#: Share of ``time_limit`` for the screening pass over the shapes; the chosen shape's full
-#: solve (hand-written plans as seeds, as a plan on a given mesh) gets at least the rest.
-SCREEN_SHARE = 0.5
-#: The least time a shape is screened with: below it the memory-free search is cut off before
-#: it proves (1-2 s on LLaMA-8B) and a screening answer says nothing about the shape.
-MIN_SCREEN_SECONDS = 10.0
+#: Share of ``time_limit`` for bounding shapes (building each one's problem and solving it
+#: with memory ignored); the solves in bound order get the rest, and at least
+#: ``MIN_SOLVE_SECONDS`` each.
+BOUND_SHARE = 0.75
+#: The most a shape's memory-free search may take: a search cut off proves a weaker bound,
+#: and one slow shape must not take the time of all that follow.
+MAX_BOUND_SECONDS = 10.0
+#: The least time a shape is solved with: below it the memory-free stage is cut off before it
+#: proves (1-2 s on LLaMA-8B's 3-D meshes) and an answer says little about the shape.
+MIN_SOLVE_SECONDS = 10.0
 
 
 def search_order(shapes: list[tuple[int, ...]], devices_per_node: int) -> list[tuple[int, ...]]:
-    """The order shapes are screened in, likeliest first where time runs out: the 1-D mesh
+    """The order shapes are bounded in, likeliest first where time runs out: the 1-D mesh
     (cheap to build), then shapes whose innermost axis is a whole node (tensor parallelism on
     the fast links), then the rest; fewer axes first within each."""
     return sorted(shapes, key=lambda s: (len(s) > 1, s[-1] != devices_per_node, len(s), s))
 
 
+def coarsenings(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The shapes of one axis fewer that ``shape`` refines: two adjacent axes merged into one."""
+    return [shape[:a] + (shape[a] * shape[a + 1],) + shape[a + 2:] for a in range(len(shape) - 1)]
+
+
+def next_to_bound(todo: list[tuple[int, ...]], bounds: dict[tuple[int, ...], float]) -> tuple[int, ...]:
+    """The shape to bound next: fewest axes first; among shapes of as many axes, those refining
+    the coarser shape of lowest bound first (a mesh with an axis split in two can lay out every
+    plan of the coarser one, a dim split by both halves for one split by the whole, so the best
+    coarse shapes' refinements are the likeliest to be best: LLaMA-8B's best 3-D shapes on 64
+    and 512 ranks split the inner axis of the best 2-D shape), then in ``todo``'s order."""
+    fewest = min(len(s) for s in todo)
+
+    def key(item):
+        order, shape = item
+        coarse = [bounds[c] for c in coarsenings(shape) if c in bounds]
+        return (min(coarse, default=float("inf")), order)
+
+    return min(((i, s) for i, s in enumerate(todo) if len(s) == fewest), key=key)[1]
+
+
 def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner, max_axes: int = 3) -> Plan:
     """The best plan over :func:`mesh_shapes`, its table in ``plan.summary["mesh_search"]``.
 
-    A screening pass solves each shape not pruned by its bound with an equal share of half the
-    time, without the hand-written seeds; the cheapest shape is then solved as a plan on a given
-    mesh is, for the time left, and its plan is the answer (never dearer than its screening)."""
+    Two passes. *Bounds*: each shape's problem is built and solved with memory ignored
+    (:meth:`Planner.memory_free`), in :func:`search_order`, for ``BOUND_SHARE`` of the time:
+    a proved lower bound per shape. *Solves*: shapes in increasing bound, each planned as a
+    plan on a given mesh is (hand-written seeds included where ``seed_baselines``), with an
+    equal share of the time left; a shape whose bound is not below the best plan found is
+    pruned, as no plan of it can be cheaper. Where the memory-free optimum of the lowest bound
+    fits the budget, that shape's plan is proved the best of all bounded shapes at once."""
     import torch.distributed as dist
 
     from autoshard.mesh import fake_mesh
@@ -130,61 +162,82 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                           first.profile.devices_per_node)
     log.info(f"mesh search over {len(shapes)} shapes of {ranks} ranks: "
              f"{', '.join('x'.join(map(str, s)) for s in shapes)}")
-    rows: list[ShapeResult] = []
-    best: tuple[Plan, object, ShapeResult] | None = None  # (plan, its planner, its row)
-    infeasible: list[MemoryBudgetError] = []
-    for k, shape in enumerate(shapes):
-        started = time.perf_counter()
-        if best is not None and started - t0 > SCREEN_SHARE * limit:
-            rows.append(ShapeResult(shape, "skipped", note=f"the screening time ({SCREEN_SHARE * limit:.0f} s of "
-                                                           f"time_limit) is spent: raise time_limit to plan it"))
+    rows = {shape: ShapeResult(shape, "skipped") for shape in shapes}
+    bounded: list[tuple[bool, float, int, tuple[int, ...], object]] = []  # (no free bound, bound, order, shape, planner)
+    bounds: dict[tuple[int, ...], float] = {}
+    spent: dict[int, list[float]] = {}  # seconds per shape bounded, by number of axes
+    todo = list(shapes)
+    while todo:
+        shape = next_to_bound(todo, bounds)
+        todo.remove(shape)
+        k, row, started = shapes.index(shape), rows[shape], time.perf_counter()
+        left = t0 + BOUND_SHARE * limit - started
+        like = spent.get(len(shape))
+        if bounded and (left <= 0 or (like and left < min(like))):
+            row.note = (f"the bounding time ({BOUND_SHARE * limit:.0f} s of time_limit) is spent: "
+                        "raise time_limit to plan it")
             continue
-        planner = first if k == 0 else make_planner(model, example_inputs,
-                                                    fake_mesh(shape, axis_names(len(shape))),
-                                                    options=options, traced=first.traced)
         try:
+            planner = first if k == 0 else make_planner(model, example_inputs,
+                                                        fake_mesh(shape, axis_names(len(shape))),
+                                                        options=options, traced=first.traced)
             bound = planner.cheapest_bound()
+            free = planner.memory_free(time_limit=max(1.0, min(MAX_BOUND_SECONDS, left)))
         except AutoshardError as exc:  # e.g. a pin written for another number of axes
-            rows.append(ShapeResult(shape, "error", seconds=time.perf_counter() - started, note=str(exc)))
+            row.outcome, row.seconds, row.note = "error", time.perf_counter() - started, str(exc)
             continue
+        if free is not None:
+            bound = bounds[shape] = max(bound, free.lower_bound)
+        row.bound_us, row.seconds = bound, time.perf_counter() - started
+        spent.setdefault(len(shape), []).append(row.seconds)
+        bounded.append((free is None, bound, k, shape, planner))
+        log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
+                 + (" (memory-free optimum, fits)" if free is not None and free.proved and free.fits else "")
+                 + f" in {row.seconds:.1f}s")
+    best: tuple[Plan, ShapeResult] | None = None
+    infeasible: list[MemoryBudgetError] = []
+    # Shapes whose memory-free search did not run (toulbar2 missing, cut off) hold only the
+    # cheapest-strategy bound, far below any plan: they are solved after those that have one.
+    bounded.sort(key=lambda b: b[:3])
+    for i, (_, bound, _, shape, planner) in enumerate(bounded):
+        row, started = rows[shape], time.perf_counter()
         if best is not None and bound >= best[0].summary["step_us"]:
-            rows.append(ShapeResult(shape, "pruned", bound_us=bound, seconds=time.perf_counter() - started,
-                                    note=f"bound {bound / 1e3:.3f} ms >= best "
-                                         f"{best[0].summary['step_us'] / 1e3:.3f} ms"))
+            row.outcome = "pruned"
+            row.note = f"bound {bound / 1e3:.3f} ms >= best {best[0].summary['step_us'] / 1e3:.3f} ms"
             continue
-        share = max(MIN_SCREEN_SECONDS, (t0 + SCREEN_SHARE * limit - time.perf_counter()) / (len(shapes) - k))
+        left = limit - (started - t0)
+        if best is not None and left < MIN_SOLVE_SECONDS:
+            row.note = "the time limit is spent: raise time_limit to plan it"
+            continue
+        share = max(MIN_SOLVE_SECONDS, left / (len(bounded) - i))
         try:
-            plan = planner.solve(time_limit=share, seed_baselines=False)
+            plan = planner.solve(time_limit=share)
         except MemoryBudgetError as exc:
             infeasible.append(exc)
-            rows.append(ShapeResult(shape, "infeasible", bound_us=bound, seconds=time.perf_counter() - started,
-                                    note=str(exc)))
+            row.outcome, row.note = "infeasible", str(exc)
+            row.seconds += time.perf_counter() - started
             continue
+        row.outcome, row.step_us, row.peak_mem_bytes = "planned", plan.summary["step_us"], plan.summary["peak_mem_bytes"]
         proved = plan.solver.get("bound")
-        row = ShapeResult(shape, "planned", plan.summary["step_us"], plan.summary["peak_mem_bytes"],
-                          max(bound, proved) if proved is not None else bound, time.perf_counter() - started,
-                          str(plan.solver.get("status", "")))
-        rows.append(row)
+        if proved is not None:
+            row.bound_us = max(row.bound_us, proved)
+        row.seconds += time.perf_counter() - started
+        row.note = str(plan.solver.get("status", ""))
         log.info(f"mesh {'x'.join(map(str, shape))}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "
                  f"({plan.solver.get('status')}) in {row.seconds:.1f}s")
         if best is None or plan.summary["step_us"] < best[0].summary["step_us"]:
-            best = (plan, planner, row)
+            best = (plan, row)
+    table = [rows[s] for s in shapes]
     if best is None and not infeasible:
         raise ConfigError(f"no mesh shape of {ranks} ranks could be planned: "
-                          + "; ".join(f"{'x'.join(map(str, r.shape))}: {r.note}" for r in rows))
+                          + "; ".join(f"{'x'.join(map(str, r.shape))}: {r.note}" for r in table))
     if best is None:
         low = min(infeasible, key=lambda e: e.min_feasible_bytes)
         raise MemoryBudgetError(f"no mesh shape of {ranks} ranks fits the memory budget ({len(shapes)} tried); "
                                 f"the closest: {low}", budget_bytes=low.budget_bytes,
                                 min_feasible_bytes=low.min_feasible_bytes)
-    plan, planner, row = best
-    started = time.perf_counter()
-    final = planner.solve(time_limit=max((1 - SCREEN_SHARE) * limit, limit - (started - t0)))
-    row.outcome, row.seconds = "chosen", row.seconds + time.perf_counter() - started
-    if final.summary["step_us"] <= plan.summary["step_us"]:
-        plan = final
-        row.step_us, row.peak_mem_bytes = final.summary["step_us"], final.summary["peak_mem_bytes"]
-        row.note = str(final.solver.get("status", ""))
-    plan.summary["mesh_search"] = [r.to_json() for r in rows]
+    plan, row = best
+    row.outcome = "chosen"
+    plan.summary["mesh_search"] = [r.to_json() for r in table]
     plan.summary["mesh_search_seconds"] = round(time.perf_counter() - t0, 3)
     return plan

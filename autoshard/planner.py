@@ -130,6 +130,9 @@ class Planner:
         self._variants: dict[str, tuple[Recompute, GraphProblem]] = {"none": (NONE, gp)}
         self._choices: dict[str, Recompute] = {"none": NONE}
         self._plans: dict[str, tuple[Plan, object]] = {}
+        self._free: dict[str, solver.MemoryFree] = {}
+        """Memory-free optima that are proved and fit their budget, by problem: a solve of that
+        problem has its answer (:meth:`memory_free`)."""
         self._infeasible: dict[str, MemoryBudgetError] = {}
         """Problems (by :func:`_problem_key`) proved infeasible under their budget."""
         self._seeds: dict[str, tuple[_Seed | str, float, bool]] = {}
@@ -184,6 +187,18 @@ class Planner:
         problem = self.problem(**overrides)
         return float(sum(np.min(problem.node_costs[v][problem.allowed(v)], initial=np.inf)
                          for v in range(problem.num_nodes)))
+
+    def memory_free(self, time_limit: float, **overrides) -> solver.MemoryFree | None:
+        """The optimum with memory ignored and nothing recomputed (:func:`solver.memory_free`),
+        within ``time_limit`` seconds. Its ``lower_bound`` bounds every plan of this problem in
+        any recompute mode (memory only constrains, recomputation only adds compute: the bound
+        ``recompute="auto"`` prunes modes with); where it fits the budget and is proved, it is
+        the plan."""
+        opts = self._options(overrides).replace(recompute="none")
+        free = solver.memory_free(self.problem(**_solve_fields(opts)), time_limit)
+        if free is not None and free.proved and free.fits:
+            self._free[_problem_key(opts)] = free
+        return free
 
     def solve(self, **overrides) -> Plan:
         """The plan under these options (:data:`~autoshard.options.SOLVE_FIELDS` may differ
@@ -336,10 +351,18 @@ class Planner:
         # for this model" (a baseline without recomputation was said to be, beside our plan
         # that fit it).
         recomputing = f" ({'these pins, ' if problem.pins else ''}recompute={rc.mode!r})"
+        free = self._free.get(_problem_key(opts))
         try:
             late = None if late_starts is None else (
                 lambda: [(name, _project(choice, gp)) for name, choice in late_starts()])
-            sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts, late_starts=late)
+            if free is not None:  # proved optimal where memory cannot bind: no start beats it
+                sol = solver.Solution(free.choice, free.cost, solver.Status.OPTIMAL, min(free.lower_bound, free.cost),
+                                      free.seconds, solver.evaluate(problem, free.choice).peak_usage, opts.backend,
+                                      {"pairwise": {"proved": True, "seconds": round(free.seconds, 3),
+                                                    "bound": free.lower_bound}}, "pairwise")
+            else:
+                sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts,
+                                   late_starts=late)
         except solver.InfeasibleError as exc:
             err = MemoryBudgetError(
                 f"memory budget {human_bytes(budget)} per device is infeasible for this model"

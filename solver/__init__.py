@@ -8,13 +8,14 @@ from solver.iopddl import load as load_iopddl
 from solver.iopddl import save as save_iopddl
 from solver.problem import FORBIDDEN, Problem, ProblemError
 from solver.schedule import Schedule
-from solver.solve import BACKENDS, InfeasibleError, Solution, Status, solve
+from solver.solve import BACKENDS, InfeasibleError, MemoryFree, Solution, Status, memory_free, solve
 
 __all__ = [
     "BACKENDS",
     "FORBIDDEN",
     "Evaluation",
     "InfeasibleError",
+    "MemoryFree",
     "Problem",
     "ProblemError",
     "Schedule",
@@ -22,6 +23,7 @@ __all__ = [
     "Status",
     "evaluate",
     "load_iopddl",
+    "memory_free",
     "save_iopddl",
     "solve",
 ]

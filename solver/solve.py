@@ -170,6 +170,38 @@ def _pairwise_first(problem, deadline):
     return choice, ev, bound, proved
 
 
+@dataclass
+class MemoryFree:
+    """The optimum of a problem's costs with memory ignored (:func:`memory_free`)."""
+
+    choice: np.ndarray
+    cost: float
+    lower_bound: float
+    """Proved: no choice costs less, memory or not (-inf where toulbar2 proved nothing in time)."""
+    proved: bool
+    """Whether ``cost`` is proved optimal (else ``lower_bound`` is toulbar2's bound at its time limit)."""
+    fits: bool
+    """Whether ``choice`` fits the memory limit: then it is the problem's optimum too, when proved."""
+    seconds: float
+
+
+def memory_free(problem: Problem, time_limit: float) -> MemoryFree | None:
+    """toulbar2 on the tie quotient with memory ignored, for at most ``time_limit`` seconds (the
+    first stage of :func:`solve`, alone): a lower bound on every answer, cheap where layers are
+    tied (LLaMA-8B on a 3-D mesh: 2 s), so callers that compare problems (mesh shapes) can rank
+    and prune them before solving any. None without toulbar2, on a quotient larger than
+    ``PAIRWISE_MAX_NODES``, below a second, or when nothing was found in time."""
+    if not cfn.available():
+        return None
+    t0 = time.perf_counter()
+    found = _pairwise_first(problem, t0 + time_limit)
+    if found is None:
+        return None
+    choice, ev, bound, proved = found
+    return MemoryFree(choice, ev.cost, float(bound) if math.isfinite(bound) else -math.inf, proved, ev.feasible,
+                      time.perf_counter() - t0)
+
+
 def cores() -> int:
     """CPU cores this process may run on."""
     try:

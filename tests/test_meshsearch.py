@@ -5,7 +5,7 @@ import torch
 from helpers import SHARDING_PROFILE
 
 import autoshard
-from autoshard.meshsearch import mesh_shapes, search_order
+from autoshard.meshsearch import coarsenings, mesh_shapes, next_to_bound, search_order
 from autoshard.models import llama
 
 
@@ -21,6 +21,37 @@ def test_shapes_are_factorizations_with_the_inner_axis_in_a_node():
         mesh_shapes(8, 8, max_axes=5)
     # 1-D first, then a whole node as the inner axis, fewer axes first
     assert search_order(mesh_shapes(64, 8), 8)[:3] == [(64,), (8, 8), (2, 4, 8)]
+
+
+def test_shapes_are_bounded_fewest_axes_first_refining_the_best_coarse_shape():
+    assert coarsenings((8, 2, 4)) == [(16, 4), (8, 8)]
+    assert coarsenings((64,)) == []
+    todo = [(2, 4, 8), (16, 4), (8, 2, 4), (4, 4, 4), (32, 2)]
+    assert next_to_bound(todo, {}) == (16, 4)  # fewer axes first, then todo's order
+    bounds = {(8, 8): 600.0, (16, 4): 702.0, (32, 2): 994.0}
+    three = [(2, 4, 8), (4, 4, 4), (8, 2, 4), (2, 16, 2)]
+    # (2, 4, 8) refines (8, 8) too: ties keep todo's order
+    assert next_to_bound(three, bounds) == (2, 4, 8)
+    assert next_to_bound(three[1:], bounds) == (8, 2, 4)  # refines (8, 8), before (4, 4, 4) of (16, 4)
+    assert next_to_bound([(4, 4, 4), (2, 16, 2)], bounds) == (4, 4, 4)
+    assert next_to_bound([(2, 16, 2), (4, 4, 4)], {}) == (2, 16, 2)  # nothing bounded: todo's order
+
+
+def test_memory_free_optimum_that_fits_is_the_plan(world):
+    world(4)
+    model = llama("tiny", n_layers=2)
+    tokens = torch.randint(0, 256, (8, 16))
+    from autoshard.planner import Planner
+
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    screened = Planner(model, (tokens,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
+    free = screened.memory_free(time_limit=30)
+    assert free.proved and free.fits and free.lower_bound <= free.cost
+    plan = screened.solve()
+    assert plan.solver["status"] == "optimal" and plan.solver["source"] == "pairwise"
+    alone = autoshard.plan(model, (tokens,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
+    assert plan.summary["step_us"] == pytest.approx(alone.summary["step_us"], rel=1e-9)
+    assert plan.summary["step_us"] == pytest.approx(free.cost / 1.0, rel=1e-9)
 
 
 @pytest.mark.slow
