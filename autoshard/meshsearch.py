@@ -163,7 +163,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     log.info(f"mesh search over {len(shapes)} shapes of {ranks} ranks: "
              f"{', '.join('x'.join(map(str, s)) for s in shapes)}")
     rows = {shape: ShapeResult(shape, "skipped") for shape in shapes}
-    bounded: list[tuple[bool, float, int, tuple[int, ...], object]] = []  # (no free bound, bound, order, shape, planner)
+    # (no memory-free bound, bound, order, shape, planner) per shape bounded
+    bounded: list[tuple[bool, float, int, tuple[int, ...], object]] = []
     bounds: dict[tuple[int, ...], float] = {}
     spent: dict[int, list[float]] = {}  # seconds per shape bounded, by number of axes
     todo = list(shapes)
@@ -217,7 +218,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             row.outcome, row.note = "infeasible", str(exc)
             row.seconds += time.perf_counter() - started
             continue
-        row.outcome, row.step_us, row.peak_mem_bytes = "planned", plan.summary["step_us"], plan.summary["peak_mem_bytes"]
+        row.outcome, row.step_us = "planned", plan.summary["step_us"]
+        row.peak_mem_bytes = plan.summary["peak_mem_bytes"]
         proved = plan.solver.get("bound")
         if proved is not None:
             row.bound_us = max(row.bound_us, proved)
