@@ -167,6 +167,9 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     bounded: list[tuple[bool, float, int, tuple[int, ...], object]] = []
     bounds: dict[tuple[int, ...], float] = {}
     spent: dict[int, list[float]] = {}  # seconds per shape bounded, by number of axes
+    # The cheapest memory-free optimum that fits the budget is a plan: shapes bounded at or above
+    # its cost are pruned as soon as it is known (and their problems freed).
+    upper, upper_shape = float("inf"), None
     todo = list(shapes)
     while todo:
         shape = next_to_bound(todo, bounds)
@@ -195,6 +198,13 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
                  + (" (memory-free optimum, fits)" if free is not None and free.proved and free.fits else "")
                  + f" in {row.seconds:.1f}s")
+        if free is not None and free.fits and free.cost < upper:
+            upper, upper_shape = free.cost, shape
+        for b in [b for b in bounded if b[3] != upper_shape and b[1] >= upper]:
+            bounded.remove(b)
+            rows[b[3]].outcome = "pruned"
+            rows[b[3]].note = (f"bound {b[1] / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the memory-free plan of "
+                               f"{'x'.join(map(str, upper_shape))} that fits")
     best: tuple[Plan, ShapeResult] | None = None
     infeasible: list[MemoryBudgetError] = []
     # Shapes whose memory-free search did not run (toulbar2 missing, cut off) hold only the

@@ -15,6 +15,8 @@ incumbent. The child runs two phases over the same network:
 
 The caller (:class:`ExactChild`) reads the lines, keeps one :class:`solver.stall.Progress` per
 phase and signals the child; the child writes its best answer after each phase (``out.pkl``).
+A child may run one phase alone (``phases``): with a core to spare, :func:`solver.solve` runs
+branch and bound in one child beside DGVNS in another, both from the start.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class ExactAnswer:
     """How far the answer can be above the optimum (cost units), inf when unknown."""
     phases: list[dict] = field(default_factory=list)
     """Per phase: method, seconds, how it ended, best cost seen."""
+    lower: float = -math.inf
+    """A bound on every answer's network cost that branch and bound's lines showed (rounding
+    slack taken off), -inf when none: it holds even where the search found no answer."""
 
 
 def table_cost(costs, tables, picked) -> float:
@@ -61,18 +66,27 @@ def table_cost(costs, tables, picked) -> float:
 class ExactChild:
     """The two phases in a child process; :meth:`run` watches it until it ends."""
 
-    def __init__(self, model, upper: float | None, seconds: float):
+    def __init__(self, model, upper: float | None, seconds: float, phases: tuple[str, ...] = PHASES):
+        if not phases or any(p not in PHASES for p in phases):
+            raise ValueError(f"phases: expected some of {PHASES} in order, found {phases!r}")
         self.scale = model.scale
+        self.phases = tuple(phases)
         self.rounding = cfn.rounding_slack(len(model.costs) + len(model.tables), model.scale)
         self.upper = math.inf if upper is None else upper
-        self.child = Child("exact_child", (model.costs, model.tables, model.rows, model.scale, upper, seconds),
+        self.child = Child("exact_child", (model.costs, model.tables, model.rows, model.scale, upper, seconds,
+                                           self.phases),
                            prefix="autoshard-exact-", watch=True)
 
-    def run(self, deadline: float, rule: StallRule, stop_when_stalled: bool = True, log=None) -> ExactAnswer:
+    def run(self, deadline: float, rule: StallRule, stop_when_stalled: bool = True, log=None,
+            known: float = math.inf, beside=None, on_answer=None) -> ExactAnswer:
         """Watch the child until it ends (signalled at each phase's stall or deadline, killed a
-        few seconds past ``deadline``); its answer."""
+        few seconds past ``deadline``); its answer. ``known``: a cost found meanwhile by another
+        search (branch and bound beside DGVNS, watched after it): only answers below it, and
+        bounds closing the gap to it, are progress. ``beside()``: a child searching at the same
+        time (or None), whose end (branch and bound proved, or its deadline) ends this one's
+        phase too. ``on_answer(cost)``: called on each answer the child reports."""
         phase, progress, phase_end, signalled, stats = None, None, math.inf, 0.0, []
-        best = self.upper
+        best = min(self.upper, known)
         lower_seen = -math.inf  # branch and bound's best bound line (the child may be stopped before its gap)
         ended = False
         while not ended:
@@ -92,7 +106,8 @@ class ExactChild:
                     # to post the network); bounds close the gap to the best answer known.
                     progress.best = best
                 left = deadline - t
-                phase_end = t + VNS_SHARE * left if phase == "vns" else deadline
+                # DGVNS leaves time for the branch and bound that follows it in this child.
+                phase_end = t + VNS_SHARE * left if phase == "vns" and "hbfs" in self.phases else deadline
                 stats.append({"method": phase, "start": t, "ended": "finished", "best": None})
             elif line.startswith("@end ") and stats:
                 stats[-1]["seconds"] = round(t - stats[-1].pop("start"), 3)
@@ -100,6 +115,8 @@ class ExactChild:
             elif phase is not None and (m := _SOLUTION.search(line)):
                 progress.incumbent(float(m.group(1)) / self.scale, t)
                 stats[-1]["best"] = best = progress.best
+                if on_answer is not None:
+                    on_answer(best)
             elif phase == "hbfs" and (m := _BOUNDS.search(line)):
                 lower_seen = max(lower_seen, float(m.group(1)) / self.scale)
                 progress.bound(lower_seen, t)
@@ -110,6 +127,8 @@ class ExactChild:
                     why = "time"
                 elif progress.stalled(now) and (phase == "vns" or stop_when_stalled):
                     why = "stalled"
+                elif beside is not None and (other := beside()) is not None and other.ended():
+                    why = "the search beside ended"
                 if why:
                     if not signalled:
                         stats[-1]["ended"] = why
@@ -127,15 +146,20 @@ class ExactChild:
             self.child.wait(timeout=5.0)  # raises when the child failed
         out = read(self.child.folder / "out.pkl")
         self.child.close()
+        lower = lower_seen - 2 * self.rounding
         if out is None:
-            return ExactAnswer(None, False, math.inf, stats)
+            return ExactAnswer(None, False, math.inf, stats, lower)
         picked, proved, gap = out
         if picked is not None and math.isfinite(lower_seen) and math.isfinite(best):
             # Branch and bound stopped before it found any answer has no gap of its own; its
             # bound lines still bound the optimum (searched below an upper bound above it).
             # Both figures are rounded costs: each may be off by the rounding slack.
             gap = min(gap, max(0.0, best - lower_seen) + 2 * self.rounding)
-        return ExactAnswer(picked, proved, gap, stats)
+        return ExactAnswer(picked, proved, gap, stats, lower)
+
+    def ended(self) -> bool:
+        """Whether the child process has exited."""
+        return self.child.proc.poll() is not None
 
     def close(self) -> None:
         self.child.close()
@@ -144,10 +168,10 @@ class ExactChild:
 def _main(folder: str) -> None:
     # Outside a search, a late stop signal must not end the process (its default action).
     signal.signal(signal.SIGVTALRM, signal.SIG_IGN)
-    costs, tables, rows, scale, upper, seconds = read(Path(folder) / "in.pkl")
+    costs, tables, rows, scale, upper, seconds, phases = read(Path(folder) / "in.pkl")
     t0 = time.perf_counter()
     best, proved, gap = None, False, math.inf
-    for method in PHASES:
+    for method in phases:
         left = seconds - (time.perf_counter() - t0)
         if left < 1:
             break

@@ -467,14 +467,21 @@ def _pairwise_stage(run: _Run) -> Solution | None:
 
 
 def _exact_stage(run: _Run, model) -> Solution:
-    """toulbar2 with the memory rows (:mod:`solver.exact`) in a watched child process
-    (:mod:`solver.exact_child`: DGVNS, then branch and bound under its answer), with the MILP
-    beside it in another when a core is free (killed once toulbar2 proves), else the MILP after
-    it. With ``run.stall`` both end when they stop paying (:mod:`solver.stall`) instead of at
-    the time limit."""
+    """toulbar2 with the memory rows (:mod:`solver.exact`) in watched child processes
+    (:mod:`solver.exact_child`). Under the stall rule with a core to spare: DGVNS in one child
+    and branch and bound in another, both from the start, each ended when it stops paying
+    (:mod:`solver.stall`). Otherwise DGVNS, then branch and bound under its answer, in one child,
+    with the MILP beside it in another when a core is free (killed once toulbar2 proves), else
+    the MILP after it (none under the stall rule)."""
     problem, inc = run.problem, run.inc
     milp = None
-    if run.backend == "highs" and second_core_free() and _milp_fits(model, run.max_nonzeros):
+    # Under the stall rule, with a core to spare, branch and bound runs beside DGVNS from DGVNS's
+    # first answer on instead of after its last: the bound no longer waits for DGVNS to stall
+    # (LLaMA-70B (8, 8, 8): the two phases one after the other took 25-31 s, each posting and
+    # preprocessing the network anew, 4-5 s). The MILP beside never answered in time on the
+    # planner's problems (70B: no bound in 30 s) and keeps that core under a fixed budget.
+    beside = run.stall is not None and second_core_free()
+    if not beside and run.backend == "highs" and second_core_free() and _milp_fits(model, run.max_nonzeros):
         milp = MilpChild(problem, model.reduced, inc.choice if inc.feasible else None,
                          run.t0 + run.time_limit - time.perf_counter() - 1.0, run.mip_gap, run.max_nonzeros)
         log.info(f"milp runs beside the exact search in a child process ({cores()} cores)")
@@ -486,17 +493,46 @@ def _exact_stage(run: _Run, model) -> Solution:
         if deadline - time.perf_counter() >= 1:
             t_start = time.perf_counter()
             upper = inc.cost if inc.feasible else None
-            child = ExactChild(model, upper, deadline - t_start)
-            try:
-                ans = child.run(deadline, run.stall or DEFAULT_STALL, run.stall is not None, log.info)
-            finally:
-                child.close()
+            rule = run.stall or DEFAULT_STALL
+            if beside:
+                bnb: list[ExactChild] = []
+
+                def under(cost: float) -> None:
+                    # Branch and bound starts under DGVNS's first answer: how much its network's
+                    # preprocessing prunes (and so its bound) follows the upper bound it is given.
+                    if not bnb and deadline - time.perf_counter() >= 1:
+                        log.info(f"exact: branch and bound beside DGVNS, under its first answer {cost:.6g}")
+                        bnb.append(ExactChild(model, cost, deadline - time.perf_counter(), phases=("hbfs",)))
+
+                child = ExactChild(model, upper, deadline - t_start, phases=("vns",))
+                try:
+                    first = child.run(deadline, rule, True, log.info, beside=lambda: bnb[0] if bnb else None,
+                                      on_answer=under)
+                    found = exact_answer(problem, model, first.picked, False, math.inf)
+                    known = found.evaluation.cost if found.choice is not None else math.inf
+                    inc.offer(found.choice, "exact", found.evaluation)
+                    # Its lines queued while DGVNS was watched: their times are when they came.
+                    ans = bnb[0].run(deadline, rule, True, log.info, known=known) if bnb else first
+                finally:
+                    child.close()
+                    for c in bnb:
+                        c.close()
+                if bnb:
+                    ans.phases = first.phases + ans.phases
+            else:
+                child = ExactChild(model, upper, deadline - t_start)
+                try:
+                    ans = child.run(deadline, rule, run.stall is not None, log.info)
+                finally:
+                    child.close()
             res = exact_answer(problem, model, ans.picked, ans.proved, ans.gap)
             run.stats["exact"] = dict(res.stats, proved=ans.proved, phases=ans.phases,
                                       seconds=round(time.perf_counter() - run.t0, 3))
             inc.offer(res.choice, "exact", res.evaluation)
             if ans.picked is None and ans.proved and inc.feasible:  # nothing beats the incumbent
                 res = dataclasses.replace(res, proved=True, lower_bound=inc.cost - ans.gap)
+            if model.exact and math.isfinite(ans.lower):
+                run.raise_bound(ans.lower)
             _exact_said(res, t_start)
             run.raise_bound(res.lower_bound)
             if res.proved:

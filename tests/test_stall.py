@@ -101,3 +101,54 @@ def test_branch_and_bound_under_an_optimal_cost_proves_it():
     # With DGVNS nothing is proved.
     picked, proved, _ = cfn.solve_tables(model.costs, model.tables, 2, model.scale, None, model.rows, method="vns")
     assert picked is not None and not proved and evaluate(p, model.choice(picked)).feasible
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_branch_and_bound_alone_in_a_child_proves_and_reports_its_bound():
+    """The phase that runs beside DGVNS: branch and bound alone, in its own child, under a
+    feasible upper bound; its answer is optimal and the bound its lines showed holds."""
+    import time
+
+    from test_memrows import tied_brute_force
+
+    p = layered_problem(np.random.default_rng(3), layers=3, tight=0.4)
+    best = tied_brute_force(p)
+    model = build_exact(p)
+    child = ExactChild(model, best * 1.5, 20.0, phases=("hbfs",))
+    ans = child.run(time.perf_counter() + 20.0, StallRule(), known=best * 1.2)
+    assert [ph["method"] for ph in ans.phases] == ["hbfs"]
+    res = finish(p, model, ans.picked, ans.proved, ans.gap)
+    assert res.proved and res.evaluation.cost == pytest.approx(best, abs=1e-6)
+    assert ans.lower <= best + 1e-9
+    with pytest.raises(ValueError, match="phases"):
+        ExactChild(model, None, 1.0, phases=("bfs",))
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_solve_with_branch_and_bound_beside_dgvns_is_optimal(monkeypatch):
+    """With a core to spare under the stall rule, the exact stage runs DGVNS and branch and bound
+    in two children at once (no MILP), branch and bound from DGVNS's first answer on: the answer
+    is the brute-force optimum, its bound below it."""
+    import importlib
+
+    from test_memrows import tied_brute_force
+
+    from solver import solve
+
+    solve_module = importlib.import_module("solver.solve")
+
+    p = layered_problem(np.random.default_rng(4), layers=4, tight=0.4)
+    best = tied_brute_force(p)
+    monkeypatch.setattr(solve_module, "second_core_free", lambda: True)
+    started = []
+    real = solve_module.ExactChild
+
+    def spy(*args, **kwargs):
+        started.append(kwargs.get("phases"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "ExactChild", spy)
+    sol = solve(p, time_limit=30, pairwise=False)  # the pairwise optimum may already fit: go to the exact stage
+    assert started == [("vns",), ("hbfs",)]  # branch and bound under DGVNS's first answer
+    assert sol.cost == pytest.approx(best, abs=1e-6) and evaluate(p, sol.choice).feasible
+    assert sol.lower_bound is not None and sol.lower_bound <= sol.cost + 1e-9
