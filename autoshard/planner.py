@@ -157,8 +157,7 @@ class Planner:
         in_specs = None if opts.input_specs is None else [
             None if s is None else to_spec(s, self.axis_names, f"input_specs[{k}]")
             for k, s in enumerate(opts.input_specs)]
-        return dataclasses.replace(gp.problem, pins=pin_indices(gp, tg, pinned, in_specs),
-                                   usage_limit=self._budget(opts),
+        return gp.problem.replaced(pins=pin_indices(gp, tg, pinned, in_specs), usage_limit=self._budget(opts),
                                    name=f"{type(self.model).__name__} on {tuple(self.mesh.shape)}")
 
     def variant(self, mode: str) -> tuple[Recompute, GraphProblem]:

@@ -170,12 +170,28 @@ def test_ours_is_never_dearer_than_a_baseline(world):
     assert ac.summary["compute_us"] > plain.summary["compute_us"]
 
 
+def test_pins_name_parameters_modules_or_patterns():
+    from autoshard.pins import resolve_pins
+
+    fqns = ["embed.weight", "layers.0.attn.wq.weight", "layers.0.attn.wk.weight", "layers.1.attn.wq.weight",
+            "layers.10.attn.wq.weight", "head.weight"]
+    names = ("dp", "tp")
+    assert list(resolve_pins({"layers.1": "RR"}, fqns, names)) == ["layers.1.attn.wq.weight"]  # not layers.10
+    assert list(resolve_pins({"layers.0.attn": "RR"}, fqns, names)) == fqns[1:3]
+    assert list(resolve_pins({"head.weight": "RR"}, fqns, names)) == ["head.weight"]
+    assert list(resolve_pins({"layers.*.wq": "RR"}, fqns, names)) == [fqns[1], fqns[3], fqns[4]]
+    later = resolve_pins({"layers": "RR", "layers.0.attn.wq.weight": "S(0)R"}, fqns, names)
+    assert str(later["layers.0.attn.wq.weight"]) != str(later["layers.1.attn.wq.weight"])  # later keys win
+
+
 def test_bad_pins_are_reported(world):
     world(4)
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
     model, x = tiny("llama"), tokens()
     with pytest.raises(autoshard.AutoshardError, match="matches no parameter"):
         autoshard.plan(model, (x,), mesh, profile=SHARDING_PROFILE, pins={"nope.*": "RR"})
+    with pytest.raises(autoshard.AutoshardError, match="pin 'layers.0.att' matches no parameter"):
+        autoshard.plan(model, (x,), mesh, profile=SHARDING_PROFILE, pins={"layers.0.att": "RR"})
     with pytest.raises(autoshard.AutoshardError, match="has 1 placements, the mesh has 2"):
         autoshard.plan(model, (x,), mesh, profile=SHARDING_PROFILE, pins={"embed": "R"})
     with pytest.raises(autoshard.AutoshardError, match="expected 1 specs"):

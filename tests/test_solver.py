@@ -147,6 +147,23 @@ def test_bad_problems_are_named(mutate, message):
         from_dict(d)
 
 
+def test_replaced_changes_constraints_and_shares_the_arrays():
+    import json
+
+    p = from_dict(json.loads(EXAMPLE.read_text()))
+    q = p.replaced(usage_limit=1e9, pins={2: 1}, name="tighter")
+    assert q.node_costs is p.node_costs and q.edge_costs is p.edge_costs
+    assert (q.usage_limit, q.pins, q.name) == (1e9, {2: 1}, "tighter") and p.pins == {} and p.name != "tighter"
+    assert solve(q, time_limit=10).choice[2] == 1
+    with pytest.raises(ProblemError, match=re.escape("pin 0 -> 9: node must be in [0, 5)")):
+        p.replaced(pins={0: 9})
+    with pytest.raises(ProblemError, match=re.escape("usage_limit must be >= 0")):
+        p.replaced(usage_limit=-1.0)
+    with pytest.raises(ProblemError, match=re.escape("only ['usage_limit', 'pins', 'ties', 'name', 'node_names'] "
+                                                     "may change, found ['node_costs']")):
+        p.replaced(node_costs=p.node_costs)
+
+
 def test_malformed_file(tmp_path):
     f = tmp_path / "bad.json"
     f.write_text("{not json")
