@@ -117,6 +117,100 @@ def search_order(shapes: list[tuple[int, ...]], devices_per_node: int) -> list[t
     return sorted(shapes, key=lambda s: (len(s) > 1, s[-1] != devices_per_node, len(s), s))
 
 
+#: At most this many processes bound shapes at once (each holds one shape's problem: about
+#: 0.5 GB for LLaMA-70B on a 3-D mesh).
+MAX_BOUNDING_WORKERS = 4
+
+
+def bounding_workers(shapes: int) -> int:
+    """Processes that bound shapes at once: one per core this process may use, up to
+    ``MAX_BOUNDING_WORKERS``; 1 (bounded here) where processes cannot be forked."""
+    import multiprocessing
+
+    from solver.solve import cores
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return max(1, min(cores(), MAX_BOUNDING_WORKERS, shapes))
+
+
+#: What forked bounding workers run with: set before the pool forks (never pickled).
+_WORK: dict = {}
+
+
+def _bound(planner, seconds: float) -> tuple:
+    """(cheapest-strategy bound, memory-free answer or None, error text or None) of one shape."""
+    try:
+        bound = planner.cheapest_bound()
+        return bound, planner.memory_free(time_limit=seconds), None
+    except AutoshardError as exc:
+        return None, None, str(exc)
+
+
+def _bound_in_worker(shape: tuple[int, ...], seconds: float) -> tuple:
+    started = time.perf_counter()
+    try:
+        planner = _WORK["make"](shape)
+    except AutoshardError as exc:
+        return shape, None, None, time.perf_counter() - started, str(exc), None
+    bound, free, error = _bound(planner, seconds)
+    return shape, bound, free, time.perf_counter() - started, error, None
+
+
+class _Bounding:
+    """Shapes bounded (built, then solved with memory ignored) in forked worker processes, or
+    here with one worker: :meth:`submit` a shape, :meth:`next` the next one done, as
+    ``(shape, bound, memory-free answer, seconds, error, planner or None)``."""
+
+    def __init__(self, first, make, workers: int):
+        self.first, self.make, self.workers = first, make, workers
+        self.running: dict[tuple[int, ...], int] = {}  # shape -> its axes
+        self.done: list[tuple] = []
+        self.pool = None
+        if workers > 1:
+            import multiprocessing
+            import queue
+
+            _WORK["make"] = make
+            self.results: queue.Queue = queue.Queue()
+            self.pool = multiprocessing.get_context("fork").Pool(workers)
+
+    def has_room(self) -> bool:
+        return len(self.running) < self.workers
+
+    def submit(self, shape: tuple[int, ...], seconds: float) -> None:
+        self.running[shape] = len(shape)
+        if self.pool is None or len(shape) == 1:
+            # The 1-D shape's planner exists (it traced the model); without workers, every one
+            # is built here and kept for the solves.
+            started = time.perf_counter()
+            planner = self.first if len(shape) == 1 else None
+            if planner is None:
+                try:
+                    planner = self.make(shape)
+                except AutoshardError as exc:
+                    self.done.append((shape, None, None, time.perf_counter() - started, str(exc), None))
+                    return
+            bound, free, error = _bound(planner, seconds)
+            self.done.append((shape, bound, free, time.perf_counter() - started, error, planner))
+        else:
+            self.pool.apply_async(_bound_in_worker, (shape, seconds), callback=self.results.put,
+                                  error_callback=self.results.put)
+
+    def next(self) -> tuple:
+        out = self.done.pop(0) if self.done else self.results.get()
+        if isinstance(out, BaseException):  # a bug in a worker surfaces as itself
+            raise out
+        del self.running[out[0]]
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            _WORK.clear()
+
+
 def coarsenings(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The shapes of one axis fewer that ``shape`` refines: two adjacent axes merged into one."""
     return [shape[:a] + (shape[a] * shape[a + 1],) + shape[a + 2:] for a in range(len(shape) - 1)]
@@ -163,54 +257,61 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     log.info(f"mesh search over {len(shapes)} shapes of {ranks} ranks: "
              f"{', '.join('x'.join(map(str, s)) for s in shapes)}")
     rows = {shape: ShapeResult(shape, "skipped") for shape in shapes}
-    # (no memory-free bound, bound, order, shape, planner) per shape bounded
-    bounded: list[tuple[bool, float, int, tuple[int, ...], object]] = []
+    # (no memory-free bound, bound, order, shape, planner or None, memory-free answer) per shape bounded
+    bounded: list[tuple] = []
     bounds: dict[tuple[int, ...], float] = {}
     spent: dict[int, list[float]] = {}  # seconds per shape bounded, by number of axes
     # The cheapest memory-free optimum that fits the budget is a plan: shapes bounded at or above
     # its cost are pruned as soon as it is known (and their problems freed).
     upper, upper_shape = float("inf"), None
     todo = list(shapes)
-    while todo:
-        shape = next_to_bound(todo, bounds)
-        todo.remove(shape)
-        k, row, started = shapes.index(shape), rows[shape], time.perf_counter()
-        left = t0 + BOUND_SHARE * limit - started
-        like = spent.get(len(shape))
-        if bounded and (left <= 0 or (like and left < min(like))):
-            row.note = (f"the bounding time ({BOUND_SHARE * limit:.0f} s of time_limit) is spent: "
-                        "raise time_limit to plan it")
-            continue
-        try:
-            planner = first if k == 0 else make_planner(model, example_inputs,
-                                                        fake_mesh(shape, axis_names(len(shape))),
-                                                        options=options, traced=first.traced)
-            bound = planner.cheapest_bound()
-            free = planner.memory_free(time_limit=max(1.0, min(MAX_BOUND_SECONDS, left)))
-        except AutoshardError as exc:  # e.g. a pin written for another number of axes
-            row.outcome, row.seconds, row.note = "error", time.perf_counter() - started, str(exc)
-            continue
-        if free is not None:
-            bound = bounds[shape] = max(bound, free.lower_bound)
-        row.bound_us, row.seconds = bound, time.perf_counter() - started
-        spent.setdefault(len(shape), []).append(row.seconds)
-        bounded.append((free is None, bound, k, shape, planner))
-        log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
-                 + (" (memory-free optimum, fits)" if free is not None and free.proved and free.fits else "")
-                 + f" in {row.seconds:.1f}s")
-        if free is not None and free.fits and free.cost < upper:
-            upper, upper_shape = free.cost, shape
-        for b in [b for b in bounded if b[3] != upper_shape and b[1] >= upper]:
-            bounded.remove(b)
-            rows[b[3]].outcome = "pruned"
-            rows[b[3]].note = (f"bound {b[1] / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the memory-free plan of "
-                               f"{'x'.join(map(str, upper_shape))} that fits")
+    jobs = _Bounding(first, lambda shape: make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
+                                                       options=options, traced=first.traced),
+                     workers=bounding_workers(len(shapes)))
+    try:
+        while todo or jobs.running:
+            # Shapes of more axes wait for those of fewer: the coarse shapes' bounds order them.
+            while todo and jobs.has_room() and not (jobs.running and min(jobs.running.values()) < min(map(len, todo))):
+                shape = next_to_bound(todo, bounds)
+                todo.remove(shape)
+                left = t0 + BOUND_SHARE * limit - time.perf_counter()
+                like = spent.get(len(shape))
+                if (bounded or jobs.running) and (left <= 0 or (like and left < min(like))):
+                    rows[shape].note = (f"the bounding time ({BOUND_SHARE * limit:.0f} s of time_limit) is spent: "
+                                        "raise time_limit to plan it")
+                    continue
+                jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)))
+            if not jobs.running:
+                continue
+            shape, bound, free, seconds, error, planner = jobs.next()
+            row = rows[shape]
+            row.seconds = seconds
+            if error is not None:  # e.g. a pin written for another number of axes
+                row.outcome, row.note = "error", error
+                continue
+            if free is not None:
+                bound = bounds[shape] = max(bound, free.lower_bound)
+            row.bound_us = bound
+            spent.setdefault(len(shape), []).append(seconds)
+            bounded.append((free is None, bound, shapes.index(shape), shape, planner, free))
+            log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
+                     + (" (memory-free optimum, fits)" if free is not None and free.proved and free.fits else "")
+                     + f" in {seconds:.1f}s")
+            if free is not None and free.fits and free.cost < upper:
+                upper, upper_shape = free.cost, shape
+            for b in [b for b in bounded if b[3] != upper_shape and b[1] >= upper]:
+                bounded.remove(b)
+                rows[b[3]].outcome = "pruned"
+                rows[b[3]].note = (f"bound {b[1] / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the memory-free plan of "
+                                   f"{'x'.join(map(str, upper_shape))} that fits")
+    finally:
+        jobs.close()
     best: tuple[Plan, ShapeResult] | None = None
     infeasible: list[MemoryBudgetError] = []
     # Shapes whose memory-free search did not run (toulbar2 missing, cut off) hold only the
     # cheapest-strategy bound, far below any plan: they are solved after those that have one.
     bounded.sort(key=lambda b: b[:3])
-    for i, (_, bound, _, shape, planner) in enumerate(bounded):
+    for i, (_, bound, _, shape, planner, free) in enumerate(bounded):
         row, started = rows[shape], time.perf_counter()
         if best is not None and bound >= best[0].summary["step_us"]:
             row.outcome = "pruned"
@@ -222,6 +323,11 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             continue
         share = max(MIN_SOLVE_SECONDS, left / (len(bounded) - i))
         try:
+            if planner is None:  # bounded in a worker process: built again here
+                planner = make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
+                                       options=options, traced=first.traced)
+                if free is not None:
+                    planner.memory_free(found=free)
             plan = planner.solve(time_limit=share)
         except MemoryBudgetError as exc:
             infeasible.append(exc)

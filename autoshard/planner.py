@@ -187,14 +187,16 @@ class Planner:
         return float(sum(np.min(problem.node_costs[v][problem.allowed(v)], initial=np.inf)
                          for v in range(problem.num_nodes)))
 
-    def memory_free(self, time_limit: float, **overrides) -> solver.MemoryFree | None:
+    def memory_free(self, time_limit: float = 60.0, found: solver.MemoryFree | None = None,
+                    **overrides) -> solver.MemoryFree | None:
         """The optimum with memory ignored and nothing recomputed (:func:`solver.memory_free`),
         within ``time_limit`` seconds. Its ``lower_bound`` bounds every plan of this problem in
         any recompute mode (memory only constrains, recomputation only adds compute: the bound
         ``recompute="auto"`` prunes modes with); where it fits the budget and is proved, it is
-        the plan."""
+        the plan. ``found``: this answer, computed for the same problem elsewhere (a mesh search's
+        worker process), kept instead of searching again."""
         opts = self._options(overrides).replace(recompute="none")
-        free = solver.memory_free(self.problem(**_solve_fields(opts)), time_limit)
+        free = found if found is not None else solver.memory_free(self.problem(**_solve_fields(opts)), time_limit)
         if free is not None and free.proved and free.fits:
             self._free[_problem_key(opts)] = free
         return free

@@ -84,3 +84,26 @@ def test_auto_mesh_plan_is_the_best_shape_and_lists_every_shape(world):
         autoshard.plan(model, (tokens,), "auto")
     with pytest.raises(autoshard.ConfigError, match="ranks=8 is for mesh='auto'"):
         autoshard.plan(model, (tokens,), autoshard.fake_mesh((8,), ("dp",)), ranks=8)
+
+
+def test_shapes_bounded_in_worker_processes_as_here(world, monkeypatch):
+    """Forked workers bound shapes (build, memory-free optimum) exactly as this process does:
+    the same bounds, outcomes and answer."""
+    import autoshard.meshsearch as ms
+
+    world(8)
+    with torch.device("meta"):
+        model = llama("tiny", n_layers=2)
+    tokens = torch.empty(8, 32, dtype=torch.long, device="meta")
+
+    def search(workers):
+        monkeypatch.setattr(ms, "bounding_workers", lambda shapes: workers)
+        plan = autoshard.plan(model, (tokens,), "auto", ranks=8, profile=SHARDING_PROFILE, memory_budget=None,
+                              time_limit=120)
+        return plan, [(r["shape"], r["outcome"], r["bound_us"]) for r in plan.summary["mesh_search"]]
+
+    forked, rows = search(2)
+    here, rows_here = search(1)
+    assert rows == rows_here and forked.mesh_shape == here.mesh_shape
+    assert forked.summary["step_us"] == here.summary["step_us"]
+    assert all(bound is not None for _, outcome, bound in rows if outcome != "skipped")
