@@ -124,12 +124,18 @@ MAX_BOUNDING_WORKERS = 4
 
 def bounding_workers(shapes: int) -> int:
     """Processes that bound shapes at once: one per core this process may use, up to
-    ``MAX_BOUNDING_WORKERS``; 1 (bounded here) where processes cannot be forked."""
+    ``MAX_BOUNDING_WORKERS``; 1 (bounded here) where processes cannot be forked, or where the
+    process group is a real one (under torchrun: a forked child must not join its collectives,
+    which making a mesh's groups is)."""
     import multiprocessing
+
+    import torch.distributed as dist
 
     from solver.solve import cores
 
     if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if dist.is_initialized() and dist.get_backend() != "fake":
         return 1
     return max(1, min(cores(), MAX_BOUNDING_WORKERS, shapes))
 

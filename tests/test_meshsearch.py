@@ -107,3 +107,23 @@ def test_shapes_bounded_in_worker_processes_as_here(world, monkeypatch):
     assert rows == rows_here and forked.mesh_shape == here.mesh_shape
     assert forked.summary["step_us"] == here.summary["step_us"]
     assert all(bound is not None for _, outcome, bound in rows if outcome != "skipped")
+
+
+def test_no_bounding_workers_beside_a_real_process_group(tmp_path, monkeypatch):
+    """Under torchrun (a real process group) shapes are bounded in this process: a forked child
+    must not join the group's collectives, which making a mesh does."""
+    import importlib
+
+    import torch.distributed as dist
+
+    import autoshard.meshsearch as ms
+
+    monkeypatch.setattr(importlib.import_module("solver.solve"), "cores", lambda: 8)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert ms.bounding_workers(6) == 4  # no group yet: the fake one the search makes
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert ms.bounding_workers(6) == 1
+    finally:
+        dist.destroy_process_group()
