@@ -11,8 +11,9 @@ inter-node axes cost the same and are tried once.
 The model is traced once (the trace does not depend on the mesh). Each shape's problem is
 built and bounded from below: by its cheapest strategy per node, edges free, and by its
 optimum with memory ignored (toulbar2 on the tied layers' quotient, seconds per shape; both
-are proofs, since edges, memory and recomputation only add cost). Shapes are bounded in
-:func:`search_order` for ``BOUND_SHARE`` of the time limit, then solved in increasing bound,
+are proofs, since edges, memory and recomputation only add cost). Shapes are bounded in the
+order of :func:`next_to_bound`, in worker processes where cores allow
+(:func:`bounding_workers`), for ``BOUND_SHARE`` of the time limit, then solved in increasing bound,
 each as a plan on a given mesh is (hand-written seeds included) with an equal share of the
 time left; a shape whose bound is not below the best plan found is pruned unsolved. Where
 memory does not bind the lowest bound's plan, the first solve proves it and every other
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError
 from autoshard.options import PlanOptions
@@ -111,7 +113,8 @@ MIN_SOLVE_SECONDS = 10.0
 
 
 def search_order(shapes: list[tuple[int, ...]], devices_per_node: int) -> list[tuple[int, ...]]:
-    """The order shapes are bounded in, likeliest first where time runs out: the 1-D mesh
+    """The shapes in the order they are listed, and bounded among equals (:func:`next_to_bound`):
+    likeliest first where time runs out: the 1-D mesh
     (cheap to build), then shapes whose innermost axis is a whole node (tensor parallelism on
     the fast links), then the rest; fewer axes first within each."""
     return sorted(shapes, key=lambda s: (len(s) > 1, s[-1] != devices_per_node, len(s), s))
@@ -144,33 +147,45 @@ def bounding_workers(shapes: int) -> int:
 _WORK: dict = {}
 
 
-def _bound(planner, seconds: float) -> tuple:
-    """(cheapest-strategy bound, memory-free answer or None, error text or None) of one shape."""
+class _Bounded(NamedTuple):
+    """One shape bounded: what the solves need of it."""
+
+    no_free: bool
+    """Its memory-free search did not run (toulbar2 missing, cut off): only the cheap bound."""
+    bound: float
+    order: int
+    shape: tuple[int, ...]
+    planner: object | None
+    """Its planner where it was built here; None where a worker built it."""
+    free: object | None
+    """Its memory-free answer (``solver.MemoryFree``), or None."""
+
+
+def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None) -> tuple:
+    """``(shape, cheapest-strategy bound, memory-free answer or None, seconds, error text or None,
+    planner)`` of one shape, its planner built by ``make(shape)`` unless given."""
+    started = time.perf_counter()
     try:
+        planner = make(shape) if planner is None else planner
         bound = planner.cheapest_bound()
-        return bound, planner.memory_free(time_limit=seconds), None
-    except AutoshardError as exc:
-        return None, None, str(exc)
+        free = planner.memory_free(time_limit=seconds)
+    except AutoshardError as exc:  # e.g. a pin written for another number of axes
+        return shape, None, None, time.perf_counter() - started, str(exc), None
+    return shape, bound, free, time.perf_counter() - started, None, planner
 
 
 def _bound_in_worker(shape: tuple[int, ...], seconds: float) -> tuple:
-    started = time.perf_counter()
-    try:
-        planner = _WORK["make"](shape)
-    except AutoshardError as exc:
-        return shape, None, None, time.perf_counter() - started, str(exc), None
-    bound, free, error = _bound(planner, seconds)
-    return shape, bound, free, time.perf_counter() - started, error, None
+    return _bound_shape(shape, seconds, _WORK["make"])[:-1] + (None,)  # the planner stays in the worker
 
 
 class _Bounding:
     """Shapes bounded (built, then solved with memory ignored) in forked worker processes, or
     here with one worker: :meth:`submit` a shape, :meth:`next` the next one done, as
-    ``(shape, bound, memory-free answer, seconds, error, planner or None)``."""
+    :func:`_bound_shape` gives it (the planner None where a worker built it)."""
 
     def __init__(self, first, make, workers: int):
         self.first, self.make, self.workers = first, make, workers
-        self.running: dict[tuple[int, ...], int] = {}  # shape -> its axes
+        self.running: set[tuple[int, ...]] = set()
         self.done: list[tuple] = []
         self.pool = None
         if workers > 1:
@@ -185,20 +200,11 @@ class _Bounding:
         return len(self.running) < self.workers
 
     def submit(self, shape: tuple[int, ...], seconds: float) -> None:
-        self.running[shape] = len(shape)
+        self.running.add(shape)
         if self.pool is None or len(shape) == 1:
             # The 1-D shape's planner exists (it traced the model); without workers, every one
             # is built here and kept for the solves.
-            started = time.perf_counter()
-            planner = self.first if len(shape) == 1 else None
-            if planner is None:
-                try:
-                    planner = self.make(shape)
-                except AutoshardError as exc:
-                    self.done.append((shape, None, None, time.perf_counter() - started, str(exc), None))
-                    return
-            bound, free, error = _bound(planner, seconds)
-            self.done.append((shape, bound, free, time.perf_counter() - started, error, planner))
+            self.done.append(_bound_shape(shape, seconds, self.make, self.first if len(shape) == 1 else None))
         else:
             self.pool.apply_async(_bound_in_worker, (shape, seconds), callback=self.results.put,
                                   error_callback=self.results.put)
@@ -207,7 +213,7 @@ class _Bounding:
         out = self.done.pop(0) if self.done else self.results.get()
         if isinstance(out, BaseException):  # a bug in a worker surfaces as itself
             raise out
-        del self.running[out[0]]
+        self.running.discard(out[0])
         return out
 
     def close(self) -> None:
@@ -242,7 +248,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     """The best plan over :func:`mesh_shapes`, its table in ``plan.summary["mesh_search"]``.
 
     Two passes. *Bounds*: each shape's problem is built and solved with memory ignored
-    (:meth:`Planner.memory_free`), in :func:`search_order`, for ``BOUND_SHARE`` of the time:
+    (:meth:`Planner.memory_free`), in the order of :func:`next_to_bound`, for ``BOUND_SHARE`` of
+    the time:
     a proved lower bound per shape. *Solves*: shapes in increasing bound, each planned as a
     plan on a given mesh is (hand-written seeds included where ``seed_baselines``), with an
     equal share of the time left; a shape whose bound is not below the best plan found is
@@ -263,8 +270,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     log.info(f"mesh search over {len(shapes)} shapes of {ranks} ranks: "
              f"{', '.join('x'.join(map(str, s)) for s in shapes)}")
     rows = {shape: ShapeResult(shape, "skipped") for shape in shapes}
-    # (no memory-free bound, bound, order, shape, planner or None, memory-free answer) per shape bounded
-    bounded: list[tuple] = []
+    bounded: list[_Bounded] = []
     bounds: dict[tuple[int, ...], float] = {}
     spent: dict[int, list[float]] = {}  # seconds per shape bounded, by number of axes
     # The cheapest memory-free optimum that fits the budget is a plan: shapes bounded at or above
@@ -277,7 +283,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     try:
         while todo or jobs.running:
             # Shapes of more axes wait for those of fewer: the coarse shapes' bounds order them.
-            while todo and jobs.has_room() and not (jobs.running and min(jobs.running.values()) < min(map(len, todo))):
+            while todo and jobs.has_room() and not (jobs.running and min(map(len, jobs.running)) < min(map(len, todo))):
                 shape = next_to_bound(todo, bounds)
                 todo.remove(shape)
                 left = t0 + BOUND_SHARE * limit - time.perf_counter()
@@ -299,24 +305,24 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 bound = bounds[shape] = max(bound, free.lower_bound)
             row.bound_us = bound
             spent.setdefault(len(shape), []).append(seconds)
-            bounded.append((free is None, bound, shapes.index(shape), shape, planner, free))
+            bounded.append(_Bounded(free is None, bound, shapes.index(shape), shape, planner, free))
             log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
                      + (" (memory-free optimum, fits)" if free is not None and free.proved and free.fits else "")
                      + f" in {seconds:.1f}s")
             if free is not None and free.fits and free.cost < upper:
                 upper, upper_shape = free.cost, shape
-            for b in [b for b in bounded if b[3] != upper_shape and b[1] >= upper]:
+            for b in [b for b in bounded if b.shape != upper_shape and b.bound >= upper]:
                 bounded.remove(b)
-                rows[b[3]].outcome = "pruned"
-                rows[b[3]].note = (f"bound {b[1] / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the memory-free plan of "
-                                   f"{'x'.join(map(str, upper_shape))} that fits")
+                rows[b.shape].outcome = "pruned"
+                rows[b.shape].note = (f"bound {b.bound / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the memory-free plan "
+                                      f"of {'x'.join(map(str, upper_shape))} that fits")
     finally:
         jobs.close()
     best: tuple[Plan, ShapeResult] | None = None
     infeasible: list[MemoryBudgetError] = []
     # Shapes whose memory-free search did not run (toulbar2 missing, cut off) hold only the
     # cheapest-strategy bound, far below any plan: they are solved after those that have one.
-    bounded.sort(key=lambda b: b[:3])
+    bounded.sort(key=lambda b: (b.no_free, b.bound, b.order))
     for i, (_, bound, _, shape, planner, free) in enumerate(bounded):
         row, started = rows[shape], time.perf_counter()
         if best is not None and bound >= best[0].summary["step_us"]:

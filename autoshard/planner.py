@@ -357,10 +357,7 @@ class Planner:
             late = None if late_starts is None else (
                 lambda: [(name, _project(choice, gp)) for name, choice in late_starts()])
             if free is not None:  # proved optimal where memory cannot bind: no start beats it
-                sol = solver.Solution(free.choice, free.cost, solver.Status.OPTIMAL, min(free.lower_bound, free.cost),
-                                      free.seconds, solver.evaluate(problem, free.choice).peak_usage, opts.backend,
-                                      {"pairwise": {"proved": True, "seconds": round(free.seconds, 3),
-                                                    "bound": free.lower_bound}}, "pairwise")
+                sol = free.solution(opts.backend)
             else:
                 sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts,
                                    late_starts=late)

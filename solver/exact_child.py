@@ -16,7 +16,7 @@ incumbent. The child runs two phases over the same network:
 The caller (:class:`ExactChild`) reads the lines, keeps one :class:`solver.stall.Progress` per
 phase and signals the child; the child writes its best answer after each phase (``out.pkl``).
 A child may run one phase alone (``phases``): with a core to spare, :func:`solver.solve` runs
-branch and bound in one child beside DGVNS in another, both from the start.
+branch and bound in one child beside DGVNS in another, from DGVNS's first answer on.
 """
 
 from __future__ import annotations

@@ -182,7 +182,18 @@ class MemoryFree:
     """Whether ``cost`` is proved optimal (else ``lower_bound`` is toulbar2's bound at its time limit)."""
     fits: bool
     """Whether ``choice`` fits the memory limit: then it is the problem's optimum too, when proved."""
+    peak_usage: float
     seconds: float
+
+    def solution(self, backend: str = "highs") -> Solution:
+        """The answer as :func:`solve` gives it where the memory-free optimum is proved and fits
+        (its first stage's answer): optimal, from ``pairwise``."""
+        if not (self.proved and self.fits):
+            raise ValueError("only a proved memory-free optimum that fits is a solution")
+        return Solution(self.choice, self.cost, Status.OPTIMAL, min(self.lower_bound, self.cost), self.seconds,
+                        self.peak_usage, backend,
+                        {"pairwise": {"proved": True, "seconds": round(self.seconds, 3), "bound": self.lower_bound}},
+                        "pairwise")
 
 
 def memory_free(problem: Problem, time_limit: float) -> MemoryFree | None:
@@ -199,7 +210,7 @@ def memory_free(problem: Problem, time_limit: float) -> MemoryFree | None:
         return None
     choice, ev, bound, proved = found
     return MemoryFree(choice, ev.cost, float(bound) if math.isfinite(bound) else -math.inf, proved, ev.feasible,
-                      time.perf_counter() - t0)
+                      ev.peak_usage, time.perf_counter() - t0)
 
 
 def cores() -> int:
@@ -469,10 +480,10 @@ def _pairwise_stage(run: _Run) -> Solution | None:
 def _exact_stage(run: _Run, model) -> Solution:
     """toulbar2 with the memory rows (:mod:`solver.exact`) in watched child processes
     (:mod:`solver.exact_child`). Under the stall rule with a core to spare: DGVNS in one child
-    and branch and bound in another, both from the start, each ended when it stops paying
-    (:mod:`solver.stall`). Otherwise DGVNS, then branch and bound under its answer, in one child,
-    with the MILP beside it in another when a core is free (killed once toulbar2 proves), else
-    the MILP after it (none under the stall rule)."""
+    and branch and bound in another from DGVNS's first answer on (:func:`_exact_beside`), each
+    ended when it stops paying (:mod:`solver.stall`). Otherwise DGVNS, then branch and bound
+    under its answer, in one child, with the MILP beside it in another when a core is free
+    (killed once toulbar2 proves), else the MILP after it (none under the stall rule)."""
     problem, inc = run.problem, run.inc
     milp = None
     # Under the stall rule, with a core to spare, branch and bound runs beside DGVNS from DGVNS's
@@ -495,30 +506,7 @@ def _exact_stage(run: _Run, model) -> Solution:
             upper = inc.cost if inc.feasible else None
             rule = run.stall or DEFAULT_STALL
             if beside:
-                bnb: list[ExactChild] = []
-
-                def under(cost: float) -> None:
-                    # Branch and bound starts under DGVNS's first answer: how much its network's
-                    # preprocessing prunes (and so its bound) follows the upper bound it is given.
-                    if not bnb and deadline - time.perf_counter() >= 1:
-                        log.info(f"exact: branch and bound beside DGVNS, under its first answer {cost:.6g}")
-                        bnb.append(ExactChild(model, cost, deadline - time.perf_counter(), phases=("hbfs",)))
-
-                child = ExactChild(model, upper, deadline - t_start, phases=("vns",))
-                try:
-                    first = child.run(deadline, rule, True, log.info, beside=lambda: bnb[0] if bnb else None,
-                                      on_answer=under)
-                    found = exact_answer(problem, model, first.picked, False, math.inf)
-                    known = found.evaluation.cost if found.choice is not None else math.inf
-                    inc.offer(found.choice, "exact", found.evaluation)
-                    # Its lines queued while DGVNS was watched: their times are when they came.
-                    ans = bnb[0].run(deadline, rule, True, log.info, known=known) if bnb else first
-                finally:
-                    child.close()
-                    for c in bnb:
-                        c.close()
-                if bnb:
-                    ans.phases = first.phases + ans.phases
+                ans = _exact_beside(run, model, upper, deadline, rule)
             else:
                 child = ExactChild(model, upper, deadline - t_start)
                 try:
@@ -566,6 +554,36 @@ def _exact_stage(run: _Run, model) -> Solution:
     finally:
         if milp is not None:
             milp.close()
+
+
+def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: StallRule):
+    """DGVNS in one child and, from its first answer on, branch and bound under that answer in
+    another (how much its preprocessing prunes, and so its bound, follows the upper bound it is
+    given); DGVNS's answer is offered to ``run``'s incumbent. Returns branch and bound's
+    :class:`~solver.exact_child.ExactAnswer` (DGVNS's when it never started), both phases listed."""
+    bnb: list[ExactChild] = []
+
+    def under(cost: float) -> None:
+        if not bnb and deadline - time.perf_counter() >= 1:
+            log.info(f"exact: branch and bound beside DGVNS, under its first answer {cost:.6g}")
+            bnb.append(ExactChild(model, cost, deadline - time.perf_counter(), phases=("hbfs",)))
+
+    child = ExactChild(model, upper, deadline - time.perf_counter(), phases=("vns",))
+    try:
+        first = child.run(deadline, rule, True, log.info, beside=lambda: bnb[0] if bnb else None, on_answer=under)
+        found = exact_answer(run.problem, model, first.picked, False, math.inf)
+        run.inc.offer(found.choice, "exact", found.evaluation)
+        if not bnb:
+            return first
+        known = found.evaluation.cost if found.choice is not None else math.inf
+        # Its lines queued while DGVNS was watched: their times are when they came.
+        ans = bnb[0].run(deadline, rule, True, log.info, known=known)
+    finally:
+        child.close()
+        for c in bnb:
+            c.close()
+    ans.phases = first.phases + ans.phases
+    return ans
 
 
 def _milp_fits(model, max_nonzeros: float) -> bool:
