@@ -124,6 +124,51 @@ def test_branch_and_bound_alone_in_a_child_proves_and_reports_its_bound():
         ExactChild(model, None, 1.0, phases=("bfs",))
 
 
+class _ScriptedChild:
+    """A child that already printed ``lines`` and wrote ``out`` (what ``ExactChild.run`` reads)."""
+
+    def __init__(self, folder, lines, out):
+        import queue
+        import subprocess
+        import sys
+        import time
+
+        from solver.child import write
+
+        self.folder = folder
+        write(folder / "out.pkl", out)
+        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        self.lines = queue.Queue()
+        for line in [*lines, None]:
+            self.lines.put((time.perf_counter(), line))
+
+    def line(self, timeout):
+        return None if self.lines.empty() else self.lines.get()
+
+    def wait(self, timeout):
+        return True
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_branch_and_bound_gap_is_its_own_answers_not_the_known_one(tmp_path):
+    """Branch and bound stopped before it proves: its gap runs from its own answer (the one it
+    writes back) down to its bound lines, never from a cheaper answer another search found
+    beside it; else its answer's cost less that gap claims a bound above any line it showed."""
+    import time
+
+    child = ExactChild.__new__(ExactChild)
+    child.scale, child.phases, child.rounding, child.upper = 1.0, ("hbfs",), 0.0, 7000.0
+    child.child = _ScriptedChild(tmp_path, ["@phase hbfs", "Initial lower and upper bounds: [5878, 6063]",
+                                            "New solution: 6016", "Optimality gap: [5896, 6016] 1.98 %",
+                                            "@end hbfs"], ([0, 1], False, math.inf))
+    ans = child.run(time.perf_counter() + 10.0, StallRule(), known=5974.0)
+    assert ans.lower == 5896.0
+    assert ans.gap == pytest.approx(6016.0 - 5896.0)  # not 5974 - 5896: 6016 - 78 = 5938 > 5896
+
+
 @pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
 def test_solve_with_branch_and_bound_beside_dgvns_is_optimal(monkeypatch):
     """With a core to spare under the stall rule, the exact stage runs DGVNS and branch and bound
