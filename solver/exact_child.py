@@ -123,12 +123,19 @@ class ExactChild:
                 lower_seen = max(lower_seen, float(m.group(1)) / self.scale)
                 progress.bound(lower_seen, t)
             now = time.perf_counter()
+            # Lines queued while this child was not watched (beside DGVNS, or while the caller
+            # ran the hand-written plans) are read first: judged mid-backlog, a search looked
+            # stalled at ``now`` by events it had already reported.
+            if not self.child.lines.empty() and now <= deadline + 5.0:
+                continue
             if phase is not None and now - signalled > 1.0:
                 why = None
                 if now >= phase_end:
                     why = "time"
                 elif progress.stalled(now) and (phase == "vns" or stop_when_stalled):
                     why = "stalled"
+                elif phase == "hbfs" and stop_when_stalled and progress.proof_out_of_reach(now):
+                    why = "proof out of reach"
                 elif beside is not None and (other := beside()) is not None and other.ended():
                     why = "the search beside ended"
                 if why:

@@ -557,15 +557,17 @@ def _exact_stage(run: _Run, model) -> Solution:
 
 
 def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: StallRule):
-    """DGVNS in one child and, from its first answer on, branch and bound under that answer in
-    another (how much its preprocessing prunes, and so its bound, follows the upper bound it is
-    given); DGVNS's answer is offered to ``run``'s incumbent. Returns branch and bound's
+    """DGVNS in one child and, from its first answer on, branch and bound under that answer (or
+    the incumbent, where cheaper) in another (how much its preprocessing prunes, and so its
+    bound, follows the upper bound it is given); DGVNS's answer is offered to ``run``'s
+    incumbent. Returns branch and bound's
     :class:`~solver.exact_child.ExactAnswer` (DGVNS's when it never started), both phases listed."""
     bnb: list[ExactChild] = []
 
     def under(cost: float) -> None:
         if not bnb and deadline - time.perf_counter() >= 1:
-            log.info(f"exact: branch and bound beside DGVNS, under its first answer {cost:.6g}")
+            cost = min(cost, run.inc.cost)
+            log.info(f"exact: branch and bound beside DGVNS, under {cost:.6g}")
             bnb.append(ExactChild(model, cost, deadline - time.perf_counter(), phases=("hbfs",)))
 
     child = ExactChild(model, upper, deadline - time.perf_counter(), phases=("vns",))

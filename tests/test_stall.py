@@ -124,6 +124,41 @@ def test_branch_and_bound_alone_in_a_child_proves_and_reports_its_bound():
         ExactChild(model, None, 1.0, phases=("bfs",))
 
 
+def test_proof_out_of_reach_projects_the_bound_to_the_best_answer():
+    """A branch and bound whose bound, at the rate it has risen, would meet the best answer only
+    after longer than its patience allows is out of reach; one about to meet it is not; nothing
+    is judged before the bounds span ``min_seconds`` or without an answer."""
+    rule = StallRule(min_seconds=2.0, patience=1.0)
+    p = Progress(rule)
+    p.begin(0.0)
+    p.bound(50.0, 1.0)
+    p.bound(55.0, 4.0)
+    assert not p.proof_out_of_reach(5.0)  # no answer known: nothing to close
+    p.known(100.0)
+    slow = Progress(rule)
+    slow.begin(0.0)
+    slow.known(100.0)
+    slow.bound(50.0, 1.0)
+    assert not slow.proof_out_of_reach(2.5)  # one bound: no rate yet
+    slow.bound(51.0, 2.0)
+    assert not slow.proof_out_of_reach(2.5)  # bounds span 1 s < min_seconds
+    slow.bound(55.0, 4.0)  # 5 in 3 s: 45 left takes 27 s, more than the 5 s earned at t = 5
+    assert slow.proof_out_of_reach(5.0)
+    assert not slow.proof_out_of_reach(40.0)  # 40 s earned by then
+    fast = Progress(rule)
+    fast.begin(0.0)
+    fast.known(100.0)
+    fast.bound(50.0, 1.0)
+    fast.bound(95.0, 4.0)  # 15 per s: 5 left takes a third of a second
+    assert not fast.proof_out_of_reach(5.0)
+    flat = Progress(rule)
+    flat.begin(0.0)
+    flat.known(100.0)
+    flat.bound(50.0, 1.0)
+    flat.bound(50.0, 4.0)  # no rise in 3 s
+    assert flat.proof_out_of_reach(5.0)
+
+
 class _ScriptedChild:
     """A child that already printed ``lines`` and wrote ``out`` (what ``ExactChild.run`` reads)."""
 
