@@ -95,7 +95,11 @@ def _tie_map(problem: Problem, allowed: list[np.ndarray]) -> np.ndarray:
     for group in problem.ties:
         common = allowed[group[0]]
         for w in group:
-            common = np.intersect1d(common, allowed[w])
+            a = allowed[w]
+            # Members mostly allow the same strategies: compared first, intersected only where
+            # they differ (intersect1d per member was 1.5 s of LLaMA-70B's 29k tied nodes).
+            if a is not common and not (a.size == common.size and np.array_equal(a, common)):
+                common = np.intersect1d(common, a, assume_unique=True)
         if common.size == 0:
             raise ProvedInfeasible(f"tie {sorted(group)[:5]}...: no strategy is allowed for every tied node")
         for w in group:

@@ -78,10 +78,15 @@ class Problem:
                 raise ProblemError(
                     f"node {self._label(v)}: {c.size} strategy costs but {u.size} usages; expected equal counts"
                 )
-            if np.any(u < 0) or np.any(np.isnan(u)):
-                raise ProblemError(f"node {self._label(v)}: usages must be >= 0, found {u.tolist()}")
-            if np.any(np.isnan(c)):
-                raise ProblemError(f"node {self._label(v)}: cost is NaN")
+        # Values are checked on all nodes at once (per node, four reductions each: 0.25 s of
+        # LLaMA-70B's 21k nodes, for every problem the planner builds); the node is found after.
+        if n and (np.isnan(np.concatenate(self.node_costs)).any()
+                  or not (np.concatenate(self.node_usages) >= 0).all()):  # NaN fails >= too
+            for v, (c, u) in enumerate(zip(self.node_costs, self.node_usages)):
+                if np.any(u < 0) or np.any(np.isnan(u)):
+                    raise ProblemError(f"node {self._label(v)}: usages must be >= 0, found {u.tolist()}")
+                if np.any(np.isnan(c)):
+                    raise ProblemError(f"node {self._label(v)}: cost is NaN")
         iv = np.asarray(self.intervals, dtype=np.int64).reshape(-1, 2) if n else np.zeros((0, 2), np.int64)
         if iv.shape != (n, 2):
             raise ProblemError(f"intervals: expected shape ({n}, 2), found {iv.shape}")

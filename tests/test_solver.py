@@ -134,6 +134,8 @@ def test_deterministic():
         (lambda d: d["problem"]["edges"]["costs"].__setitem__(0, [1, 2, 3]), "expected 1 x 2 = 2"),
         (lambda d: d["problem"]["nodes"]["intervals"].__setitem__(0, [70, 30]), "lo > hi"),
         (lambda d: d["problem"]["nodes"]["usages"].__setitem__(1, [-1, 25]), "usages must be >= 0"),
+        (lambda d: d["problem"]["nodes"]["usages"].__setitem__(2, [15, float("nan"), 15]), "node 2: usages must be"),
+        (lambda d: d["problem"]["nodes"]["costs"].__setitem__(3, [float("nan"), 1]), "node 3: cost is NaN"),
         (lambda d: d["problem"]["nodes"].pop("costs"), "missing"),
         (lambda d: d["problem"]["edges"]["nodes"].__setitem__(0, [0, 9]), "outside [0, 5)"),
     ],
