@@ -102,7 +102,8 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
     p.add_argument("--profile", default="h100-sxm", help="shipped profile name or profile file")
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB (default: the profile's device memory)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
+    p.add_argument("--time-limit", type=float, default=60.0,
+                   help="seconds the plan may take, tracing and building the problem included")
     p.add_argument("--recompute", default="auto", choices=RECOMPUTE,
                    help="activation checkpointing of the repeated layers (default auto: chosen with the plan)")
     p.add_argument("--load-imbalance", type=float, default=1.0, metavar="F",

@@ -34,7 +34,10 @@ class PlanOptions:
     memory, ``None`` plans without a memory constraint."""
 
     time_limit: float = 60.0
-    """Seconds the solver may take (a proved optimum returns earlier)."""
+    """Seconds a plan may take (a proved optimum returns earlier): from the call of
+    :func:`autoshard.plan` (tracing and building the problem included: the solve gets what they
+    leave, at least ``planner.MIN_SOLVE_SECONDS``), for the whole mesh search with
+    ``mesh="auto"``, for the solve alone in ``Planner.solve``."""
 
     backend: str = "highs"
     """MILP backend: ``"highs"`` (default) or ``"cbc"`` (through PuLP)."""
