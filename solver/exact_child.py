@@ -40,6 +40,7 @@ VNS_SHARE = 0.5
 _NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"
 _SOLUTION = re.compile(rf"New solution: {_NUMBER}")
 _BOUNDS = re.compile(rf"(?:Optimality gap|Initial lower and upper bounds): \[{_NUMBER}, {_NUMBER}\]")
+_PREPROCESSED = re.compile(rf"Preprocessing time: {_NUMBER} seconds")
 
 
 @dataclass
@@ -119,6 +120,8 @@ class ExactChild:
                 stats[-1]["best"] = best = progress.best
                 if on_answer is not None:
                     on_answer(best)
+            elif phase is not None and (m := _PREPROCESSED.search(line)):
+                stats[-1]["preprocess_s"] = float(m.group(1))
             elif phase == "hbfs" and (m := _BOUNDS.search(line)):
                 lower_seen = max(lower_seen, float(m.group(1)) / self.scale)
                 progress.bound(lower_seen, t)

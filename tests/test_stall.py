@@ -196,12 +196,14 @@ def test_branch_and_bound_gap_is_its_own_answers_not_the_known_one(tmp_path):
 
     child = ExactChild.__new__(ExactChild)
     child.scale, child.phases, child.rounding, child.upper = 1.0, ("hbfs",), 0.0, 7000.0
-    child.child = _ScriptedChild(tmp_path, ["@phase hbfs", "Initial lower and upper bounds: [5878, 6063]",
+    child.child = _ScriptedChild(tmp_path, ["@phase hbfs", "Preprocessing time: 5.062 seconds.",
+                                            "Initial lower and upper bounds: [5878, 6063]",
                                             "New solution: 6016", "Optimality gap: [5896, 6016] 1.98 %",
                                             "@end hbfs"], ([0, 1], False, math.inf))
     ans = child.run(time.perf_counter() + 10.0, StallRule(), known=5974.0)
     assert ans.lower == 5896.0
     assert ans.gap == pytest.approx(6016.0 - 5896.0)  # not 5974 - 5896: 6016 - 78 = 5938 > 5896
+    assert ans.phases[0]["preprocess_s"] == 5.062  # what decides whether it searches again
 
 
 @pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
@@ -232,3 +234,33 @@ def test_solve_with_branch_and_bound_beside_dgvns_is_optimal(monkeypatch):
     assert started == [("vns",), ("hbfs",)]  # branch and bound under DGVNS's first answer
     assert sol.cost == pytest.approx(best, abs=1e-6) and evaluate(p, sol.choice).feasible
     assert sol.lower_bound is not None and sol.lower_bound <= sol.cost + 1e-9
+
+
+def test_branch_and_bound_searches_again_only_under_a_counted_gain_and_a_cheap_network():
+    """Branch and bound ended unproved under DGVNS's first answer searches again under DGVNS's
+    last where that is a gain the stall rule counts and its network was preprocessed within
+    ``min_seconds``; the two answers combine as the second's where it found or proved
+    anything, else the first's, with the higher bound."""
+    from solver.exact_child import ExactAnswer
+    from solver.solve import _better, _search_again
+
+    rule = StallRule(gain=1e-3, min_seconds=3.0)
+
+    def hbfs(preprocess_s, proved=False, picked=None, gap=math.inf, lower=-math.inf):
+        return ExactAnswer(picked, proved, gap, [{"method": "hbfs", "preprocess_s": preprocess_s}], lower)
+
+    assert _search_again(hbfs(0.5), upper=100.0, best=99.0, rule=rule)
+    assert not _search_again(hbfs(5.0), upper=100.0, best=99.0, rule=rule)  # posting costs too much
+    assert not _search_again(hbfs(0.5), upper=100.0, best=99.95, rule=rule)  # 0.05% < gain
+    assert not _search_again(hbfs(0.5, proved=True), upper=100.0, best=99.0, rule=rule)
+    assert not _search_again(hbfs(None), upper=100.0, best=99.0, rule=rule)  # never preprocessed
+    assert not _search_again(hbfs(0.5), upper=100.0, best=math.inf, rule=rule)
+
+    first = hbfs(0.5, picked=[1, 2], gap=5.0, lower=95.0)
+    nothing = hbfs(0.4, lower=96.0)  # the second found nothing below 99 and proved nothing
+    both = _better(first, nothing)
+    assert both.picked == [1, 2] and both.gap == 5.0 and both.lower == 96.0 and len(both.phases) == 2
+    proved = _better(first, hbfs(0.4, proved=True, gap=0.01, lower=99.0))  # 99 itself proved optimal
+    assert proved.proved and proved.picked is None and proved.lower == 99.0
+    found = _better(first, hbfs(0.4, picked=[3, 4], gap=1.0, lower=97.5))
+    assert found.picked == [3, 4] and found.gap == 1.0
