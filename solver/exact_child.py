@@ -27,7 +27,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from solver import cfn
@@ -62,6 +62,25 @@ def table_cost(costs, tables, picked) -> float:
     """The network's cost of ``picked`` (unscaled)."""
     total = sum(float(c[i]) for c, i in zip(costs, picked))
     return total + sum(float(m[picked[a], picked[b]]) for (a, b), m in tables.items())
+
+
+def search_again(ans: ExactAnswer, upper: float, best: float, rule: StallRule) -> bool:
+    """Whether branch and bound, ended unproved under ``upper``, is worth starting again under
+    the ``best`` answer found since: that answer must count as progress by the stall rule's
+    measure (``gain`` below ``upper``) and the network must post and preprocess within
+    ``min_seconds``, the shortest wait the stall rule grants (LLaMA-70B's takes 5 s: not again)."""
+    posted = [ph.get("preprocess_s") for ph in ans.phases if ph.get("method") == "hbfs"]
+    return (not ans.proved and math.isfinite(best) and best <= upper - rule.gain * abs(upper)
+            and bool(posted) and posted[-1] is not None and posted[-1] < rule.min_seconds)
+
+
+def combine(first: ExactAnswer, second: ExactAnswer) -> ExactAnswer:
+    """Two branch-and-bound answers as one: the second's where it proved or found an answer
+    (it searched under a lower cost), else the first's answer with the higher bound; phases of both."""
+    phases = first.phases + second.phases
+    if not (second.proved or second.picked is not None):
+        second = replace(second, picked=first.picked, gap=first.gap)
+    return replace(second, phases=phases, lower=max(first.lower, second.lower))
 
 
 class ExactChild:

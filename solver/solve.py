@@ -17,7 +17,7 @@ from solver import cfn, heuristic, highs_model, ilp, lns, weights
 from solver.evaluate import evaluate, memory_profile
 from solver.exact import build_exact
 from solver.exact import finish as exact_answer
-from solver.exact_child import ExactChild
+from solver.exact_child import ExactChild, combine, search_again
 from solver.lns_child import LnsChild
 from solver.memrows import RowsTooLarge
 from solver.milp_child import MilpChild
@@ -580,39 +580,20 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
         known = found.evaluation.cost if found.choice is not None else math.inf
         # Its lines queued while DGVNS was watched: their times are when they came.
         ans = bnb[0].run(deadline, rule, True, log.info, known=known)
-        if _search_again(ans, bnb[0].upper, known, rule) and deadline - time.perf_counter() >= 1:
+        if search_again(ans, bnb[0].upper, known, rule) and deadline - time.perf_counter() >= 1:
             # Started under DGVNS's first answer, branch and bound prunes less than it could
             # under its last: where posting the network again is cheap, it searches again
             # under that (the planner corpus's LLaMA-8B on (8, 8, 8): proved in the second
             # search, left at a 0.09% gap by the first).
             log.info(f"exact: branch and bound again, under DGVNS's best {known:.6g}")
             bnb.append(ExactChild(model, known, deadline - time.perf_counter(), phases=("hbfs",)))
-            ans = _better(ans, bnb[-1].run(deadline, rule, True, log.info, known=known))
+            ans = combine(ans, bnb[-1].run(deadline, rule, True, log.info, known=known))
     finally:
         child.close()
         for c in bnb:
             c.close()
     ans.phases = first.phases + ans.phases
     return ans
-
-
-def _search_again(ans, upper: float, best: float, rule: StallRule) -> bool:
-    """Whether branch and bound, ended unproved under ``upper``, is worth starting again under
-    the ``best`` answer found since: that answer must count as progress by the stall rule's
-    measure (``gain`` below ``upper``) and the network must post and preprocess within
-    ``min_seconds``, the shortest wait the stall rule grants (LLaMA-70B's takes 5 s: not again)."""
-    posted = [ph.get("preprocess_s") for ph in ans.phases if ph.get("method") == "hbfs"]
-    return (not ans.proved and math.isfinite(best) and best <= upper - rule.gain * abs(upper)
-            and bool(posted) and posted[-1] is not None and posted[-1] < rule.min_seconds)
-
-
-def _better(first, second):
-    """Two branch-and-bound answers as one: the second's where it proved or found an answer
-    (it searched under a lower cost), else the first's answer with the higher bound; phases of both."""
-    phases = first.phases + second.phases
-    if not (second.proved or second.picked is not None):
-        second = dataclasses.replace(second, picked=first.picked, gap=first.gap)
-    return dataclasses.replace(second, phases=phases, lower=max(first.lower, second.lower))
 
 
 def _milp_fits(model, max_nonzeros: float) -> bool:

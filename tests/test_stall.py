@@ -241,26 +241,25 @@ def test_branch_and_bound_searches_again_only_under_a_counted_gain_and_a_cheap_n
     last where that is a gain the stall rule counts and its network was preprocessed within
     ``min_seconds``; the two answers combine as the second's where it found or proved
     anything, else the first's, with the higher bound."""
-    from solver.exact_child import ExactAnswer
-    from solver.solve import _better, _search_again
+    from solver.exact_child import ExactAnswer, combine, search_again
 
     rule = StallRule(gain=1e-3, min_seconds=3.0)
 
     def hbfs(preprocess_s, proved=False, picked=None, gap=math.inf, lower=-math.inf):
         return ExactAnswer(picked, proved, gap, [{"method": "hbfs", "preprocess_s": preprocess_s}], lower)
 
-    assert _search_again(hbfs(0.5), upper=100.0, best=99.0, rule=rule)
-    assert not _search_again(hbfs(5.0), upper=100.0, best=99.0, rule=rule)  # posting costs too much
-    assert not _search_again(hbfs(0.5), upper=100.0, best=99.95, rule=rule)  # 0.05% < gain
-    assert not _search_again(hbfs(0.5, proved=True), upper=100.0, best=99.0, rule=rule)
-    assert not _search_again(hbfs(None), upper=100.0, best=99.0, rule=rule)  # never preprocessed
-    assert not _search_again(hbfs(0.5), upper=100.0, best=math.inf, rule=rule)
+    assert search_again(hbfs(0.5), upper=100.0, best=99.0, rule=rule)
+    assert not search_again(hbfs(5.0), upper=100.0, best=99.0, rule=rule)  # posting costs too much
+    assert not search_again(hbfs(0.5), upper=100.0, best=99.95, rule=rule)  # 0.05% < gain
+    assert not search_again(hbfs(0.5, proved=True), upper=100.0, best=99.0, rule=rule)
+    assert not search_again(hbfs(None), upper=100.0, best=99.0, rule=rule)  # never preprocessed
+    assert not search_again(hbfs(0.5), upper=100.0, best=math.inf, rule=rule)
 
     first = hbfs(0.5, picked=[1, 2], gap=5.0, lower=95.0)
     nothing = hbfs(0.4, lower=96.0)  # the second found nothing below 99 and proved nothing
-    both = _better(first, nothing)
+    both = combine(first, nothing)
     assert both.picked == [1, 2] and both.gap == 5.0 and both.lower == 96.0 and len(both.phases) == 2
-    proved = _better(first, hbfs(0.4, proved=True, gap=0.01, lower=99.0))  # 99 itself proved optimal
+    proved = combine(first, hbfs(0.4, proved=True, gap=0.01, lower=99.0))  # 99 itself proved optimal
     assert proved.proved and proved.picked is None and proved.lower == 99.0
-    found = _better(first, hbfs(0.4, picked=[3, 4], gap=1.0, lower=97.5))
+    found = combine(first, hbfs(0.4, picked=[3, 4], gap=1.0, lower=97.5))
     assert found.picked == [3, 4] and found.gap == 1.0
