@@ -66,6 +66,10 @@ class Child:
         except queue.Empty:
             return None
 
+    def pending(self) -> bool:
+        """Whether lines have come that :meth:`line` has not handed out yet."""
+        return not self.lines.empty()
+
     def wait(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds; whether the child has exited. Raises when it failed."""
         try:

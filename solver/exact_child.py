@@ -148,7 +148,7 @@ class ExactChild:
             # Lines queued while this child was not watched (beside DGVNS, or while the caller
             # ran the hand-written plans) are read first: judged mid-backlog, a search looked
             # stalled at ``now`` by events it had already reported.
-            if not self.child.lines.empty() and now <= deadline + 5.0:
+            if self.child.pending() and now <= deadline + 5.0:
                 continue
             if phase is not None and now - signalled > 1.0:
                 why = None

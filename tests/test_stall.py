@@ -180,6 +180,9 @@ class _ScriptedChild:
     def line(self, timeout):
         return None if self.lines.empty() else self.lines.get()
 
+    def pending(self):
+        return not self.lines.empty()
+
     def wait(self, timeout):
         return True
 
