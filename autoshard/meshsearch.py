@@ -13,12 +13,13 @@ built and bounded from below: by its cheapest strategy per node, edges free, and
 optimum with memory ignored (toulbar2 on the tied layers' quotient, seconds per shape; both
 are proofs, since edges, memory and recomputation only add cost). Shapes are bounded in the
 order of :func:`next_to_bound`, in worker processes where cores allow
-(:func:`bounding_workers`), for ``BOUND_SHARE`` of the time limit, then solved in increasing bound,
-each as a plan on a given mesh is (hand-written seeds included) with an equal share of the
-time left; a shape whose bound is not below the best plan found is pruned unsolved. Where
-memory does not bind the lowest bound's plan, the first solve proves it and every other
-shape is pruned. ``time_limit`` is the whole search's: raise it to bound or solve more
-shapes. Every shape goes in the table, with its bound and why it was pruned or skipped or
+(:func:`bounding_workers`), for ``BOUND_SHARE`` of the time limit (``BOUND_SHARE_BINDING`` once
+memory binds the lowest bound), then solved in increasing bound, each as a plan on a given
+mesh is (hand-written seeds included) with all the time left (the solver's stall rule ends it
+when it stops improving); a shape whose bound is not below the best plan found is pruned
+unsolved. Where memory does not bind the lowest bound's plan, the first solve proves it and
+every other shape is pruned. ``time_limit`` is the whole search's: raise it to bound or solve
+more shapes. Every shape goes in the table, with its bound and why it was pruned or skipped or
 what it cost.
 """
 
@@ -101,9 +102,15 @@ def axis_names(k: int) -> tuple[str, ...]:
 
 
 #: Share of ``time_limit`` for bounding shapes (building each one's problem and solving it
-#: with memory ignored); the solves in bound order get the rest, and at least
-#: ``MIN_SOLVE_SECONDS`` each.
+#: with memory ignored) while the lowest bound so far is a memory-free optimum that fits (its
+#: shape's solve is then that optimum, assembled); the solves in bound order get the rest, and
+#: at least ``MIN_SOLVE_SECONDS`` each.
 BOUND_SHARE = 0.75
+#: The share once memory binds the lowest bound (its memory-free optimum does not fit): plans
+#: then lie far above their bounds (LLaMA-70B on 512 ranks: 25-35%) and are made by the solve,
+#: which needs real time (its (64, 2, 4) shape: 30 s alone to 5,884 ms; starved to 15 s in a
+#: search at 0.75, it gave 6,944).
+BOUND_SHARE_BINDING = 0.5
 #: The most a shape's memory-free search may take: a search cut off proves a weaker bound,
 #: and one slow shape must not take the time of all that follow.
 MAX_BOUND_SECONDS = 10.0
@@ -261,10 +268,12 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
 
     Two passes. *Bounds*: each shape's problem is built and solved with memory ignored
     (:meth:`Planner.memory_free`), in the order of :func:`next_to_bound`, for ``BOUND_SHARE`` of
-    the time:
-    a proved lower bound per shape. *Solves*: shapes in increasing bound, each planned as a
-    plan on a given mesh is (hand-written seeds included where ``seed_baselines``), with an
-    equal share of the time left; a shape whose bound is not below the best plan found is
+    the time (``BOUND_SHARE_BINDING`` while memory binds the lowest bound): a proved lower bound
+    per shape. *Solves*: shapes in increasing bound, each planned as a plan on a given mesh is
+    (hand-written seeds included where ``seed_baselines``), with all the time left: the likeliest
+    shape is solved until its search stops improving, not starved to share the time with shapes
+    that its plan may prune (an equal share gave LLaMA-70B's best-bounded shape on 512 ranks 15 s
+    and a plan 18% above its own); a shape whose bound is not below the best plan found is
     pruned, as no plan of it can be cheaper. Where the memory-free optimum of the lowest bound
     fits the budget, that shape's plan is proved the best of all bounded shapes at once."""
     import torch.distributed as dist
@@ -298,10 +307,14 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             while todo and jobs.has_room() and not (jobs.running and min(map(len, jobs.running)) < min(map(len, todo))):
                 shape = next_to_bound(todo, bounds)
                 todo.remove(shape)
-                left = t0 + BOUND_SHARE * limit - time.perf_counter()
+                lowest = min(bounded, key=lambda b: (b.no_free, b.bound), default=None)
+                share = BOUND_SHARE_BINDING if lowest is not None and lowest.free is not None \
+                    and not lowest.free.fits else BOUND_SHARE
+                left = t0 + share * limit - time.perf_counter()
                 like = spent.get(len(shape))
                 if (bounded or jobs.running) and (left <= 0 or (like and left < min(like))):
-                    rows[shape].note = (f"the bounding time ({BOUND_SHARE * limit:.0f} s of time_limit) is spent: "
+                    rows[shape].note = (f"the bounding time ({share * limit:.0f} s of time_limit"
+                                        f"{', memory binding' if share == BOUND_SHARE_BINDING else ''}) is spent: "
                                         "raise time_limit to plan it")
                     continue
                 jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)), upper)
@@ -335,7 +348,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     # Shapes whose memory-free search did not run (toulbar2 missing, cut off) hold only the
     # cheapest-strategy bound, far below any plan: they are solved after those that have one.
     bounded.sort(key=lambda b: (b.no_free, b.bound, b.order))
-    for i, (_, bound, _, shape, planner, free, made) in enumerate(bounded):
+    for _, bound, _, shape, planner, free, made in bounded:
         row, started = rows[shape], time.perf_counter()
         if best is not None and bound >= best[0].summary["step_us"]:
             row.outcome = "pruned"
@@ -345,7 +358,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         if best is not None and left < MIN_SOLVE_SECONDS:
             row.note = "the time limit is spent: raise time_limit to plan it"
             continue
-        share = max(MIN_SOLVE_SECONDS, left / (len(bounded) - i))
+        share = max(MIN_SOLVE_SECONDS, left)
         try:
             if made is not None:  # its worker made the plan (its memory-free optimum)
                 plan = made

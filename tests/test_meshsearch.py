@@ -127,3 +127,63 @@ def test_no_bounding_workers_beside_a_real_process_group(tmp_path, monkeypatch):
         assert ms.bounding_workers(6) == 1
     finally:
         dist.destroy_process_group()
+
+
+class _ScriptedPlanner:
+    """A planner whose shapes bound and solve by script, on the search's own clock: a bound
+    takes 20 s, memory binds every shape (no memory-free optimum fits), a plan costs 1.5x its
+    bound and each solve records the time it was given."""
+
+    clock = [0.0]
+    solves: list = []
+
+    def __init__(self, model, example_inputs, mesh, options=None, traced=None):
+        from costmodel import load_profile
+
+        self.shape, self.traced = tuple(mesh.shape), "traced"
+        self.profile = load_profile("h100-sxm")
+
+    def bound(self) -> float:
+        return {1: 900.0, 2: 500.0, 3: 400.0}[len(self.shape)] + self.shape[0]
+
+    def cheapest_bound(self):
+        return 0.0
+
+    def memory_free(self, time_limit):
+        from types import SimpleNamespace
+
+        self.clock[0] += 20.0
+        return SimpleNamespace(lower_bound=self.bound(), cost=self.bound(), proved=True, fits=False)
+
+    def solve(self, time_limit):
+        from types import SimpleNamespace
+
+        self.solves.append((self.shape, time_limit))
+        self.clock[0] += 5.0  # the stall rule ends it early
+        return SimpleNamespace(summary={"step_us": 1.5 * self.bound(), "peak_mem_bytes": 1},
+                               solver={"status": "heuristic", "bound": None})
+
+
+def test_where_memory_binds_bounding_stops_at_half_and_the_likeliest_shape_gets_the_time_left(world, monkeypatch):
+    """Where memory binds, a bound says little of a plan (LLaMA-70B: plans 25-35% above), so the
+    bounding stops at BOUND_SHARE_BINDING of the limit and the lowest bound is solved with all
+    the time left, not an equal share with shapes its plan may prune."""
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    world(8)
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _ScriptedPlanner.clock[0]))
+    _ScriptedPlanner.clock[0], _ScriptedPlanner.solves = 0.0, []
+    assert mesh_shapes(8, 8) == [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), _ScriptedPlanner)
+    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    # bounded at 20, 40 (the 2-D shapes' cost is known: 20 s > 50 - 40 left), the 3-D one at 60
+    assert rows[(4, 2)]["outcome"] == "skipped" and "50 s of time_limit, memory binding" in rows[(4, 2)]["note"]
+    assert _ScriptedPlanner.solves[0] == ((2, 2, 2), 100.0 - 60.0)  # all the time left, not a third of it
+    assert rows[(2, 2, 2)]["outcome"] == "chosen"
+    # then the next bound with what its solve left: (2, 4), bound 502 < 1.5 * 402
+    assert _ScriptedPlanner.solves[1] == ((2, 4), 100.0 - 65.0)
+    assert rows[(8,)]["outcome"] == "pruned"
