@@ -171,12 +171,26 @@ class _Bounded(NamedTuple):
     such plan known when the shape was submitted), else None."""
 
 
-def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, plan_below: float = -1.0) -> tuple:
-    """``(shape, cheapest-strategy bound, memory-free answer or None, seconds, error text or None,
-    planner, plan or None)`` of one shape, its planner built by ``make(shape)`` unless given.
-    Where the memory-free optimum is proved, fits and costs less than ``plan_below``, it is the
-    shape's plan, assembled here (a worker's planner is not kept: without the plan, the search
-    would build the shape again to make it: 2.7 s of LLaMA-8B's search on 512 ranks)."""
+class _BoundResult(NamedTuple):
+    """One shape's bounding, as a worker or this process reports it."""
+
+    shape: tuple[int, ...]
+    bound: float | None
+    """Its cheapest-strategy bound (None on error)."""
+    free: object | None
+    """Its memory-free answer (``solver.MemoryFree``), or None."""
+    seconds: float
+    error: str | None
+    planner: object | None
+    """Its planner, kept where it was built here (None from a worker)."""
+    plan: Plan | None
+
+
+def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, plan_below: float = -1.0) -> _BoundResult:
+    """One shape bounded, its planner built by ``make(shape)`` unless given. Where the
+    memory-free optimum is proved, fits and costs less than ``plan_below``, it is the shape's
+    plan, assembled here (a worker's planner is not kept: without the plan, the search would
+    build the shape again to make it: 2.7 s of LLaMA-8B's search on 512 ranks)."""
     started = time.perf_counter()
     plan = None
     try:
@@ -186,13 +200,13 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
         if free is not None and free.proved and free.fits and free.cost < plan_below:
             plan = planner.solve(time_limit=max(1.0, seconds))  # the memory-free optimum, assembled
     except AutoshardError as exc:  # e.g. a pin written for another number of axes
-        return shape, None, None, time.perf_counter() - started, str(exc), None, None
-    return shape, bound, free, time.perf_counter() - started, None, planner, plan
+        return _BoundResult(shape, None, None, time.perf_counter() - started, str(exc), None, None)
+    return _BoundResult(shape, bound, free, time.perf_counter() - started, None, planner, plan)
 
 
-def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) -> tuple:
-    out = _bound_shape(shape, seconds, _WORK["make"], plan_below=plan_below)
-    return out[:5] + (None, out[6])  # the planner stays in the worker
+def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) -> _BoundResult:
+    # The planner stays in the worker.
+    return _bound_shape(shape, seconds, _WORK["make"], plan_below=plan_below)._replace(planner=None)
 
 
 class _Bounding:
@@ -228,11 +242,11 @@ class _Bounding:
             self.pool.apply_async(_bound_in_worker, (shape, seconds, plan_below), callback=self.results.put,
                                   error_callback=self.results.put)
 
-    def next(self) -> tuple:
+    def next(self) -> _BoundResult:
         out = self.done.pop(0) if self.done else self.results.get()
         if isinstance(out, BaseException):  # a bug in a worker surfaces as itself
             raise out
-        self.running.discard(out[0])
+        self.running.discard(out.shape)
         return out
 
     def close(self) -> None:
