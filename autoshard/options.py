@@ -15,7 +15,7 @@ from solver import BACKENDS
 TRACE_FIELDS = ("profile", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers", "load_imbalance")
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
-                "export_problem")
+                "overlap_objective", "export_problem")
 #: Values of ``PlanOptions.recompute``.
 RECOMPUTE = ("auto", *RECOMPUTE_MODES)
 
@@ -81,6 +81,14 @@ class PlanOptions:
     are solved under their pins (a quarter of ``time_limit`` in all) and the solve's long
     searches start from them, so the plan is never dearer than any of them."""
 
+    overlap_objective: bool = True
+    """The objective follows the step simulated with overlap (:mod:`autoshard.overlap`): after
+    the additive solve, each redistribute is re-weighed by the compute that can hide it in the
+    plan's simulation and the problem solved again, up to ``overlap.MAX_ROUNDS`` times within
+    ``time_limit``; the plan of least simulated step is kept. ``False``: the additive plan. The
+    predicted step (``summary["step_us"]``) is the simulation either way, by the profile's
+    overlap share."""
+
     loss_fn: Callable | None = None
     """Maps the model's output to a scalar loss (default: the output's mean, or the model's own
     loss where it returns one)."""
@@ -104,7 +112,7 @@ class PlanOptions:
             raise ConfigError(f"time_limit: expected seconds > 0, found {self.time_limit!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {BACKENDS}, found {self.backend!r}")
-        for name in ("tie_layers", "unroll_layers"):
+        for name in ("tie_layers", "unroll_layers", "overlap_objective", "seed_baselines"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")
         f = self.load_imbalance

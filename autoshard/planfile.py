@@ -199,7 +199,8 @@ class Plan:
             f"autoshard plan v{self.version} for {self.model.get('class', '?')} "
             f"on mesh {dict(zip(self.axis_names, self.mesh_shape))}",
             f"  predicted step: {s.get('step_us', 0) / 1e3:.3f} ms "
-            f"(compute {s.get('compute_us', 0) / 1e3:.3f} ms, communication {s.get('comm_us', 0) / 1e3:.3f} ms)",
+            f"(compute {s.get('compute_us', 0) / 1e3:.3f} ms, communication {s.get('comm_us', 0) / 1e3:.3f} ms"
+            + (f"; {s['additive_us'] / 1e3:.3f} ms with nothing overlapped" if "additive_us" in s else "") + ")",
             f"  peak memory per device: {s.get('peak_mem_bytes', 0) / 2**20:.1f} MiB"
             + (f" of budget {s['memory_budget_bytes'] / 2**20:.1f} MiB" if s.get("memory_budget_bytes") else ""),
             f"  graph: {s.get('graph_nodes', '?')} nodes, {s.get('strategies', '?')} strategies, "
@@ -215,7 +216,13 @@ class Plan:
         if s.get("simulated"):
             sim = s["simulated"]
             lines.append(f"  simulated with overlap: {sim['step_us'] / 1e3:.3f} ms (communication "
-                         f"{sim['comm_us'] / 1e3:.3f} ms, of which exposed {sim['exposed_comm_us'] / 1e3:.3f} ms)")
+                         f"{sim['comm_us'] / 1e3:.3f} ms, of which exposed {sim['exposed_comm_us'] / 1e3:.3f} ms"
+                         + (f"; overlap share {sim['overlap_share']:g}" if "overlap_share" in sim else "") + ")")
+        ov = s.get("overlap") or {}
+        if len(ov.get("rounds", ())) > 1 or ov.get("kept", "round 0") != "round 0":
+            steps = " -> ".join(f"{r['simulated_us'] / 1e3:.3f}" for r in ov["rounds"])
+            lines.append(f"  overlap rounds (simulated ms): {steps}; kept {ov['kept']}"
+                         + (f", stopped: {ov['stopped']}" if ov.get("stopped") else ""))
         if s.get("load_imbalance"):
             li = s["load_imbalance"]
             lines.append(f"  experts: {li['expert_matmuls']} expert matmuls, costed at load imbalance {li['factor']:g} "

@@ -25,6 +25,8 @@ from autoshard.baselines import baseline_pins, baseline_recompute, baselines_for
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
+from autoshard.overlap import MAX_ROUNDS, additive_solve
+from autoshard.overlap import refine as refine_overlap
 from autoshard.pins import resolve_pins, to_spec
 from autoshard.planfile import RECOMPUTE_MODES, ParamPlacement, Plan
 from autoshard.problem import GraphProblem, build_problem, pin_indices
@@ -246,8 +248,11 @@ class Planner:
         modes = RECOMPUTE_MODES
         best, tried, failed, floor = None, {}, None, None
         for k, mode in enumerate(modes):
+            # Bounds are on the additive objective the solver minimizes: a mode is not solved when
+            # none of its plans can beat the best additive plan so far (the overlap rounds start
+            # from that plan; another mode's could hide more, untried).
             if best is not None and floor is not None \
-                    and best[0].summary["step_us"] <= floor + self.recompute_floor(mode, opts):
+                    and additive_solve(best[0]) <= floor + self.recompute_floor(mode, opts):
                 tried[mode] = "pruned"
                 continue
             share = max(1.0, (opts.time_limit - (time.perf_counter() - t0)) / (len(modes) - k))
@@ -301,18 +306,37 @@ class Planner:
         """Our plan and each hand-written baseline (default: every one that applies to the model,
         :func:`~autoshard.baselines.baselines_for`), costed alike.
 
-        ``"autoshard"`` is exactly what :meth:`solve` returns under the same options (pins
-        included); a baseline fixes the parameter and input specs as people write them by
-        hand (see :mod:`autoshard.baselines`; the pins given win over its own) and the
-        solver chooses the rest. A baseline that does not fit the memory budget maps to the
-        error's message.
+        ``"autoshard"`` is what :meth:`solve` returns under the same options (pins included),
+        unless a baseline that the options allow (no input specs given, its recompute mode the
+        one asked for or ``"auto"``) is predicted faster: the solve's overlap rounds start from
+        its own additive optimum and may miss what a pinned plan overlaps. That baseline's plan
+        then is ours, and :meth:`solve` returns it from then on. A baseline fixes the parameter
+        and input specs as people write them by hand (see :mod:`autoshard.baselines`; the pins
+        given win over its own) and the solver chooses the rest. A baseline that does not fit
+        the memory budget maps to the error's message.
         """
         opts = self._options(overrides)
-        out: dict[str, Plan | str] = {"autoshard": self.solve(**overrides)}
+        ours = self.solve(**overrides)
+        out: dict[str, Plan | str] = {"autoshard": ours}
         names = baselines_for(self.model) if baselines is None else baselines
         for name, seed in self._baselines(names, opts, opts.time_limit).items():
             out[name] = seed.plan if isinstance(seed, _Seed) else seed
+            allowed = opts.input_specs is None and opts.recompute in ("auto", baseline_recompute(name))
+            if allowed and isinstance(seed, _Seed) and seed.step_us < out["autoshard"].summary["step_us"]:
+                out["autoshard"] = self._adopt(opts, name, seed)
         return out
+
+    def _adopt(self, opts: PlanOptions, name: str, seed: _Seed) -> Plan:
+        """Hand-written plan ``name`` as the plan of ``opts`` (it is predicted faster than the
+        solve's), labelled as such."""
+        plan = seed.plan
+        summary = {k: v for k, v in plan.summary.items() if k != "pinned"}
+        ours = dataclasses.replace(plan, summary=summary, solver={
+            **plan.solver, "source": f"baseline {name} (predicted faster than the solve's plan, "
+                                     f"{self._plans[_key(opts)][0].summary['step_us'] / 1e3:.3f} ms)"})
+        log.info(f"plan: baseline {name} is predicted faster ({seed.step_us / 1e3:.3f} ms): it is the plan")
+        self._plans[_key(opts)] = (ours, seed.choice)
+        return ours
 
     def _baselines(self, names, opts: PlanOptions, time_limit: float) -> dict[str, _Seed | str]:
         """Each hand-written plan solved under its pins (the user's pins, where given, win) and in
@@ -368,14 +392,18 @@ class Planner:
         # that fit it).
         recomputing = f" ({'these pins, ' if problem.pins else ''}recompute={rc.mode!r})"
         free = self._free.get(_problem_key(opts))
+        asked: list = []  # the late starts, once the solve asks for them: candidates of the overlap rounds
+
+        def late():
+            asked.extend((name, _project(choice, gp)) for name, choice in late_starts())
+            return asked
+
         try:
-            late = None if late_starts is None else (
-                lambda: [(name, _project(choice, gp)) for name, choice in late_starts()])
             if free is not None:  # proved optimal where memory cannot bind: no start beats it
                 sol = free.solution(opts.backend)
             else:
                 sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts,
-                                   late_starts=late)
+                                   late_starts=None if late_starts is None else late)
         except solver.InfeasibleError as exc:
             err = MemoryBudgetError(
                 f"memory budget {human_bytes(budget)} per device is infeasible for this model"
@@ -387,11 +415,17 @@ class Planner:
             if problem.usage_limit is not None and exc.min_feasible_limit_bound > problem.usage_limit:
                 self._infeasible[_problem_key(opts)] = err  # proved: even the least-usage plan breaks it
             raise err from exc
+
+        def resolve_weighed(weighed: solver.Problem, seconds: float, round_starts) -> solver.Solution:
+            return solver.solve(weighed, time_limit=seconds, backend=opts.backend, starts=round_starts)
+
+        sol, overlap = refine_overlap(problem, gp, sol, self.profile.overlap, resolve_weighed, t1 + time_limit,
+                                      candidates=starts + asked, rounds=MAX_ROUNDS if opts.overlap_objective else 0)
         phases = dict(self.phases, solve_s=time.perf_counter() - t1)
 
         def assemble() -> Plan:
             t1 = time.perf_counter()
-            result = _assemble(self.model, self.traced, gp, rc, sol, self.mesh, self.profile, budget)
+            result = _assemble(self.model, self.traced, gp, rc, sol, self.mesh, self.profile, budget, overlap)
             phases["assemble_s"] = time.perf_counter() - t1
             result.summary["plan_seconds"] = round(sum(phases.values()), 3)
             result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
@@ -400,7 +434,7 @@ class Planner:
             return result
 
         if lazy:
-            return _Seed(float(sol.cost), sol.choice, sol.status.value, assemble)
+            return _Seed(overlap["simulated_us"], sol.choice, sol.status.value, assemble)
         return assemble(), sol.choice
 
 
@@ -426,10 +460,10 @@ def _problem_key(opts: PlanOptions) -> str:
 def _key(opts: PlanOptions) -> str:
     """A solve's cache key: the options that change its answer."""
     return json.dumps([opts.pins, opts.input_specs, opts.memory_budget, opts.recompute, opts.time_limit,
-                       opts.backend, opts.seed_baselines], sort_keys=True, default=repr)
+                       opts.backend, opts.seed_baselines, opts.overlap_objective], sort_keys=True, default=repr)
 
 
-def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profile, budget) -> Plan:
+def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profile, budget, overlap: dict) -> Plan:
     names = axis_names_of(mesh)
     mesh_shape = tuple(mesh.shape)
     topo = MeshTopology(mesh_shape, prof.devices_per_node)
@@ -490,8 +524,10 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
     total = float(sol.cost)
     comm_total = max(0.0, total - compute)  # edges plus the loss reduction (input loading is negligible)
     shapes = {fqn: list(p.shape) for fqn, p in list(model.named_parameters()) + list(model.named_buffers())}
+    tl = simulate_plan(gp, choice, prof.overlap)
     summary = {
-        "step_us": round(total, 3),
+        "step_us": round(tl.step_us, 3),
+        "additive_us": round(total, 3),
         "compute_us": round(compute, 3),
         "comm_us": round(comm_total, 3),
         "peak_mem_bytes": int(sol.peak_usage),
@@ -507,9 +543,9 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
     }
     if gp.imbalance:
         summary["load_imbalance"] = dict(gp.imbalance)
-    tl = simulate_plan(gp, choice)
     summary["simulated"] = {"step_us": round(tl.step_us, 3), "exposed_comm_us": round(tl.exposed_us, 3),
-                            "comm_us": round(tl.comm_us, 3)}
+                            "comm_us": round(tl.comm_us, 3), "overlap_share": prof.overlap}
+    summary["overlap"] = {k: v for k, v in overlap.items() if k != "simulated_us"}
     return Plan(
         mesh_shape=list(mesh_shape),
         axis_names=names,

@@ -19,12 +19,29 @@ lowered forward and backward programs in their order, with the plan's profile pr
 ``t_c`` is the compute stream's clock and ``t_m`` the communication stream's: collectives run
 one after another, beside compute. The compute of the step is the sum over compute nodes;
 ``exposed`` is the communication the compute did not hide.
+
+Both walks hide perfectly: a collective beside compute costs nothing. Real streams contend (a
+collective's kernels take SMs and memory bandwidth; gloo's threads take cores), so the step is
+priced with the profile's overlap share ``eta`` (:attr:`costmodel.Profile.overlap`, measured by
+calibration) between the two ends, additive and perfectly overlapped
+(:meth:`Timeline.overlapped`):
+
+    step(eta) = compute + comm - eta * hidden,    hidden = compute + comm - step(1)
+
+``eta = 0`` is the additive step (every collective adds its time), ``eta = 1`` the walk's.
+
+:func:`simulate_plan` also gives each planned edge its *slack* (:func:`plan_slack`): the time
+between when its redistribute could start (its producer done, the communication stream free)
+and when its consumer would run (a gradient's move: when the compute stream ends). An edge of
+time ``c`` then costs ``c - eta * min(c, slack)``: the re-weighed edge costs the overlap-aware
+objective is solved with (:mod:`autoshard.overlap`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -49,6 +66,17 @@ class Timeline:
     def __add__(self, other: Timeline) -> Timeline:
         return Timeline(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
 
+    @property
+    def hidden_us(self) -> float:
+        """Communication that ran beside compute: what the additive step counts and this one not."""
+        return max(0.0, self.compute_us + self.comm_us - self.step_us)
+
+    def overlapped(self, share: float) -> Timeline:
+        """This walk (perfect overlap) with only ``share`` of its hidden communication hidden
+        (the module doc): 1 gives it back, 0 the additive step."""
+        step = self.step_us + (1.0 - share) * self.hidden_us
+        return replace(self, step_us=step, exposed_us=step - self.compute_us)
+
 
 def _source(node):
     """The collective a wait reads (through the getitem of a multi-output collective)."""
@@ -59,7 +87,7 @@ def _source(node):
 
 def simulate(gm: fx.GraphModule, est: Estimator) -> Timeline:
     """Run ``gm``'s nodes on a compute and a communication stream (see the module doc), priced
-    by ``est``."""
+    by ``est``, hiding perfectly (:meth:`Timeline.overlapped` prices contention)."""
     t_compute = t_comm = 0.0
     ends: dict[fx.Node, float] = {}
     tl = Timeline()
@@ -87,9 +115,12 @@ def simulate(gm: fx.GraphModule, est: Estimator) -> Timeline:
 
 def simulate_step(program, rank: int, profile: Profile | None = None) -> Timeline:
     """Forward then backward of a :class:`autoshard.runtime.PlannedProgram` for ``rank``, priced
-    by ``profile`` (default: the plan's, which the programs were scheduled with)."""
-    est = Estimator(profile or program.lowering.profile)
-    return simulate(program.forward_program(rank).gm, est) + simulate(program.backward_program(rank).gm, est)
+    by ``profile`` (default: the plan's, which the programs were scheduled with) and its overlap
+    share."""
+    profile = profile or program.lowering.profile
+    est = Estimator(profile)
+    tl = simulate(program.forward_program(rank).gm, est) + simulate(program.backward_program(rank).gm, est)
+    return tl.overlapped(profile.overlap)
 
 
 def _order(gp) -> list[int]:
@@ -109,14 +140,31 @@ def _order(gp) -> list[int]:
     return sorted(range(len(gp.nodes)), key=keys.__getitem__)
 
 
-def simulate_plan(gp, choice) -> Timeline:
-    """The planned step on a compute and a communication stream, in planned-graph order.
+def simulate_plan(gp, choice, overlap: float = 1.0) -> Timeline:
+    """The planned step on a compute and a communication stream, in planned-graph order, with
+    ``overlap`` of the hidden communication hidden (:meth:`Timeline.overlapped`).
 
     Each node runs once every redistribute into it has arrived; a redistribute starts when its
     producer has finished (a parameter's: at the start, i.e. prefetched) and the communication
     stream is free; a gradient's move to its parameter's spec runs beside the rest of the
     backward and only ends the step. Node times are the problem's own costs (compute, plus the
     loss's reduction), edge times its edge costs."""
+    return _walk(gp, choice, None).overlapped(overlap)
+
+
+def plan_slack(gp, choice) -> np.ndarray:
+    """Per planned edge, the time its redistribute could run beside compute in the walk of
+    :func:`simulate_plan` (module doc), whether or not ``choice`` moves anything along it: an
+    edge whose consumer runs right after its producer has none, a parameter's gather prefetched
+    at the start as much as the compute before its consumer less the collectives queued ahead
+    of it."""
+    slack = np.zeros(len(gp.edges))
+    _walk(gp, choice, slack)
+    return slack
+
+
+def _walk(gp, choice, slack: np.ndarray | None) -> Timeline:
+    """:func:`simulate_plan` hiding perfectly; each edge's slack written into ``slack``."""
     costs, mats = gp.problem.node_costs, gp.problem.edge_costs
     into: dict[int, list[int]] = {}
     grads_from: dict[int, list[int]] = {}
@@ -124,15 +172,18 @@ def simulate_plan(gp, choice) -> Timeline:
         (grads_from if e.arg < 0 else into).setdefault(e.producer if e.arg < 0 else e.consumer, []).append(k)
     t_compute = t_comm = 0.0
     done: dict[int, float] = {}
+    grad_starts: list[tuple[int, float]] = []
     tl = Timeline()
     for v in _order(gp):
         ready = t_compute
         for k in into.get(v, []):
             e = gp.edges[k]
+            start = max(done.get(e.producer, t_compute), t_comm)
+            if slack is not None:
+                slack[k] = max(0.0, t_compute - start)
             us = float(mats[k][choice[e.producer], choice[v]])
             if us <= 0:
                 continue
-            start = max(done.get(e.producer, t_compute), t_comm)
             t_comm = start + us
             ready = max(ready, t_comm)
             tl.comm_us += us
@@ -143,11 +194,16 @@ def simulate_plan(gp, choice) -> Timeline:
         tl.compute_us += us
         for k in grads_from.get(v, []):
             e = gp.edges[k]
+            start = max(t_compute, t_comm)
+            grad_starts.append((k, start))
             us = float(mats[k][choice[v], choice[e.consumer]])
             if us > 0:
-                t_comm = max(t_compute, t_comm) + us
+                t_comm = start + us
                 tl.comm_us += us
                 tl.collectives += 1
+    if slack is not None:
+        for k, start in grad_starts:  # a gradient's move is waited for when the compute ends
+            slack[k] = max(0.0, t_compute - start)
     tl.step_us = max(t_compute, t_comm)
     tl.exposed_us += tl.step_us - t_compute
     return tl

@@ -3,17 +3,19 @@ same run.
 
     python benchmarks/fidelity.py [--nproc 4] [--steps 10] [--models llama,gpt2]
 
-1. ``autoshard calibrate --backend gloo`` on a (2, 2) mesh of local processes (collective fits
-   and the matmul rate that prices compute), written to a temporary profile.
+1. ``autoshard calibrate --backend gloo`` on a (2, 2) mesh of local processes (collective fits,
+   the matmul rate that prices compute, the overlap share), written to a temporary profile.
 2. Per model (a small LLaMA and a small GPT-2, batch 16 x 128): our plan and the hand-written
-   ones (DDP, FSDP, TP, FSDP+TP) under that profile, from one ``Planner`` on a fake (2, 2) mesh.
+   ones (DDP, FSDP, TP, FSDP+TP, FSDP+TP with full recomputation) under that profile, from one
+   ``Planner`` on a fake (2, 2) mesh.
 3. Each plan measured by ``autoshard measure`` (its lowered programs with bucketing and overlap,
    as ``parallelize`` runs them by default): median step of the timed steps.
 
-Per plan: the plan's own (additive) prediction, its own overlap simulation on the planned graph
-(``plan.summary["simulated"]``: no buckets), the simulated step of the lowered programs that ran
-(:mod:`autoshard.simulate`: bucketing and overlap, one compute and one communication stream),
-the measured step, and communication three ways. Last line, for each of the three
+Per plan: the additive step (nothing overlapped), the plan's predicted step (its overlap
+simulation on the planned graph, priced with the calibrated overlap share:
+``plan.summary["step_us"]``), the simulated step of the lowered programs that ran
+(:mod:`autoshard.simulate`: bucketing and overlap, one compute and one communication stream,
+same share), the measured step, and communication three ways. Last line, for each of the three
 predictions: the median |predicted / measured - 1| over every plan, and how many of the plan
 pairs (same model) whose measured steps differ by more than 15% it orders rightly.
 """
@@ -36,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BATCH, SEQ = 16, 128
-PLANS = ("autoshard", "ddp", "fsdp", "tp", "fsdp_tp")
+#: Ours and the hand-written plans; FSDP+TP with full recomputation prices recomputed compute.
+PLANS = ("autoshard", "ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac")
 
 
 def llama():
@@ -117,23 +120,26 @@ def main() -> None:
     profile = folder / "profile.json"
     print(f"calibrating gloo on (2, {args.nproc // 2}) ...", flush=True)
     print(f"  calibrated in {calibrate(args.nproc, profile):.0f}s: {profile}", flush=True)
+    from costmodel import load_profile
+
+    print(f"  overlap share measured: {load_profile(profile).overlap:.2f}", flush=True)
     rows = []
     for name in args.models.split(","):
         files = plan_all(name, profile, folder, args.nproc)
         for plan_name, plan_file in files.items():
             m = measure(name, plan_file, args.nproc, args.steps, folder / f"{name}-{plan_name}.measured.json")
             p, q, sim = m["predicted"], m["measured"], m["simulated"]
-            rows.append({"model": name, "plan": plan_name, "additive": p["step_us"] / 1e3,
-                         "plan-simulated": p["plan_simulated_us"] / 1e3, "simulated": sim["step_us"] / 1e3,
+            rows.append({"model": name, "plan": plan_name, "additive": p["additive_us"] / 1e3,
+                         "predicted": p["step_us"] / 1e3, "simulated": sim["step_us"] / 1e3,
                          "measured": q["step_us"] / 1e3})
-            print(f"{name:6s} {plan_name:10s} additive {p['step_us'] / 1e3:8.2f} ms  plan-simulated "
-                  f"{p['plan_simulated_us'] / 1e3:8.2f} ms  simulated "
+            print(f"{name:6s} {plan_name:10s} additive {p['additive_us'] / 1e3:8.2f} ms  predicted "
+                  f"{p['step_us'] / 1e3:8.2f} ms  simulated "
                   f"{sim['step_us'] / 1e3:8.2f} ms  measured {q['step_us'] / 1e3:8.2f} ms  ratios "
                   f"{m['ratio']:5.3f} {m['simulated_ratio']:5.3f}  (communication: plan {p['comm_us'] / 1e3:.2f}, "
                   f"simulated {sim['comm_us'] / 1e3:.2f} of which exposed {sim['exposed_us'] / 1e3:.2f}, "
                   f"measured exposed {q['comm_exposed_us'] / 1e3:.2f} ms)", flush=True)
     summary = []
-    for model_of in ("additive", "plan-simulated", "simulated"):
+    for model_of in ("additive", "predicted", "simulated"):
         errors = [abs(r[model_of] / r["measured"] - 1) for r in rows]
         pairs = right = 0
         for a, b in itertools.combinations(rows, 2):

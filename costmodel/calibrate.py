@@ -61,7 +61,8 @@ class CalibrationConfig:
     flattened: bool = True
     """Also measure every multi-axis group (flattened sub-mesh)."""
     matmul_size: int = 1024
-    """Side of the square matmul that calibrates compute efficiency (0: skip)."""
+    """Side of the square matmul that calibrates compute efficiency and, beside an all-reduce of
+    ``max_bytes``, the overlap share (0: skip both)."""
 
     def __post_init__(self):
         if not 0 < self.min_bytes <= self.max_bytes:
@@ -171,6 +172,8 @@ class SweepResult:
     launch_us: float | None = None
     """Time per tiny op issued from Python: the floor of every op (kernel launch on a GPU, eager
     dispatch on a CPU)."""
+    overlap: float | None = None
+    """Share of a collective that matmuls beside it hid (:func:`measure_overlap`)."""
 
 
 def measure_matmul(device, n: int, dtype) -> float:
@@ -201,6 +204,57 @@ def measure_launch_us(device, iters: int = 200) -> float:
     return min(timer.run(lambda: x.add_(1), iters) for _ in range(3)) * 1e6
 
 
+def overlap_share(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The share of what perfect overlap would hide that running both at once hid: compute and a
+    collective take ``compute_s`` and ``comm_s`` alone and ``both_s`` together, perfect overlap
+    ``max`` of the two (it hides the shorter), none their sum. Clipped to [0, 1] (noise)."""
+    hideable = min(compute_s, comm_s)
+    if hideable <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / hideable))
+
+
+def measure_overlap(device, nbytes: int, matmul_n: int, dtype, repeats: int = 3) -> float:
+    """:func:`overlap_share` of an all-reduce of ``nbytes`` on every rank, started without
+    waiting, beside as many ``matmul_n`` matmuls as take about as long (where the share is
+    measured best), timed alone and together on every rank at once; the slowest rank's times,
+    median over ``repeats``."""
+    world = dist.group.WORLD
+    timer = _Timer(device)
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+    b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+
+    def slowest(fn, iters: int) -> float:
+        dist.barrier(group=world)
+        t = torch.tensor([timer.run(fn, iters)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
+        return float(t.item())
+
+    def comm():
+        dist.all_reduce(buf, group=world)
+
+    slowest(comm, 2)
+    comm_s = slowest(comm, 3)
+    one_mm = slowest(lambda: a @ b, 3)
+    k = max(1, round(comm_s / max(one_mm, 1e-9)))
+
+    def compute():
+        for _ in range(k):
+            a @ b
+
+    def both():
+        work = dist.all_reduce(buf, group=world, async_op=True)
+        compute()
+        work.wait()
+
+    shares = []
+    for _ in range(repeats):
+        c, m, t = slowest(compute, 2), slowest(comm, 2), slowest(both, 2)
+        shares.append(overlap_share(c, m, t))
+    return sorted(shares)[len(shares) // 2]
+
+
 def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
     """Run the microbenchmarks on ``mesh`` (every rank calls this; rank 0 logs progress)."""
     rank = dist.get_rank()
@@ -228,6 +282,10 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             result.mem_bandwidth_gbps = measure_bandwidth(device, (512 if device.type == "cuda" else 32) * 2**20)
             result.launch_us = measure_launch_us(device)
             say(f"copy bandwidth {result.mem_bandwidth_gbps:.1f} GB/s, {result.launch_us:.1f} us per op")
+            result.overlap = measure_overlap(device, cfg.max_bytes, cfg.matmul_size,
+                                             torch.bfloat16 if device.type == "cuda" else torch.float32)
+            say(f"overlap: matmuls beside an all-reduce of {cfg.max_bytes / 2**20:.1f} MiB hid "
+                f"{result.overlap:.0%} of what perfect overlap would")
         pgs = {g: flattened_group(mesh, g) for g in groups}
         for k, (g, kind, size) in enumerate(plan):
             axes = tuple(names.index(a) for a in g)
@@ -279,6 +337,8 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
         changes["mem_bandwidth_gbps"] = result.mem_bandwidth_gbps
     if result.launch_us:
         changes["kernel_launch_us"] = result.launch_us
+    if result.overlap is not None:
+        changes["overlap"] = result.overlap
     if result.matmul_tflops:
         if mesh.device_type == "cpu":
             changes.update(peak_tflops=result.matmul_tflops, compute_efficiency=1.0)

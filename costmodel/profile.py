@@ -28,6 +28,8 @@ from costmodel.fit import CollectiveFit
 from costmodel.links import LinkModel
 
 PROFILE_VERSION = 2
+#: ``Profile.overlap`` where a profile does not give it (profiles written before it existed).
+DEFAULT_OVERLAP = 0.9
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,13 @@ class Profile:
     """Fraction of peak a well-shaped kernel reaches."""
     kernel_launch_us: float = 5.0
     """Floor on the time of any kernel, microseconds."""
+    overlap: float = DEFAULT_OVERLAP
+    """Share of the communication that compute running beside it could hide which it does hide:
+    1 when a collective and compute share nothing, 0 when they contend for everything (each then
+    adds its whole time to the step). A step is priced as ``additive - overlap * (additive -
+    perfectly overlapped)`` (:mod:`autoshard.simulate`). Measured by ``autoshard calibrate`` (a
+    collective beside matmuls against each alone); the default is an assumption for GPUs, whose
+    collective kernels take some SMs and memory bandwidth from compute."""
     source: str = ""
     """Where the figures come from."""
     collectives: tuple = ()
@@ -91,6 +100,8 @@ class Profile:
                 raise CostModelError(f"profile {self.name!r}: {f} must be > 0, found {getattr(self, f)}")
         if not 0 < self.compute_efficiency <= 1:
             raise CostModelError(f"compute_efficiency must be in (0, 1], found {self.compute_efficiency}")
+        if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
+            raise CostModelError(f"profile {self.name!r}: overlap must be a share in [0, 1], found {self.overlap!r}")
         if isinstance(self.intra_node, dict):
             object.__setattr__(self, "intra_node", LinkModel(**self.intra_node))
         if isinstance(self.inter_node, dict):

@@ -133,6 +133,20 @@ class Problem:
         new._check_constraints()
         return new
 
+    def with_edge_costs(self, edge_costs: list[np.ndarray]) -> Problem:
+        """This problem with other edge cost matrices, each of the shape of the one it replaces
+        (re-weighed costs: the rest of the arrays are shared, not validated again)."""
+        if len(edge_costs) != len(self.edge_costs):
+            raise ProblemError(f"with_edge_costs: expected {len(self.edge_costs)} matrices, found {len(edge_costs)}")
+        mats = [np.asarray(m, dtype=np.float64) for m in edge_costs]
+        for e, (m, old) in enumerate(zip(mats, self.edge_costs)):
+            if m.shape != old.shape or np.isnan(m).any():
+                raise ProblemError(f"with_edge_costs: edge {e} expected a {old.shape} matrix without NaN, "
+                                   f"found shape {m.shape}")
+        new = copy.copy(self)
+        new.edge_costs = mats
+        return new
+
     def _check_constraints(self) -> None:
         n = len(self.node_costs)
         if self.usage_limit is not None and not self.usage_limit >= 0:

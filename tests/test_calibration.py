@@ -8,6 +8,7 @@ import pytest
 from costmodel import LinkModel, Profile, load_profile
 from costmodel.calibrate import CalibrationConfig, check_backend, groups_of, run
 from costmodel.fit import CollectiveFit, fit_collective
+from costmodel.profile import DEFAULT_OVERLAP
 
 
 def synthetic(alpha=25.0, beta=2e-4, noise=0.02, seed=0, sizes=None):
@@ -96,6 +97,20 @@ def test_profile_roundtrip_merge_and_validation(tmp_path):
         Profile.from_json({**data, "mesh": {"shape": [2, 4], "axis_names": ["dp"]}})
     with pytest.raises(ValueError, match="busbw_gbps must be > 0"):
         LinkModel(1.0, 0.0)
+    with pytest.raises(ValueError, match=r"overlap must be a share in \[0, 1\], found 1.5"):
+        Profile.from_json({**data, "overlap": 1.5})
+    older = {k: v for k, v in data.items() if k != "overlap"}  # written before the share existed
+    assert Profile.from_json(older).overlap == DEFAULT_OVERLAP
+
+
+def test_overlap_share_is_what_running_together_hid_of_what_perfect_overlap_would():
+    from costmodel.calibrate import overlap_share
+
+    assert overlap_share(10.0, 10.0, 10.0) == 1.0  # perfect: the step is the longer of the two
+    assert overlap_share(10.0, 10.0, 20.0) == 0.0  # none: their sum
+    assert overlap_share(10.0, 4.0, 12.0) == 0.5  # 2 of the 4 that could hide
+    assert overlap_share(10.0, 10.0, 25.0) == 0.0 and overlap_share(10.0, 10.0, 8.0) == 1.0  # noise, clipped
+    assert overlap_share(10.0, 0.0, 10.0) == 0.0
 
 
 def test_config_and_groups():
@@ -137,6 +152,7 @@ def test_real_gloo_calibration_two_processes(tmp_path, monkeypatch):
     base = load_profile("cpu-gloo")  # what the measured figures replace
     assert prof.mem_bandwidth_gbps > 0 and prof.mem_bandwidth_gbps != base.mem_bandwidth_gbps
     assert 0 < prof.kernel_launch_us < 1e4 and prof.kernel_launch_us != base.kernel_launch_us
+    assert 0 <= prof.overlap <= 1
     for f in prof.collectives:
         assert np.all(np.diff(f.predict(np.logspace(2, 9, 50))) >= -1e-9)
 

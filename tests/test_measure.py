@@ -51,7 +51,8 @@ def test_groups_are_named_by_the_mesh_axes_they_span():
 
 def test_measurement_table_and_config_checks():
     m = Measurement(plan_name="plan for Llama", mesh={"dp": 4}, backend="gloo",
-                    predicted={"step_us": 50_000.0, "compute_us": 40_000.0, "comm_us": 10_000.0},
+                    predicted={"step_us": 50_000.0, "compute_us": 40_000.0, "comm_us": 25_000.0,
+                               "exposed_us": 10_000.0, "additive_us": 65_000.0},
                     measured={"step_us": 100_000.0, "comm_exposed_us": 20_000.0, "compute_us": 80_000.0,
                               "steps": 3, "step_us_all": [1e5] * 3},
                     collectives=[{"kind": "all_reduce", "group": "dp",
@@ -60,6 +61,7 @@ def test_measurement_table_and_config_checks():
     assert m.ratio == 0.5
     text = m.table()
     assert "step (ms)" in text and "0.500" in text and "all_reduce(dp)" in text
+    assert "exposed comm. (ms)" in text and "additive step (ms)" in text and "0.650" in text
     assert json.loads(json.dumps(m.to_json()))["ratio"] == 0.5
     with pytest.raises(ConfigError, match="steps: expected an integer >= 1, found 0"):
         MeasureConfig(steps=0)

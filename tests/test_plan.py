@@ -9,6 +9,7 @@ from helpers import SHARDING_PROFILE
 import autoshard
 from autoshard import MeshError, PlanError, TraceError
 from autoshard.models import MLP, Transformer, TransformerConfig
+from autoshard.overlap import additive_solve
 
 
 @pytest.fixture
@@ -29,8 +30,10 @@ def test_plan_on_64_ranks_roundtrips(mesh64, tmp_path):
     plan = autoshard.plan(model, inputs, mesh64, profile=SHARDING_PROFILE, time_limit=60)
     assert plan.mesh_shape == [8, 8] and plan.axis_names == ["dp", "tp"]
     assert set(plan.params) == {k for k, _ in model.named_parameters()}
-    assert plan.solver["status"] in ("optimal", "feasible")
-    assert plan.summary["step_us"] == pytest.approx(plan.summary["compute_us"] + plan.summary["comm_us"], rel=1e-6)
+    assert plan.solver["status"] in ("optimal", "feasible", "heuristic")
+    s = plan.summary
+    assert s["additive_us"] == pytest.approx(s["compute_us"] + s["comm_us"], rel=1e-6)
+    assert s["compute_us"] <= s["step_us"] <= s["additive_us"] * (1 + 1e-9)  # the step is simulated
     assert plan.summary["fallback_ops"] == {}
     # Slow compute on 64 ranks: the tokens must be split (by batch or by sequence: equal cost).
     assert "S(" in plan.inputs[0]
@@ -56,7 +59,7 @@ def test_memory_budget_binds(mesh64):
     # The budget forces parameters to be sharded; the plan pays communication for it.
     assert any("S(" in str(tight.param_spec(f)) for f in tight.params)
     assert tight.summary["peak_mem_bytes"] <= tight_budget
-    assert tight.summary["step_us"] >= free.summary["step_us"] - 1e-6
+    assert additive_solve(tight) >= additive_solve(free) - 1e-6
 
 
 def test_infeasible_budget_names_the_floor(mesh64):

@@ -6,7 +6,7 @@ import torch
 import autoshard
 from autoshard.models import llama
 from autoshard.runtime import PlannedProgram
-from autoshard.simulate import simulate_step
+from autoshard.simulate import simulate_plan, simulate_step
 from autoshard.tracing import trace
 
 
@@ -39,10 +39,11 @@ def test_simulated_step_prices_the_programs_that_run(world):
 
 
 def test_plan_simulation_overlaps_parameter_and_gradient_moves(world):
-    """At plan time, on the planned graph: a plan's simulated step never exceeds its additive
-    one and never undercuts its compute; an FSDP plan's gathers run ahead and its gradient
-    reductions beside the backward, so part of its communication is hidden; a plan with no
-    communication simulates to its additive step."""
+    """At plan time, on the planned graph: a plan's predicted step is its simulation, never
+    above its additive step and never below its compute; an FSDP plan's gathers run ahead and
+    its gradient reductions beside the backward, so part of its communication is hidden; a plan
+    with no communication simulates to its additive step. The profile's overlap share moves the
+    step between the additive one (0) and the perfectly overlapped walk (1), linearly."""
     world(8)
     torch.manual_seed(0)
     model = llama("tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, max_seq_len=64)
@@ -53,14 +54,22 @@ def test_plan_simulation_overlaps_parameter_and_gradient_moves(world):
     alone = planner.solve(pins={"*": "R"}, input_specs=["R"])
     for plan in (fsdp, alone, planner.solve()):
         s, sim = plan.summary, plan.summary["simulated"]
-        assert s["compute_us"] <= sim["step_us"] <= s["step_us"] * (1 + 1e-9), (s, sim)
+        assert sim["step_us"] == s["step_us"]
+        assert s["compute_us"] <= s["step_us"] <= s["additive_us"] * (1 + 1e-9), s
         assert 0 <= sim["exposed_comm_us"] <= sim["comm_us"] * (1 + 1e-9) + 1e-6
         assert sim["comm_us"] == pytest.approx(s["comm_us"], rel=1e-6, abs=1e-3)
     assert fsdp.summary["comm_us"] > 0
     assert fsdp.summary["simulated"]["exposed_comm_us"] < 0.9 * fsdp.summary["comm_us"]
-    assert fsdp.summary["simulated"]["step_us"] < fsdp.summary["step_us"]
+    assert fsdp.summary["step_us"] < fsdp.summary["additive_us"]
     assert alone.summary["comm_us"] == pytest.approx(0, abs=1e-3)
-    assert alone.summary["simulated"]["step_us"] == pytest.approx(alone.summary["step_us"], rel=1e-9)
+    assert alone.summary["step_us"] == pytest.approx(alone.summary["additive_us"], rel=1e-9)
+    gp = planner.built
+    choice = planner._plans[next(k for k in planner._plans if '"S(0)"' in k)][1]
+    perfect, none = simulate_plan(gp, choice, 1.0), simulate_plan(gp, choice, 0.0)
+    assert none.step_us == pytest.approx(fsdp.summary["additive_us"], rel=1e-6)
+    assert perfect.step_us < none.step_us
+    eta = planner.profile.overlap
+    assert fsdp.summary["step_us"] == pytest.approx(none.step_us - eta * (none.step_us - perfect.step_us), rel=1e-6)
 
 
 def test_views_of_a_gathered_bucket_member_become_reshapes():
