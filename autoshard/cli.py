@@ -109,9 +109,10 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
     p.add_argument("--load-imbalance", type=float, default=1.0, metavar="F",
                    help="mixture of experts: the busiest expert-parallel rank's load over the mean (default 1.0, "
                         "exact for capacity-based dispatch)")
-    p.add_argument("--additive", action="store_true",
-                   help="solve the additive objective only (no overlap rounds: overlap_objective=False); the "
-                        "predicted step is simulated with overlap either way")
+    p.add_argument("--overlap-objective", action="store_true",
+                   help="the objective follows the step simulated with overlap: re-weigh each redistribute by the "
+                        "compute that hides it and solve again (overlap_objective=True); the predicted step is "
+                        "simulated with overlap either way")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--pin", action="append", default=[], metavar="FQN=SPEC",
                    help="fix parameters (FQN glob, or a module) to a spec, e.g. 'layers.*.attn.wq=RS(0)'; repeatable")
@@ -144,7 +145,7 @@ def _run_plan(model, inputs, args) -> int:
                                 memory_budget=args.memory_budget if args.memory_budget else "auto",
                                 time_limit=args.time_limit, pins=pins or None, export_problem=args.export_problem,
                                 recompute=args.recompute, load_imbalance=args.load_imbalance,
-                                overlap_objective=not args.additive)
+                                overlap_objective=args.overlap_objective)
     plan = planner.solve()
     print(plan.describe())
     if args.compare:
@@ -176,7 +177,7 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
     plan = autoshard.plan(model, inputs, "auto", ranks=args.ranks, profile=args.profile,
                           memory_budget=args.memory_budget if args.memory_budget else "auto",
                           time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,
-                          load_imbalance=args.load_imbalance, overlap_objective=not args.additive)
+                          load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective)
     print(plan.describe())
     print("\n".join(mesh_search_table(plan)))
     print(f"planned in {time.perf_counter() - t0:.1f} s")
@@ -314,11 +315,13 @@ def _measure_worker(factory: str, plan_path: str, backend: str, cfg, bucket_mb: 
             from costmodel import load_profile
 
             base, out = refine
-            refined, rows = refine_profile(m, plan, load_profile(base), f"autoshard measure {factory} --plan "
-                                           f"{os.path.basename(plan_path)}")
+            refined, rows, compute = refine_profile(m, plan, load_profile(base), f"autoshard measure {factory} "
+                                                    f"--plan {os.path.basename(plan_path)}")
             refined.save(out)
             print(f"refined {base} from {len(m.step_samples)} in-step collective sizes: "
                   + ", ".join(f"{r['kind']}(n={r['group_size']}) x{r['factor']:.3g}" for r in rows)
+                  + (f"; compute x{compute:.3g}" if compute is not None else
+                     "; compute kept (the plan was made with another profile)")
                   + f"; wrote {out} (plan with --profile {out})", flush=True)
 
 

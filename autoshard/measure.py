@@ -367,18 +367,38 @@ def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = M
 
 
 def refine_profile(m: Measurement, plan: Plan, profile, source: str):
-    """``profile`` refitted to the measurement's in-step collectives (:func:`costmodel.refine.refine`).
-    Returns (refined profile, one row per refitted fit)."""
+    """``profile`` refitted to the measurement's in-step collectives (:func:`costmodel.refine.refine`)
+    and to its measured compute (:func:`costmodel.refine.refine_compute`: against the compute of
+    the lowered programs that ran as the profile prices them; the plan's where they were not
+    simulated). Returns (refined profile, one row per refitted fit, the compute factor)."""
     from costmodel.collectives import MeshTopology
-    from costmodel.refine import refine
+    from costmodel.refine import refine, refine_compute
 
     topo = MeshTopology(tuple(plan.mesh_shape), profile.devices_per_node)
     samples = []
     for kind, group, size, nbytes, us in m.step_samples:
         axes = tuple(plan.axis_names.index(a) for a in group.split("+"))
         samples.append((kind, group, size, topo.group_is_intra_node(axes), nbytes, us))
-    return refine(profile, samples, {"source": source, "model": plan.model.get("class"), "mesh": m.mesh,
-                                     "backend": m.backend, "measured_step_us": round(m.measured["step_us"], 1)})
+    provenance = {"source": source, "model": plan.model.get("class"), "mesh": m.mesh, "backend": m.backend,
+                  "measured_step_us": round(m.measured["step_us"], 1)}
+    # The compute predicted is the plan's profile's (the programs were simulated with it): a
+    # factor against it says nothing of another profile's compute figures.
+    predicted = (m.simulated or {}).get("compute_us") or m.predicted["compute_us"]
+    factor = None
+    if profile == _plan_profile(plan) and predicted > 0 and m.measured["compute_us"] > 0:
+        profile, factor = refine_compute(profile, predicted, m.measured["compute_us"])
+        provenance["compute"] = {"predicted_us": round(predicted, 1), "measured_us": round(m.measured["compute_us"], 1),
+                                 "factor": round(factor, 4)}
+    refined, rows = refine(profile, samples, provenance)
+    return refined, rows, factor
+
+
+def _plan_profile(plan: Plan):
+    """The profile ``plan`` was made with (its own copy, else the shipped one it names)."""
+    from costmodel import Profile, load_profile
+
+    data = plan.profile.get("data")
+    return Profile.from_json(data) if data else load_profile(plan.profile.get("name") or "h100-sxm")
 
 
 def save(m: Measurement, path: str) -> None:

@@ -11,14 +11,20 @@ inter-node axes cost the same and are tried once.
 The model is traced once (the trace does not depend on the mesh). Each shape's problem is
 built and bounded from below: by its cheapest strategy per node, edges free, and by its
 optimum with memory ignored (toulbar2 on the tied layers' quotient, seconds per shape; both
-are proofs, since edges, memory and recomputation only add cost). Shapes are bounded in the
+are proofs, since edges, memory and recomputation only add cost). Bounds, pruning and proofs
+are on the objective the plans optimize (:func:`_bound_share`): the additive step by default;
+with ``overlap_objective``, the step simulated with the profile's overlap share ``eta``, which
+hides up to ``eta`` of a plan's communication, so the memory-free optimum is then taken with
+every edge cost scaled by ``1 - eta`` (:meth:`Planner.overlap_free`), a bound of every
+simulated step, and where it fits the budget its simulated step is a plan's, pruning the shapes
+bounded above it. The shape chosen is the one of least predicted (simulated) step. Shapes are bounded in the
 order of :func:`next_to_bound`, in worker processes where cores allow
 (:func:`bounding_workers`), for ``BOUND_SHARE`` of the time limit (``BOUND_SHARE_BINDING`` once
 memory binds the lowest bound), then solved in increasing bound, each as a plan on a given
 mesh is (hand-written seeds included) with all the time left (the solver's stall rule ends it
 when it stops improving); a shape whose bound is not below the best plan found is pruned
-unsolved. Where memory does not bind the lowest bound's plan, the first solve proves it and
-every other shape is pruned. ``time_limit`` is the whole search's: raise it to bound or solve
+unsolved. On the additive objective, where memory does not bind the lowest bound's plan, the
+first solve proves it and every other shape is pruned. ``time_limit`` is the whole search's: raise it to bound or solve
 more shapes. Every shape goes in the table, with its bound and why it was pruned or skipped or
 what it cost.
 """
@@ -34,6 +40,7 @@ from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError
 from autoshard.options import PlanOptions
 from autoshard.overlap import additive_solve
 from autoshard.planfile import Plan
+from autoshard.simulate import simulate_plan
 from costmodel import MeshTopology
 
 log = logging.getLogger(__name__)
@@ -185,6 +192,9 @@ class _BoundResult(NamedTuple):
     planner: object | None
     """Its planner, kept where it was built here (None from a worker)."""
     plan: Plan | None
+    upper: float | None = None
+    """The predicted step of a plan of it that the bounding found (its memory-free optimum,
+    where that fits the budget), or None."""
 
 
 def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, plan_below: float = -1.0) -> _BoundResult:
@@ -193,16 +203,37 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
     plan, assembled here (a worker's planner is not kept: without the plan, the search would
     build the shape again to make it: 2.7 s of LLaMA-8B's search on 512 ranks)."""
     started = time.perf_counter()
-    plan = None
+    plan = upper = None
     try:
         planner = make(shape) if planner is None else planner
         bound = planner.cheapest_bound()
-        free = planner.memory_free(time_limit=seconds)
-        if free is not None and free.proved and free.fits and free.cost < plan_below:
-            plan = planner.solve(time_limit=max(1.0, seconds))  # the memory-free optimum, assembled
+        eta = _bound_share(planner)
+        if eta > 0:
+            # Plans are compared by their simulated step, which hides up to eta of each plan's
+            # communication: the additive optimum bounds nothing, the overlap-relaxed one does.
+            # Where it fits, it is a plan: its simulated step is an upper bound of the shape's.
+            free = planner.overlap_free(time_limit=seconds)
+            if free is not None and free.fits:
+                upper = simulate_plan(planner.built, free.choice, eta).step_us
+        else:
+            free = planner.memory_free(time_limit=seconds)
+            if free is not None and free.fits:
+                upper = free.cost
+            if free is not None and free.proved and free.fits and free.cost < plan_below:
+                plan = planner.solve(time_limit=max(1.0, seconds))  # the memory-free optimum, assembled
     except AutoshardError as exc:  # e.g. a pin written for another number of axes
         return _BoundResult(shape, None, None, time.perf_counter() - started, str(exc), None, None)
-    return _BoundResult(shape, bound, free, time.perf_counter() - started, None, planner, plan)
+    return _BoundResult(shape, bound, free, time.perf_counter() - started, None, planner, plan, upper)
+
+
+def _bound_share(planner) -> float:
+    """The overlap share the search bounds with: the profile's where plans follow the simulated
+    step (``overlap_objective``), else 0: shapes are then bounded, pruned and proved on the
+    additive objective their plans optimize (the overlap-relaxed bounds lie far below plans
+    that do not seek overlap: LLaMA-8B on 64 ranks pruned nothing and the search ran to its
+    limit, 60 s against 16.7), and chosen by their predicted steps."""
+    options = getattr(planner, "options", None)
+    return planner.profile.overlap if options is not None and options.overlap_objective else 0.0
 
 
 def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) -> _BoundResult:
@@ -335,7 +366,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)), upper)
             if not jobs.running:
                 continue
-            shape, bound, free, seconds, error, planner, made = jobs.next()
+            shape, bound, free, seconds, error, planner, made, found = jobs.next()
             row = rows[shape]
             row.seconds = seconds
             if error is not None:  # e.g. a pin written for another number of axes
@@ -348,9 +379,10 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             bounded.append(_Bounded(free is None, bound, shapes.index(shape), shape, planner, free, made))
             log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
                      + (" (memory-free optimum, fits)" if free is not None and free.proved and free.fits else "")
+                     + (f"; a plan of it at {found / 1e3:.3f} ms" if found is not None else "")
                      + f" in {seconds:.1f}s")
-            if free is not None and free.fits and free.cost < upper:
-                upper, upper_shape = free.cost, shape
+            if found is not None and found < upper:
+                upper, upper_shape = found, shape
             for b in [b for b in bounded if b.shape != upper_shape and b.bound >= upper]:
                 bounded.remove(b)
                 rows[b.shape].outcome = "pruned"
@@ -365,11 +397,12 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     bounded.sort(key=lambda b: (b.no_free, b.bound, b.order))
     for _, bound, _, shape, planner, free, made in bounded:
         row, started = rows[shape], time.perf_counter()
-        # Bounds are on the additive objective the solver minimizes, so they prune against the
-        # best plan's additive solve (its overlap rounds start from it).
-        if best is not None and bound >= additive_solve(best[0]):
+        # Bounds of the objective the plans optimize: the simulated step, or the additive one.
+        best_us = None if best is None else best[0].summary["step_us"] if _bound_share(first) > 0 \
+            else additive_solve(best[0])
+        if best_us is not None and bound >= best_us:
             row.outcome = "pruned"
-            row.note = f"bound {bound / 1e3:.3f} ms >= best additive {additive_solve(best[0]) / 1e3:.3f} ms"
+            row.note = f"bound {bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
             continue
         left = limit - (started - t0)
         if best is not None and left < MIN_SOLVE_SECONDS:
@@ -383,7 +416,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 if planner is None:  # bounded in a worker process: built again here
                     planner = make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
                                            options=options, traced=first.traced)
-                    if free is not None:
+                    if free is not None and _bound_share(planner) <= 0:  # the additive optimum
                         planner.memory_free(found=free)
                 plan = planner.solve(time_limit=share)
         except MemoryBudgetError as exc:
@@ -394,8 +427,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         row.outcome, row.step_us = "planned", plan.summary["step_us"]
         row.peak_mem_bytes = plan.summary["peak_mem_bytes"]
         proved = plan.solver.get("bound")
-        if proved is not None:
-            row.bound_us = max(row.bound_us, proved)
+        if proved is not None and _bound_share(first) <= 0:
+            row.bound_us = max(row.bound_us, proved)  # the solver's bound is additive: a step's only then
         row.seconds += time.perf_counter() - started
         row.note = str(plan.solver.get("status", ""))
         log.info(f"mesh {'x'.join(map(str, shape))}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "

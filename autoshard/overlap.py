@@ -74,6 +74,16 @@ def reweighed(problem: solver.Problem, slack: np.ndarray, share: float) -> solve
     return problem.with_edge_costs(mats)
 
 
+def relaxed(problem: solver.Problem, share: float) -> solver.Problem:
+    """``problem`` with every edge cost scaled by ``1 - share`` (forbidden pairs stay so): as a
+    step hides at most ``share`` of its communication, ``S(x) >= sum_v c_v + (1 - share) *
+    sum_e M_e``, so this problem's optimum bounds every plan's simulated step from below."""
+    if share <= 0:
+        return problem
+    return problem.with_edge_costs([np.where(m >= solver.FORBIDDEN, m, (1.0 - share) * m)
+                                    for m in problem.edge_costs])
+
+
 def refine(problem: solver.Problem, gp, first: solver.Solution, share: float,
            solve: Callable[[solver.Problem, float, list], solver.Solution], deadline: float,
            candidates: Sequence[tuple[str, np.ndarray]] = (), rounds: int = MAX_ROUNDS

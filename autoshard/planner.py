@@ -25,7 +25,7 @@ from autoshard.baselines import baseline_pins, baseline_recompute, baselines_for
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
-from autoshard.overlap import MAX_ROUNDS, additive_solve
+from autoshard.overlap import MAX_ROUNDS, additive_solve, relaxed
 from autoshard.overlap import refine as refine_overlap
 from autoshard.pins import resolve_pins, to_spec
 from autoshard.planfile import RECOMPUTE_MODES, ParamPlacement, Plan
@@ -203,6 +203,17 @@ class Planner:
         problem = self.problem(**overrides)
         return float(sum(np.min(problem.node_costs[v][problem.allowed(v)], initial=np.inf)
                          for v in range(problem.num_nodes)))
+
+    def overlap_free(self, time_limit: float = 60.0, **overrides) -> solver.MemoryFree | None:
+        """The optimum with memory ignored, nothing recomputed and every edge cost scaled by
+        ``1 - eta`` (the profile's overlap share): its ``lower_bound`` bounds every plan's
+        predicted (simulated) step in any recompute mode, as a step hides at most ``eta`` of its
+        communication, ``S >= compute + (1 - eta) * communication``
+        (:mod:`autoshard.overlap`), and recomputation only adds. With ``eta = 0`` it is
+        :meth:`memory_free`'s problem."""
+        opts = self._options(overrides).replace(recompute="none")
+        problem = relaxed(self.problem(**_solve_fields(opts)), self.profile.overlap)
+        return solver.memory_free(problem, time_limit)
 
     def memory_free(self, time_limit: float = 60.0, found: solver.MemoryFree | None = None,
                     **overrides) -> solver.MemoryFree | None:

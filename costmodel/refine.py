@@ -18,6 +18,13 @@ measured against the refined prediction: repeated refinement converges instead o
 
 The in-step samples are kept apart from the microbenchmark ones (``Profile.step_samples``),
 and each refinement records its provenance and factors (``Profile.refinements``).
+
+Compute is refined the same way (:func:`refine_compute`): a step's compute as measured (the
+rank's time not spent issuing or waiting for collectives) over the compute the profile
+predicts for the programs that ran gives one factor ``c``, and every compute time the profile
+predicts becomes ``c`` times what it was (the roofline's throughputs divided by ``c``, its
+launch floor multiplied): a matmul rate timed alone says nothing of the elementwise ops, the
+dispatch and the cache misses of a whole step.
 """
 
 from __future__ import annotations
@@ -75,3 +82,20 @@ def refine(profile: Profile, samples, provenance: dict | None = None) -> tuple[P
                       step_samples=tuple(profile.step_samples) + tuple(tuple(s) for s in samples),
                       refinements=tuple(profile.refinements) + (record,))
     return refined, rows
+
+
+def refine_compute(profile: Profile, predicted_us: float, measured_us: float) -> tuple[Profile, float]:
+    """``profile`` with every compute time it predicts scaled by ``c = measured_us /
+    predicted_us`` (module doc): the compute efficiency divided by ``c`` (the peak raised where
+    that would pass 1), the memory bandwidth divided by ``c`` and the launch floor multiplied
+    by it. Returns the refined profile and ``c`` (the caller records it: :func:`refine`'s
+    provenance)."""
+    if not (predicted_us > 0 and measured_us > 0):
+        raise CostModelError(f"refine_compute: needs predicted and measured compute > 0, found "
+                             f"{predicted_us} and {measured_us}")
+    c = measured_us / predicted_us
+    efficiency, peak = profile.compute_efficiency / c, profile.peak_tflops
+    if efficiency > 1.0:  # faster than the peak allows: the peak was low, not the efficiency
+        peak, efficiency = peak * efficiency, 1.0
+    return replace(profile, compute_efficiency=efficiency, peak_tflops=peak,
+                   mem_bandwidth_gbps=profile.mem_bandwidth_gbps / c, kernel_launch_us=profile.kernel_launch_us * c), c

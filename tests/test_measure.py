@@ -128,6 +128,15 @@ def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, worl
         predict = refined.collective_predictor(row["kind"], row["group_size"], True)
         assert statistics.median(us / predict(b) for _, _, _, b, us in seen) == pytest.approx(1.0, rel=1e-6)
     assert "refined cpu-gloo from" in res.stdout
+    # Compute too: every compute time the refined profile predicts is the measured over the
+    # predicted compute of the programs that ran times the old one.
+    c = rec["compute"]["factor"]
+    assert c == pytest.approx(m["measured"]["compute_us"] / m["simulated"]["compute_us"], rel=1e-3)
+    assert f"compute x{c:.3g}" in res.stdout
+    from costmodel import compute_time_us
+
+    for flops, nbytes in ((1e9, 1e6), (1e3, 1e8), (1.0, 1.0)):
+        assert compute_time_us(flops, nbytes, refined) == pytest.approx(c * compute_time_us(flops, nbytes, base))
     bad = run("measure", "fac:make", "--plan", str(plan_file), "--backend", "gloo", "--nproc", "4",
               "--refine", "cpu-gloo")
     assert bad.returncode == 2 and "needs -o/--output" in bad.stderr, bad.stderr[-2000:]

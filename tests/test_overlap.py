@@ -85,7 +85,7 @@ def test_overlap_aware_plan_is_predicted_no_slower_than_the_additive_or_hand_wri
     model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128)
     inputs = (torch.randint(0, 2048, (16, 128)),)
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
-    planner = autoshard.Planner(model, inputs, mesh, profile="cpu-gloo", time_limit=20)
+    planner = autoshard.Planner(model, inputs, mesh, profile="cpu-gloo", time_limit=20, overlap_objective=True)
     additive = planner.solve(overlap_objective=False)
     assert additive.summary["overlap"]["stopped"] == "rounds off"
     table = planner.compare()
@@ -97,3 +97,22 @@ def test_overlap_aware_plan_is_predicted_no_slower_than_the_additive_or_hand_wri
     for name, other in table.items():
         if not isinstance(other, str):
             assert ours.summary["step_us"] <= other.summary["step_us"] * (1 + 1e-9), name
+
+
+def test_overlap_relaxed_optimum_bounds_every_simulated_step(world):
+    """A step hides at most the overlap share of its communication, so the memory-free optimum
+    with edges scaled by 1 - share bounds every plan's predicted step (hand-written or solved
+    with the overlap objective); it lies below the additive optimum, which bounds only
+    additive steps."""
+    world(8)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, max_seq_len=64)
+    inputs = (torch.randint(0, 512, (16, 64)),)
+    planner = autoshard.Planner(model, inputs, autoshard.fake_mesh((2, 4), ("dp", "tp")), profile="h100-sxm",
+                                time_limit=10, memory_budget=None, overlap_objective=True)
+    bound = planner.overlap_free(time_limit=10).lower_bound
+    additive = planner.memory_free(time_limit=10).lower_bound
+    steps = {name: p.summary["step_us"] for name, p in planner.compare().items() if not isinstance(p, str)}
+    assert len(steps) >= 5
+    assert all(bound <= us * (1 + 1e-9) for us in steps.values()), (bound, steps)
+    assert bound <= additive * (1 + 1e-5)  # toulbar2 rounds costs to integers
