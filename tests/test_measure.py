@@ -107,7 +107,10 @@ def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, worl
     assert "step (ms)" in res.stdout and "(dp)" in res.stdout, res.stdout
     m = json.loads(out.read_text())
     assert m["measured"]["steps"] == 3 and m["measured"]["step_us"] > 0
-    assert 0 < m["measured"]["comm_exposed_us"] <= m["measured"]["step_us"]
+    # Exposed time comes from the attribution steps, the step from the timed ones: on two loaded
+    # cores an attribution step ran 1.2x the timed median (22.6 against 21.8 ms was seen, and
+    # 19.6 against 16.6); twice the step would mean a collective counted twice.
+    assert 0 < m["measured"]["comm_exposed_us"] <= 1.5 * m["measured"]["step_us"]
     rows = {(r["kind"], r["group"]): r for r in m["collectives"]}
     assert rows and sum(r["predicted"]["count"] for r in rows.values()) >= 1
     for key, r in rows.items():  # nothing runs that the plan does not have, and the reverse
@@ -136,7 +139,8 @@ def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, worl
     from costmodel import compute_time_us
 
     for flops, nbytes in ((1e9, 1e6), (1e3, 1e8), (1.0, 1.0)):
-        assert compute_time_us(flops, nbytes, refined) == pytest.approx(c * compute_time_us(flops, nbytes, base))
+        assert compute_time_us(flops, nbytes, refined) == pytest.approx(c * compute_time_us(flops, nbytes, base),
+                                                                        rel=1e-3)  # c is recorded to 4 digits
     bad = run("measure", "fac:make", "--plan", str(plan_file), "--backend", "gloo", "--nproc", "4",
               "--refine", "cpu-gloo")
     assert bad.returncode == 2 and "needs -o/--output" in bad.stderr, bad.stderr[-2000:]
