@@ -319,16 +319,16 @@ class Planner:
 
         ``"autoshard"`` is what :meth:`solve` returns under the same options (pins included),
         unless a baseline that the options allow (no input specs given, its recompute mode the
-        one asked for or ``"auto"``) is predicted faster: the solve's overlap rounds start from
-        its own additive optimum and may miss what a pinned plan overlaps. That baseline's plan
-        then is ours, and :meth:`solve` returns it from then on. A baseline fixes the parameter
+        one asked for or ``"auto"``) is predicted faster: the solve minimizes the additive step
+        (or, with ``overlap_objective``, follows the simulation from its own additive optimum),
+        so a pinned plan may overlap more. That baseline's plan then is ours, and :meth:`solve`
+        returns it from then on. A baseline fixes the parameter
         and input specs as people write them by hand (see :mod:`autoshard.baselines`; the pins
         given win over its own) and the solver chooses the rest. A baseline that does not fit
         the memory budget maps to the error's message.
         """
         opts = self._options(overrides)
-        ours = self.solve(**overrides)
-        out: dict[str, Plan | str] = {"autoshard": ours}
+        out: dict[str, Plan | str] = {"autoshard": self.solve(**overrides)}
         names = baselines_for(self.model) if baselines is None else baselines
         for name, seed in self._baselines(names, opts, opts.time_limit).items():
             out[name] = seed.plan if isinstance(seed, _Seed) else seed
