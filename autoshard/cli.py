@@ -320,8 +320,7 @@ def _measure_worker(factory: str, plan_path: str, backend: str, cfg, bucket_mb: 
             refined.save(out)
             print(f"refined {base} from {len(m.step_samples)} in-step collective sizes: "
                   + ", ".join(f"{r['kind']}(n={r['group_size']}) x{r['factor']:.3g}" for r in rows)
-                  + (f"; compute x{compute:.3g}" if compute is not None else
-                     "; compute kept (the plan was made with another profile)")
+                  + f"; {compute}"
                   + f"; wrote {out} (plan with --profile {out})", flush=True)
 
 

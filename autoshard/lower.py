@@ -192,13 +192,7 @@ class Lowering:
 
     def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile: Profile | str | None = None, ops=None):
         self.tg, self.plan, self.mesh = tg, plan, mesh
-        if isinstance(profile, Profile):
-            prof = profile
-        elif profile is None and plan.profile.get("data"):
-            prof = Profile.from_json(plan.profile["data"])
-        else:
-            prof = _load(profile or plan.profile.get("name") or "h100-sxm")
-        self.profile = prof
+        self.profile = prof = plan_profile(plan, profile)
         self.position = {n: i for i, n in enumerate(tg.gm.graph.nodes)}
         self.planner = RedistributePlanner(MeshTopology(tuple(mesh.shape), prof.devices_per_node), prof)
         self.moves = 0
@@ -357,6 +351,16 @@ def _contiguous(shape) -> tuple:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def plan_profile(plan: Plan, profile: Profile | str | None = None) -> Profile:
+    """``profile`` where given (a profile, or a name or file), else the one ``plan`` was made
+    with: its own copy, or the shipped profile it names."""
+    if isinstance(profile, Profile):
+        return profile
+    if profile is None and plan.profile.get("data"):
+        return Profile.from_json(plan.profile["data"])
+    return _load(profile or plan.profile.get("name") or "h100-sxm")
 
 
 def _load(name) -> Profile:

@@ -370,7 +370,9 @@ def refine_profile(m: Measurement, plan: Plan, profile, source: str):
     """``profile`` refitted to the measurement's in-step collectives (:func:`costmodel.refine.refine`)
     and to its measured compute (:func:`costmodel.refine.refine_compute`: against the compute of
     the lowered programs that ran as the profile prices them; the plan's where they were not
-    simulated). Returns (refined profile, one row per refitted fit, the compute factor)."""
+    simulated). Returns (refined profile, one row per refitted fit, what became of compute:
+    ``compute xF``, or why it was kept)."""
+    from autoshard.lower import plan_profile
     from costmodel.collectives import MeshTopology
     from costmodel.refine import refine, refine_compute
 
@@ -384,21 +386,21 @@ def refine_profile(m: Measurement, plan: Plan, profile, source: str):
     # The compute predicted is the plan's profile's (the programs were simulated with it): a
     # factor against it says nothing of another profile's compute figures.
     predicted = (m.simulated or {}).get("compute_us") or m.predicted["compute_us"]
-    factor = None
-    if profile == _plan_profile(plan) and predicted > 0 and m.measured["compute_us"] > 0:
-        profile, factor = refine_compute(profile, predicted, m.measured["compute_us"])
-        provenance["compute"] = {"predicted_us": round(predicted, 1), "measured_us": round(m.measured["compute_us"], 1),
+    measured = m.measured["compute_us"]
+    if profile != plan_profile(plan):
+        compute = "compute kept (the plan was made with another profile)"
+    elif not (predicted > 0 and measured > 0):
+        # Exposed time is taken in the attribution steps, the step in the timed ones: on a loaded
+        # machine the first can pass the second, leaving no compute to fit.
+        compute = f"compute kept (measured {measured / 1e3:.3f} ms, predicted {predicted / 1e3:.3f} ms: nothing to fit)"
+    else:
+        profile, factor = refine_compute(profile, predicted, measured)
+        provenance["compute"] = {"predicted_us": round(predicted, 1), "measured_us": round(measured, 1),
                                  "factor": round(factor, 4)}
+        compute = f"compute x{factor:.3g}"
     refined, rows = refine(profile, samples, provenance)
-    return refined, rows, factor
+    return refined, rows, compute
 
-
-def _plan_profile(plan: Plan):
-    """The profile ``plan`` was made with (its own copy, else the shipped one it names)."""
-    from costmodel import Profile, load_profile
-
-    data = plan.profile.get("data")
-    return Profile.from_json(data) if data else load_profile(plan.profile.get("name") or "h100-sxm")
 
 
 def save(m: Measurement, path: str) -> None:

@@ -27,10 +27,9 @@ what the backward left cannot hide. Slacks only shrink, so costs only rise from 
 a plan that counted on more overlap than one stream gives (gathers queued behind each other)
 loses the discount in the next round. Rounds stop when a plan repeats (the re-weighing's fixed
 point), when one gains less than ``MIN_GAIN`` of the step, after ``MAX_ROUNDS`` or when the time
-is spent. The plan kept is the one of least ``S``
-among every round's plan (a round's only where ``MIN_GAIN`` faster) and the candidates given (the
-hand-written plans the solve started from), so the overlap-aware plan is never predicted slower
-than the additive plan or than them.
+is spent. The plan kept is the one of least ``S`` among every round's plan (a round's only where
+``MIN_GAIN`` faster) and the candidates given (the hand-written plans the solve started from),
+so the overlap-aware plan is never predicted slower than the additive plan or than them.
 """
 
 from __future__ import annotations
@@ -78,10 +77,7 @@ def relaxed(problem: solver.Problem, share: float) -> solver.Problem:
     """``problem`` with every edge cost scaled by ``1 - share`` (forbidden pairs stay so): as a
     step hides at most ``share`` of its communication, ``S(x) >= sum_v c_v + (1 - share) *
     sum_e M_e``, so this problem's optimum bounds every plan's simulated step from below."""
-    if share <= 0:
-        return problem
-    return problem.with_edge_costs([np.where(m >= solver.FORBIDDEN, m, (1.0 - share) * m)
-                                    for m in problem.edge_costs])
+    return reweighed(problem, np.full(len(problem.edge_costs), np.inf), share)  # every edge hides all it may
 
 
 def refine(problem: solver.Problem, gp, first: solver.Solution, share: float,
@@ -99,10 +95,10 @@ def refine(problem: solver.Problem, gp, first: solver.Solution, share: float,
     def simulated(choice) -> float:
         return simulate_plan(gp, choice, share).step_us
 
-    done = [{"additive_us": round(float(first.cost), 3), "simulated_us": round(simulated(first.choice), 3)}]
+    best, best_us = first, simulated(first.choice)
+    done = [{"additive_us": round(float(first.cost), 3), "simulated_us": round(best_us, 3)}]
     record = {"share": share, "rounds": done, "kept": "round 0",
               "stopped": "no overlap to follow" if share <= 0 else "rounds off" if rounds <= 0 else ""}
-    best, best_us = first, simulated(first.choice)
     for name, choice in candidates:
         choice = np.asarray(choice)
         ev = solver.evaluate(problem, choice)
@@ -129,7 +125,7 @@ def refine(problem: solver.Problem, gp, first: solver.Solution, share: float,
         additive = float(solver.evaluate(problem, sol.choice).cost)
         us = simulated(sol.choice)
         done.append({"additive_us": round(additive, 3), "simulated_us": round(us, 3),
-                       "objective_us": round(float(sol.cost), 3), "seconds": round(time.perf_counter() - t0, 3)})
+                     "objective_us": round(float(sol.cost), 3), "seconds": round(time.perf_counter() - t0, 3)})
         log.info(f"overlap round {r}: simulated {us / 1e3:.3f} ms, additive {additive / 1e3:.3f} ms "
                  f"(best so far {min(best_us, us) / 1e3:.3f} ms)")
         gain = best_us - us

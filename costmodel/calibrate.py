@@ -204,6 +204,15 @@ def measure_launch_us(device, iters: int = 200) -> float:
     return min(timer.run(lambda: x.add_(1), iters) for _ in range(3)) * 1e6
 
 
+def _slowest(timer: _Timer, fn, iters: int) -> float:
+    """Seconds per call of ``fn`` on the slowest rank, every rank starting together."""
+    world = dist.group.WORLD
+    dist.barrier(group=world)
+    t = torch.tensor([timer.run(fn, iters)], dtype=torch.float64, device=timer.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
+    return float(t.item())
+
+
 def overlap_share(compute_s: float, comm_s: float, both_s: float) -> float:
     """The share of what perfect overlap would hide that running both at once hid: compute and a
     collective take ``compute_s`` and ``comm_s`` alone and ``both_s`` together, perfect overlap
@@ -225,18 +234,12 @@ def measure_overlap(device, nbytes: int, matmul_n: int, dtype, repeats: int = 3)
     a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
     b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
 
-    def slowest(fn, iters: int) -> float:
-        dist.barrier(group=world)
-        t = torch.tensor([timer.run(fn, iters)], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
-        return float(t.item())
-
     def comm():
         dist.all_reduce(buf, group=world)
 
-    slowest(comm, 2)
-    comm_s = slowest(comm, 3)
-    one_mm = slowest(lambda: a @ b, 3)
+    _slowest(timer, comm, 2)
+    comm_s = _slowest(timer, comm, 3)
+    one_mm = _slowest(timer, lambda: a @ b, 3)
     k = max(1, round(comm_s / max(one_mm, 1e-9)))
 
     def compute():
@@ -250,7 +253,7 @@ def measure_overlap(device, nbytes: int, matmul_n: int, dtype, repeats: int = 3)
 
     shares = []
     for _ in range(repeats):
-        c, m, t = slowest(compute, 2), slowest(comm, 2), slowest(both, 2)
+        c, m, t = _slowest(timer, compute, 2), _slowest(timer, comm, 2), _slowest(timer, both, 2)
         shares.append(overlap_share(c, m, t))
     return sorted(shares)[len(shares) // 2]
 
@@ -301,11 +304,7 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             dist.all_reduce(one, op=dist.ReduceOp.MAX, group=world)
             iters = max(cfg.iters, min(2000, int(cfg.run_seconds / max(float(one.item()), 1e-7))))
             for _ in range(cfg.repeats):
-                dist.barrier(group=world)
-                secs = timer.run(fn, iters)
-                t = torch.tensor([secs], dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
-                us = float(t.item()) * 1e6
+                us = _slowest(timer, fn, iters) * 1e6
                 result.samples.append((kind, "+".join(g), n, topo.group_is_intra_node(axes), nbytes, us))
             last = result.samples[-1][-1]
             say(f"[{k + 1}/{len(plan)}] {kind:<14} {'+'.join(g):<10} n={n:<4} {nbytes / 2**20:9.3f} MiB "
