@@ -91,7 +91,7 @@ def _setup_logging(verbosity: int):
     return restore
 
 
-def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
+def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_compute_dtype: str | None = None) -> None:
     from autoshard.options import RECOMPUTE
 
     p.add_argument("--mesh", default=default_mesh,
@@ -113,6 +113,11 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
                    help="the objective follows the step simulated with overlap: re-weigh each redistribute by the "
                         "compute that hides it and solve again (overlap_objective=True); the predicted step is "
                         "simulated with overlap either way")
+    p.add_argument("--compute-dtype", default=default_compute_dtype, metavar="DTYPE",
+                   help="price every op's FLOPs in this dtype, e.g. bfloat16 for a float32 model that trains under "
+                        "mixed precision; 'traced': each op in the dtype it was traced in, as it runs (default: "
+                        + (f"{default_compute_dtype}, the reference models being float32 master weights with bf16 "
+                           "compute)" if default_compute_dtype else "traced)"))
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--pin", action="append", default=[], metavar="FQN=SPEC",
                    help="fix parameters (FQN glob, or a module) to a spec, e.g. 'layers.*.attn.wq=RS(0)'; repeatable")
@@ -122,6 +127,10 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also cost the hand-written plans (DDP, FSDP, TP, FSDP+TP, FSDP+TP with full activation "
                         "checkpointing) and print a table")
+
+
+def _compute_dtype(args) -> str | None:
+    return None if args.compute_dtype in (None, "traced") else args.compute_dtype
 
 
 def _run_plan(model, inputs, args) -> int:
@@ -145,7 +154,7 @@ def _run_plan(model, inputs, args) -> int:
                                 memory_budget=args.memory_budget if args.memory_budget else "auto",
                                 time_limit=args.time_limit, pins=pins or None, export_problem=args.export_problem,
                                 recompute=args.recompute, load_imbalance=args.load_imbalance,
-                                overlap_objective=args.overlap_objective)
+                                overlap_objective=args.overlap_objective, compute_dtype=_compute_dtype(args))
     plan = planner.solve()
     print(plan.describe())
     if args.compare:
@@ -177,7 +186,8 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
     plan = autoshard.plan(model, inputs, "auto", ranks=args.ranks, profile=args.profile,
                           memory_budget=args.memory_budget if args.memory_budget else "auto",
                           time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,
-                          load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective)
+                          load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective,
+                          compute_dtype=_compute_dtype(args))
     print(plan.describe())
     print("\n".join(mesh_search_table(plan)))
     print(f"planned in {time.perf_counter() - t0:.1f} s")
@@ -499,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-q", "--quiet", action="count", default=0, help="warnings and results only")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="plan LLaMA-8B shapes (or another reference model) on a fake 64-rank mesh")
-    _common(d, "dp=8,tp=8")
+    _common(d, "dp=8,tp=8", "bfloat16")
     d.add_argument("--model", default="llama-8b", metavar="FAMILY-PRESET|gpt",
                    help="reference shapes (default llama-8b; llama-1b/70b/405b, gpt2-small/medium, moe-tiny, "
                         "moe-mixtral-8x7b, moe-deepseek-v3: autoshard.catalog), or gpt: a small GPT sized by "

@@ -333,7 +333,9 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
         plan_name=f"plan for {plan.model.get('class', 'a model')}",
         mesh=dict(zip(plan.axis_names, plan.mesh_shape)), backend=backend,
         predicted={"step_us": s["step_us"], "compute_us": s["compute_us"], "comm_us": s["comm_us"],
-                   "exposed_us": max(0.0, s["step_us"] - s["compute_us"]),
+                   # Of the step past compute, what the device waited for the host is not communication.
+                   "exposed_us": max(0.0, s["step_us"] - s["compute_us"]
+                                     - s.get("simulated", {}).get("host_idle_us", 0.0)),
                    "additive_us": s.get("additive_us", s["compute_us"] + s["comm_us"]),
                    "plan_simulated_us": s.get("simulated", {}).get("step_us")},
         measured={"step_us": step_us, "comm_exposed_us": exposed, "compute_us": step_us - exposed,
@@ -362,7 +364,7 @@ def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = M
         program = next(iter(sharded.forward.programs.values()))
         tl = simulate_step(program, 0)
         simulated = {"step_us": tl.step_us, "compute_us": tl.compute_us, "comm_us": tl.comm_us,
-                     "exposed_us": tl.exposed_us, "collectives": tl.collectives}
+                     "exposed_us": tl.exposed_us, "collectives": tl.collectives, "host_idle_us": tl.idle_us}
     return gather_measurement(plan, times, log, cfg, dist.get_backend(), simulated)
 
 

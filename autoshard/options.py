@@ -12,7 +12,8 @@ from costmodel import Profile
 from solver import BACKENDS
 
 #: Fields fixed once the model is traced and its problem built (a new Planner changes them).
-TRACE_FIELDS = ("profile", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers", "load_imbalance")
+TRACE_FIELDS = ("profile", "compute_dtype", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers",
+                "load_imbalance")
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
                 "overlap_objective", "export_problem")
@@ -81,6 +82,14 @@ class PlanOptions:
     are solved under their pins (a quarter of ``time_limit`` in all) and the solve's long
     searches start from them, so the plan is never dearer than any of them."""
 
+    compute_dtype: str | None = None
+    """The dtype every op's FLOPs are priced in, as a torch dtype name (``"bfloat16"``): for a
+    model traced in float32 that will train under mixed precision (bf16 matmuls over float32
+    master weights; memory is still counted as traced). ``None`` (default): each op in the dtype
+    it was traced in, which is what ``parallelize`` runs (on an H100 a float32 matmul, TF32
+    off, runs at a fifteenth of the bf16 rate: ``Profile.dtype_tflops``). The plan carries the
+    profile so priced (``Profile.priced_as``)."""
+
     overlap_objective: bool = False
     """The objective follows the step simulated with overlap (:mod:`autoshard.overlap`): after
     the additive solve, each redistribute is re-weighed by the compute that can hide it in the
@@ -117,6 +126,9 @@ class PlanOptions:
         for name in ("tie_layers", "unroll_layers", "overlap_objective", "seed_baselines"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")
+        if self.compute_dtype is not None and not _is_float_dtype(self.compute_dtype):
+            raise ConfigError(f"compute_dtype: expected a floating-point torch dtype name (bfloat16, float16, "
+                              f"float32) or None, found {self.compute_dtype!r}")
         f = self.load_imbalance
         if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 1.0 <= f < float("inf")):
             raise ConfigError(f"load_imbalance: expected the busiest rank's load over the mean, a finite "
@@ -139,6 +151,13 @@ class PlanOptions:
             raise ConfigError(f"unknown plan options {unknown}; expected some of "
                               f"{[f.name for f in dataclasses.fields(self)]}")
         return dataclasses.replace(self, **overrides) if overrides else self
+
+
+def _is_float_dtype(name) -> bool:
+    import torch
+
+    return isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) \
+        and getattr(torch, name).is_floating_point
 
 
 def resolve(options: PlanOptions | None, overrides: Mapping[str, Any]) -> PlanOptions:

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
-from autoshard.problem import node_flops
+from autoshard.problem import is_view, node_dtype, node_flops
 from costmodel import compute_time_us
 from costmodel.profile import Profile
 
@@ -61,17 +61,20 @@ class Estimator:
 
     def __init__(self, profile: Profile):
         self.profile = profile
+        self.host_us = profile.host_op_us
+        """Host time to issue each node (:mod:`autoshard.simulate`'s host stream)."""
         self._flops: dict = {}
 
     def compute_us(self, node: fx.Node) -> float:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return 0.0
-        if getattr(node.target, "is_view", False):
+        if is_view(node):  # as the plan prices it
             return 0.0
         nbytes = sum(_bytes(_val(a)) for a in node.all_input_nodes)
         out = _val(node)
         nbytes += sum(_bytes(o) for o in (out if isinstance(out, (list, tuple)) else [out]))
-        return compute_time_us(node_flops(node, self._flops), nbytes, self.profile)
+        flops = node_flops(node, self._flops)
+        return compute_time_us(flops, nbytes, self.profile, node_dtype(node) if flops > 0 else None)
 
     def collective_us(self, node: fx.Node, override_bytes: int | None = None) -> float:
         kind = KIND[node.target]

@@ -201,6 +201,9 @@ class Plan:
             f"  predicted step: {s.get('step_us', 0) / 1e3:.3f} ms "
             f"(compute {s.get('compute_us', 0) / 1e3:.3f} ms, communication {s.get('comm_us', 0) / 1e3:.3f} ms"
             + (f"; {s['additive_us'] / 1e3:.3f} ms with nothing overlapped" if "additive_us" in s else "") + ")",
+            f"  profile: {self.profile.get('name', '?')}"
+            + (" (every op's FLOPs priced as " + self.profile["name"].rpartition("@")[2] + ")"
+               if "@" in self.profile.get("name", "") else ""),
             f"  peak memory per device: {s.get('peak_mem_bytes', 0) / 2**20:.1f} MiB"
             + (f" of budget {s['memory_budget_bytes'] / 2**20:.1f} MiB" if s.get("memory_budget_bytes") else ""),
             f"  graph: {s.get('graph_nodes', '?')} nodes, {s.get('strategies', '?')} strategies, "
@@ -217,7 +220,9 @@ class Plan:
             sim = s["simulated"]
             lines.append(f"  simulated with overlap: {sim['step_us'] / 1e3:.3f} ms (communication "
                          f"{sim['comm_us'] / 1e3:.3f} ms, of which exposed {sim['exposed_comm_us'] / 1e3:.3f} ms"
-                         + (f"; overlap share {sim['overlap_share']:g}" if "overlap_share" in sim else "") + ")")
+                         + (f"; overlap share {sim['overlap_share']:g}" if "overlap_share" in sim else "")
+                         + (f"; the device waited {sim['host_idle_us'] / 1e3:.3f} ms for the host to issue ops"
+                            if sim.get("host_idle_us") else "") + ")")
         ov = s.get("overlap") or {}
         if len(ov.get("rounds", ())) > 1 or ov.get("kept", "round 0") != "round 0":
             steps = " -> ".join(f"{r['simulated_us'] / 1e3:.3f}" for r in ov["rounds"])

@@ -116,6 +116,8 @@ class Planner:
             example_inputs = (example_inputs,)
         self.model, self.mesh = model, mesh
         self.profile = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)
+        if opts.compute_dtype:
+            self.profile = self.profile.priced_as(opts.compute_dtype)
         self.axis_names = axis_names_of(mesh)
         self.phases: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -555,8 +557,10 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
     }
     if gp.imbalance:
         summary["load_imbalance"] = dict(gp.imbalance)
-    summary["simulated"] = {"step_us": round(tl.step_us, 3), "exposed_comm_us": round(tl.exposed_us, 3),
+    summary["simulated"] = {"step_us": round(tl.step_us, 3), "exposed_comm_us": round(max(0.0, tl.exposed_us), 3),
                             "comm_us": round(tl.comm_us, 3), "overlap_share": prof.overlap}
+    if tl.idle_us > 0:
+        summary["simulated"]["host_idle_us"] = round(tl.idle_us, 3)
     summary["overlap"] = {k: v for k, v in overlap.items() if k != "simulated_us"}
     return Plan(
         mesh_shape=list(mesh_shape),

@@ -76,6 +76,9 @@ class GraphProblem:
     imbalance: dict = field(default_factory=dict)
     """``{"factor": f, "expert_matmuls": n}`` where the graph has expert matmuls
     (:mod:`autoshard.imbalance`); empty otherwise."""
+    host_op_us: float = 0.0
+    """Host time to issue each node (the profile's ``host_op_us``): :mod:`autoshard.simulate`'s
+    host stream."""
 
     @property
     def num_originals(self) -> int:
@@ -154,7 +157,21 @@ def node_flops(node: fx.Node, memo: dict, failures: dict[str, str] | None = None
     return flops
 
 
-def _is_view(node: fx.Node) -> bool:
+def node_dtype(node: fx.Node) -> str | None:
+    """The dtype an op computes in, as ``Profile.tflops`` names it (``"bfloat16"``): its first
+    floating-point output's, else its first floating-point input's (None: no such tensor)."""
+    out = node.meta.get("val")
+    vals = list(out) if isinstance(out, (list, tuple)) else [out]
+    vals += [a.meta.get("val") for a in node.all_input_nodes]
+    for v in vals:
+        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+            return str(v.dtype).removeprefix("torch.")
+    return None
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` aliases its input (no kernel, no memory): view ops, ``detach`` and
+    ``_unsafe_view``."""
     return isinstance(node.target, torch._ops.OpOverload) and bool(getattr(node.target, "is_view", False)) \
         or node.target in (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
 
@@ -162,7 +179,8 @@ def _is_view(node: fx.Node) -> bool:
 def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_failures):
     """Compute time and output bytes per device of each strategy of a call_function node."""
     flops = node_flops(n, flop_memo, flop_failures)
-    view = _is_view(n)
+    dtype = node_dtype(n) if flops > 0 else None
+    view = is_view(n)
     ins_vals = [a.meta["val"] for a in ns.tensor_args]
     c = np.zeros(len(strats))
     usage = np.zeros(len(strats))
@@ -179,7 +197,7 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
             if sharded_in or (not s.ins and any(o is not None and shard_dim(o.placements[axis]) is not None
                                                 for o in s.outs)):
                 split *= mesh_shape[axis]
-        c[i] = compute_time_us(flops / split, in_b + out_b, profile)
+        c[i] = compute_time_us(flops / split, in_b + out_b, profile, dtype)
     return c, usage
 
 
@@ -198,7 +216,7 @@ def live_root(a: fx.Node, recomputed=None, in_backward=None) -> tuple[fx.Node, b
             copy = a in recomputed
         elif copy:
             copy = a in recomputed
-        if not (is_getitem(a) or (a.op == "call_function" and _is_view(a) and a.args
+        if not (is_getitem(a) or (a.op == "call_function" and is_view(a) and a.args
                                   and isinstance(a.args[0], fx.Node))):
             return a, bool(copy)
         a = a.args[0]
@@ -398,7 +416,8 @@ def build_problem(
     )
     return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index,
                         dict(en.stats.rule_errors), flop_failures,
-                        imbalance={"factor": load_imbalance, "expert_matmuls": len(experts)} if experts else {})
+                        imbalance={"factor": load_imbalance, "expert_matmuls": len(experts)} if experts else {},
+                        host_op_us=profile.host_op_us)
 
 
 def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,

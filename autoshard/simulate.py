@@ -30,6 +30,16 @@ calibration) between the two ends, additive and perfectly overlapped
 
 ``eta = 0`` is the additive step (every collective adds its time), ``eta = 1`` the walk's.
 
+A GPU's ops are issued by a host thread, at ``h`` = :attr:`costmodel.Profile.host_op_us` each
+(views too: they cost the host, not the device). Both walks keep a third clock ``t_h``:
+
+    any node n            : t_h <- t_h + h;  n starts no sooner than t_h
+    compute node c        : idle += max(0, t_h - t_c);  t_c <- max(t_c, t_h) + compute(c)
+
+so a program of small ops lasts as long as its issue, and one of large ops hides its issue
+behind them. ``idle`` is compute-stream time spent waiting for the host: neither compute nor
+exposed communication. ``h = 0`` (CPU devices, uncalibrated GPU profiles) is the two-stream walk.
+
 :func:`simulate_plan` also gives each planned edge its *slack* (:func:`plan_slack`): the time
 between when its redistribute could start (its producer done, the communication stream free)
 and when its consumer would run (a gradient's move: when the compute stream ends). An edge of
@@ -62,6 +72,8 @@ class Timeline:
     exposed_us: float = 0.0
     """Communication the compute stream waited for."""
     collectives: int = 0
+    idle_us: float = 0.0
+    """Compute-stream time spent waiting for the host to issue the next op (module doc)."""
 
     def __add__(self, other: Timeline) -> Timeline:
         return Timeline(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
@@ -69,13 +81,13 @@ class Timeline:
     @property
     def hidden_us(self) -> float:
         """Communication that ran beside compute: what the additive step counts and this one not."""
-        return max(0.0, self.compute_us + self.comm_us - self.step_us)
+        return max(0.0, self.compute_us + self.idle_us + self.comm_us - self.step_us)
 
     def overlapped(self, share: float) -> Timeline:
         """This walk (perfect overlap) with only ``share`` of its hidden communication hidden
         (the module doc): 1 gives it back, 0 the additive step."""
         step = self.step_us + (1.0 - share) * self.hidden_us
-        return replace(self, step_us=step, exposed_us=step - self.compute_us)
+        return replace(self, step_us=step, exposed_us=step - self.compute_us - self.idle_us)
 
 
 def _source(node):
@@ -88,14 +100,15 @@ def _source(node):
 def simulate(gm: fx.GraphModule, est: Estimator) -> Timeline:
     """Run ``gm``'s nodes on a compute and a communication stream (see the module doc), priced
     by ``est``, hiding perfectly (:meth:`Timeline.overlapped` prices contention)."""
-    t_compute = t_comm = 0.0
+    t_compute = t_comm = t_host = 0.0
     ends: dict[fx.Node, float] = {}
     tl = Timeline()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        t_host += est.host_us
         if node.target in KIND:
-            start = max(t_compute, t_comm)
+            start = max(t_compute, t_comm, t_host)
             us = est.collective_us(node)
             t_comm = ends[node] = start + us
             tl.comm_us += us
@@ -107,8 +120,14 @@ def simulate(gm: fx.GraphModule, est: Estimator) -> Timeline:
                 t_compute = end
         else:
             us = est.compute_us(node)
+            if us > 0 and t_host > t_compute:
+                tl.idle_us += t_host - t_compute
+                t_compute = t_host
             t_compute += us
             tl.compute_us += us
+    if t_host > t_compute:  # the host's last ops were views: the step ends when they are issued
+        tl.idle_us += t_host - t_compute
+        t_compute = t_host
     tl.step_us = max(t_compute, t_comm)
     return tl
 
@@ -170,11 +189,16 @@ def _walk(gp, choice, slack: np.ndarray | None) -> Timeline:
     grads_from: dict[int, list[int]] = {}
     for k, e in enumerate(gp.edges):
         (grads_from if e.arg < 0 else into).setdefault(e.producer if e.arg < 0 else e.consumer, []).append(k)
-    t_compute = t_comm = 0.0
+    host = getattr(gp, "host_op_us", 0.0)  # a hand-built problem (tests) has no host stream
+    t_compute = t_comm = t_host = 0.0
     done: dict[int, float] = {}
     grad_starts: list[tuple[int, float]] = []
     tl = Timeline()
-    for v in _order(gp):
+    order = _order(gp)
+    last = order[-1] if order else -1
+    for v in order:
+        if host and gp.nodes[v].op == "call_function":  # placeholders are no ops
+            t_host += host
         ready = t_compute
         for k in into.get(v, []):
             e = gp.edges[k]
@@ -190,6 +214,9 @@ def _walk(gp, choice, slack: np.ndarray | None) -> Timeline:
             tl.collectives += 1
         tl.exposed_us += ready - t_compute
         us = float(costs[v][choice[v]])
+        if t_host > ready and (us > 0 or v == last):
+            tl.idle_us += t_host - ready
+            ready = t_host
         t_compute = done[v] = ready + us
         tl.compute_us += us
         for k in grads_from.get(v, []):

@@ -44,14 +44,16 @@ def run_case(case: str, time_limit: float) -> dict:
         model = reference("llama", preset, seq=2048)
     tokens = torch.empty(ranks, 2048, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
-    chosen = autoshard.plan(model, (tokens,), "auto", ranks=ranks, profile="h100-sxm", time_limit=time_limit)
+    # Reference shapes in float32 (master weights) trained with bf16 compute, as under mixed precision.
+    chosen = autoshard.plan(model, (tokens,), "auto", ranks=ranks, profile="h100-sxm", time_limit=time_limit,
+                            compute_dtype="bfloat16")
     search_s = time.perf_counter() - t0
     alone = []
     for shape in mesh_shapes(ranks, load_profile("h100-sxm").devices_per_node):
         t1 = time.perf_counter()
         try:
             p = autoshard.plan(model, (tokens,), autoshard.fake_mesh(shape, axis_names(len(shape))),
-                               profile="h100-sxm", time_limit=time_limit)
+                               profile="h100-sxm", time_limit=time_limit, compute_dtype="bfloat16")
             step = p.summary["step_us"]
         except MemoryBudgetError:
             step = None

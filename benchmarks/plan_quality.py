@@ -80,11 +80,16 @@ def main() -> None:
     ap.add_argument("--only-scale", action="store_true", help="run the cases at scale alone")
     ap.add_argument("--no-moe", action="store_true", help="skip the mixture-of-experts cases")
     ap.add_argument("--only-moe", action="store_true", help="run the mixture-of-experts cases alone")
+    ap.add_argument("--compute-dtype", default="bfloat16",
+                    help="FLOPs priced in this dtype (the reference shapes are float32 master weights with bf16 "
+                         "compute); 'traced' for each op's own")
     ap.add_argument("--overlap-objective", action="store_true",
                     help="every plan (ours and the hand-written ones) follows the simulated step: overlap rounds")
     ap.add_argument("--load-imbalance", type=float, default=1.0,
                     help="busiest expert-parallel rank's load over the mean (autoshard.imbalance)")
     args = ap.parse_args()
+    if args.compute_dtype == "traced":
+        args.compute_dtype = None
     cases = [(name, tuple(int(x) for x in mesh_text.split("x")), args.batch, MODELS[name][1])
              for mesh_text in args.meshes.split(",") for name in args.models.split(",")]
     if args.only_scale or args.only_moe:
@@ -104,7 +109,8 @@ def main() -> None:
         tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
         t0 = time.perf_counter()
         res = autoshard.compare(model, (tokens,), mesh, profile=args.profile, time_limit=args.time_limit,
-                                load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective)
+                                load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective,
+                                compute_dtype=args.compute_dtype)
         seconds = time.perf_counter() - t0
         ours = res["autoshard"]
         feasible = {k: v for k, v in res.items() if k != "autoshard" and not isinstance(v, str)}
@@ -152,7 +158,7 @@ def _unseeded(model, tokens, mesh, args, best, seeded_us) -> None:
     for _ in range(2):
         t0 = time.perf_counter()
         p = autoshard.plan(model, (tokens,), mesh, profile=args.profile, time_limit=args.time_limit,
-                           seed_baselines=False)
+                           seed_baselines=False, compute_dtype=args.compute_dtype)
         plans.append((p, time.perf_counter() - t0))
     (a, sa), (b, sb) = plans
     same = a.params == b.params and a.nodes == b.nodes

@@ -55,7 +55,9 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str) -> d
     tokens = torch.empty(batch, 2048, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     budget = {} if budget == "profile" else {"memory_budget": budget}
-    plan = autoshard.plan(model, (tokens,), mesh, profile=profile, time_limit=time_limit, **budget)
+    # Reference shapes in float32 (master weights) trained with bf16 compute, as under mixed precision.
+    plan = autoshard.plan(model, (tokens,), mesh, profile=profile, time_limit=time_limit, compute_dtype="bfloat16",
+                          **budget)
     total = time.perf_counter() - t0
     ph = plan.summary["phases"]
     return dict(case=f"{name}:{'x'.join(map(str, shape))}", layers=model.cfg.n_layers, total_s=round(total, 2),

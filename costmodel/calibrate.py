@@ -172,8 +172,13 @@ class SweepResult:
     launch_us: float | None = None
     """Time per tiny op issued from Python: the floor of every op (kernel launch on a GPU, eager
     dispatch on a CPU)."""
+    host_op_us: float | None = None
+    """GPUs: host time per op of a replayed graph (:func:`measure_host_op_us`)."""
     overlap: float | None = None
     """Share of a collective that matmuls beside it hid (:func:`measure_overlap`)."""
+    other_tflops: dict = field(default_factory=dict)
+    """Achieved TFLOP/s of the same matmul in the dtypes other than the planning one (float32 on
+    GPUs, under this process's TF32 setting; bfloat16 on CPUs), by dtype name."""
 
 
 def measure_matmul(device, n: int, dtype) -> float:
@@ -202,6 +207,25 @@ def measure_launch_us(device, iters: int = 200) -> float:
     timer = _Timer(torch.device(device))
     timer.run(lambda: x.add_(1), 20)
     return min(timer.run(lambda: x.add_(1), iters) for _ in range(3)) * 1e6
+
+
+def measure_host_op_us(device, ops: int = 200) -> float:
+    """Microseconds per node of a traced graph of tiny ops (a multiply and a view, repeated)
+    replayed as a lowered program is, best of a few runs: on a GPU, which finishes each op
+    sooner than the next is issued, the host's issue time per op (``Profile.host_op_us``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def chain(x):
+        for _ in range(ops // 2):
+            x = (x * 1.0001).view(-1)
+        return x
+
+    x = torch.ones(8, device=device)
+    gm = make_fx(chain)(x)
+    nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    timer = _Timer(torch.device(device))
+    timer.run(lambda: gm(x), 2)
+    return min(timer.run(lambda: gm(x), 5) for _ in range(3)) * 1e6 / nodes
 
 
 def _slowest(timer: _Timer, fn, iters: int) -> float:
@@ -272,6 +296,11 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
     from costmodel._torch_compat import flattened_group
 
     groups = groups_of(names, cfg.flattened)
+    # A group of one rank moves no data: what it would time is a local copy, not a link.
+    alone = [g for g in groups if math.prod(mesh.shape[names.index(a)] for a in g) == 1]
+    if alone:
+        say(f"skipping groups of one rank (no communication to time): {', '.join('+'.join(g) for g in alone)}")
+    groups = [g for g in groups if g not in alone]
     plan = [(g, kind, size) for g in groups for kind in cfg.kinds for size in cfg.sizes()]
     result = SweepResult()
     world = dist.group.WORLD
@@ -281,14 +310,24 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             result.matmul_tflops = measure_matmul(device, cfg.matmul_size,
                                                   torch.bfloat16 if device.type == "cuda" else torch.float32)
             say(f"matmul {cfg.matmul_size}^3: {result.matmul_tflops:.3f} TFLOP/s")
+            other = torch.float32 if device.type == "cuda" else torch.bfloat16
+            name = str(other).removeprefix("torch.")
+            result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other)
+            say(f"matmul {cfg.matmul_size}^3 in {name}: {result.other_tflops[name]:.3f} TFLOP/s")
             # Every rank at once, as in a step: on shared CPU cores the contention is the point.
             result.mem_bandwidth_gbps = measure_bandwidth(device, (512 if device.type == "cuda" else 32) * 2**20)
             result.launch_us = measure_launch_us(device)
             say(f"copy bandwidth {result.mem_bandwidth_gbps:.1f} GB/s, {result.launch_us:.1f} us per op")
-            result.overlap = measure_overlap(device, cfg.max_bytes, cfg.matmul_size,
-                                             torch.bfloat16 if device.type == "cuda" else torch.float32)
-            say(f"overlap: matmuls beside an all-reduce of {cfg.max_bytes / 2**20:.1f} MiB hid "
-                f"{result.overlap:.0%} of what perfect overlap would")
+            if device.type == "cuda":  # a CPU device is its own host: its ops' times hold their issue
+                result.host_op_us = measure_host_op_us(device)
+                say(f"host: {result.host_op_us:.1f} us to issue each op of a replayed graph")
+            if dist.get_world_size() > 1:
+                result.overlap = measure_overlap(device, cfg.max_bytes, cfg.matmul_size,
+                                                 torch.bfloat16 if device.type == "cuda" else torch.float32)
+                say(f"overlap: matmuls beside an all-reduce of {cfg.max_bytes / 2**20:.1f} MiB hid "
+                    f"{result.overlap:.0%} of what perfect overlap would")
+            else:
+                say("overlap: one rank has no collective to overlap; the base profile's share is kept")
         pgs = {g: flattened_group(mesh, g) for g in groups}
         for k, (g, kind, size) in enumerate(plan):
             axes = tuple(names.index(a) for a in g)
@@ -336,6 +375,8 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
         changes["mem_bandwidth_gbps"] = result.mem_bandwidth_gbps
     if result.launch_us:
         changes["kernel_launch_us"] = result.launch_us
+    if result.host_op_us:
+        changes["host_op_us"] = result.host_op_us
     if result.overlap is not None:
         changes["overlap"] = result.overlap
     if result.matmul_tflops:
@@ -343,6 +384,10 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
             changes.update(peak_tflops=result.matmul_tflops, compute_efficiency=1.0)
         else:
             changes["compute_efficiency"] = min(1.0, result.matmul_tflops / base.peak_tflops)
+        # A peak per dtype such that peak * efficiency is the rate measured in that dtype.
+        eff = changes["compute_efficiency"]
+        changes["dtype_tflops"] = {**base.dtype_tflops,
+                                   **{d: r / eff for d, r in result.other_tflops.items() if r > 0}}
     mesh_info = {"shape": list(mesh.shape), "axis_names": list(mesh.mesh_dim_names or [])}
     ident = identity(mesh, backend)
     ident["interrupted"] = result.interrupted
@@ -351,17 +396,22 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
                                  source=f"autoshard calibrate on {ident['date']}", **changes)
 
 
+def shipped_profile_name(device_name: str) -> str:
+    """The shipped profile a GPU of this name (``torch.cuda.get_device_name()``) starts from."""
+    name = device_name.lower()
+    for key, prof in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-sxm"), ("b200", "b200")):
+        if key in name:
+            return prof
+    return "h100-sxm"
+
+
 def base_profile_for(device_type: str) -> Profile:
     if device_type == "cpu":
         return load_profile("cpu-gloo")
-    name = torch.cuda.get_device_name().lower()
-    for key, prof in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-sxm"), ("b200", "b200")):
-        if key in name:
-            try:
-                return load_profile(prof)
-            except FileNotFoundError:
-                break
-    return load_profile("h100-sxm")
+    try:
+        return load_profile(shipped_profile_name(torch.cuda.get_device_name()))
+    except FileNotFoundError:
+        return load_profile("h100-sxm")
 
 
 def _progress_to_stderr() -> None:

@@ -52,10 +52,22 @@ class Profile:
     """Links between ranks of one node."""
     inter_node: LinkModel
     """Links between nodes."""
+    dtype_tflops: dict = field(default_factory=dict)
+    """Dense peak of each dtype whose rate differs from ``peak_tflops``, by torch dtype name,
+    TFLOP/s: ``{"float32": 67.0}`` on an H100, whose float32 matmuls (PyTorch's default, no
+    TF32) run on the CUDA cores at a fifteenth of bf16. A dtype not named runs at
+    ``peak_tflops``; ``compute_efficiency`` applies to every dtype."""
     compute_efficiency: float = 0.6
     """Fraction of peak a well-shaped kernel reaches."""
     kernel_launch_us: float = 5.0
     """Floor on the time of any kernel, microseconds."""
+    host_op_us: float = 0.0
+    """Host time to issue one op of the step's program (Python, dispatcher, launch; views too),
+    microseconds. A GPU runs an op no sooner than the host has issued it and every op before
+    it, so a program of small ops lasts as long as their issue (:mod:`autoshard.simulate`'s host
+    stream). Measured by ``autoshard calibrate`` on GPUs (a traced graph of tiny ops replayed);
+    0 models no host stream: a CPU device runs each op on the issuing thread, where
+    ``kernel_launch_us`` floors it, and shipped GPU profiles leave it to calibration."""
     overlap: float = DEFAULT_OVERLAP
     """Share of the communication that compute running beside it could hide which it does hide:
     1 when a collective and compute share nothing, 0 when they contend for everything (each then
@@ -98,8 +110,16 @@ class Profile:
         for f in ("peak_tflops", "mem_bandwidth_gbps", "memory_bytes", "devices_per_node"):
             if not getattr(self, f) > 0:
                 raise CostModelError(f"profile {self.name!r}: {f} must be > 0, found {getattr(self, f)}")
+        if not isinstance(self.dtype_tflops, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                for k, v in self.dtype_tflops.items()):
+            raise CostModelError(f"profile {self.name!r}: dtype_tflops must map dtype names to rates > 0, "
+                                 f"found {self.dtype_tflops!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise CostModelError(f"compute_efficiency must be in (0, 1], found {self.compute_efficiency}")
+        if not (isinstance(self.host_op_us, (int, float)) and 0 <= self.host_op_us < float("inf")):
+            raise CostModelError(f"profile {self.name!r}: host_op_us must be a finite time >= 0, "
+                                 f"found {self.host_op_us!r}")
         if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
             raise CostModelError(f"profile {self.name!r}: overlap must be a share in [0, 1], found {self.overlap!r}")
         if isinstance(self.intra_node, dict):
@@ -121,7 +141,12 @@ class Profile:
 
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
-             if k not in ("collectives", "samples", "step_samples", "refinements")}
+             if k not in ("collectives", "samples", "step_samples", "refinements", "dtype_tflops", "host_op_us")}
+        if self.host_op_us:
+            d["host_op_us"] = self.host_op_us
+        # Absent when empty or 0: older profiles keep their JSON form, hence their digest.
+        if self.dtype_tflops:
+            d["dtype_tflops"] = dict(sorted(self.dtype_tflops.items()))
         d["collectives"] = [f.to_json() for f in self.collectives]
         d["samples"] = [list(x) for x in self.samples]
         # Written only once present: an unrefined profile keeps its JSON form, hence its digest
@@ -130,6 +155,19 @@ class Profile:
             d["step_samples"] = [list(x) for x in self.step_samples]
             d["refinements"] = [dict(r) for r in self.refinements]
         return {"version": PROFILE_VERSION, **d}
+
+    def tflops(self, dtype: str | None = None) -> float:
+        """Dense peak of a matmul in ``dtype`` (a torch dtype name; None: the planning dtype)."""
+        return self.dtype_tflops.get(dtype, self.peak_tflops) if dtype else self.peak_tflops
+
+    def priced_as(self, dtype: str) -> "Profile":
+        """This profile with every op's FLOPs priced at ``dtype``'s rate, whatever dtype it was
+        traced in: a model traced in float32 that trains under mixed precision (bf16 matmuls over
+        float32 master weights). Its own name (``h100-sxm@bfloat16``), so a plan made with it
+        carries it. A profile with one rate for every dtype is itself."""
+        if not self.dtype_tflops:
+            return self
+        return replace(self, name=f"{self.name}@{dtype}", peak_tflops=self.tflops(dtype), dtype_tflops={})
 
     def link(self, intra_node: bool) -> LinkModel:
         return self.intra_node if intra_node else self.inter_node

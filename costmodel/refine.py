@@ -94,8 +94,9 @@ def refine_compute(profile: Profile, predicted_us: float, measured_us: float) ->
         raise CostModelError(f"refine_compute: needs predicted and measured compute > 0, found "
                              f"{predicted_us} and {measured_us}")
     c = measured_us / predicted_us
-    efficiency, peak = profile.compute_efficiency / c, profile.peak_tflops
+    efficiency, peak, by_dtype = profile.compute_efficiency / c, profile.peak_tflops, dict(profile.dtype_tflops)
     if efficiency > 1.0:  # faster than the peak allows: the peak was low, not the efficiency
+        by_dtype = {d: r * efficiency for d, r in by_dtype.items()}
         peak, efficiency = peak * efficiency, 1.0
-    return replace(profile, compute_efficiency=efficiency, peak_tflops=peak,
+    return replace(profile, compute_efficiency=efficiency, peak_tflops=peak, dtype_tflops=by_dtype,
                    mem_bandwidth_gbps=profile.mem_bandwidth_gbps / c, kernel_launch_us=profile.kernel_launch_us * c), c

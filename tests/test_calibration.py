@@ -101,6 +101,14 @@ def test_profile_roundtrip_merge_and_validation(tmp_path):
         Profile.from_json({**data, "overlap": 1.5})
     older = {k: v for k, v in data.items() if k != "overlap"}  # written before the share existed
     assert Profile.from_json(older).overlap == DEFAULT_OVERLAP
+    # Per-dtype peaks: absent from the JSON when empty (a profile's digest stays what it was).
+    bare = Profile.from_json({k: v for k, v in data.items() if k != "dtype_tflops"})
+    assert "dtype_tflops" not in bare.to_json() and bare.tflops("float32") == bare.peak_tflops
+    fp32 = Profile.from_json({**data, "dtype_tflops": {"float32": 60.0}})
+    assert fp32.tflops("float32") == 60.0 and fp32.tflops("bfloat16") == fp32.peak_tflops
+    assert Profile.from_json(fp32.to_json()) == fp32 and fp32.digest() != bare.digest()
+    with pytest.raises(ValueError, match=r"dtype_tflops must map dtype names to rates > 0, found \{'float32': 0\}"):
+        Profile.from_json({**data, "dtype_tflops": {"float32": 0}})
 
 
 def test_overlap_share_is_what_running_together_hid_of_what_perfect_overlap_would():
@@ -124,6 +132,47 @@ def test_measured_overlap_share_goes_into_the_profile(monkeypatch):
     measured = cal.build_profile(cal.SweepResult(overlap=0.37), mesh, base, "gloo", 2)
     assert measured.overlap == 0.37 and base.overlap != 0.37
     assert cal.build_profile(cal.SweepResult(), mesh, base, "gloo", 2).overlap == base.overlap  # not measured
+
+
+def test_matmul_rates_of_other_dtypes_go_into_the_profile_as_peaks(monkeypatch):
+    from types import SimpleNamespace
+
+    import costmodel.calibrate as cal
+
+    monkeypatch.setattr(cal, "identity", lambda mesh, backend: {"date": "today", "device_name": "gpu"})
+    gpu = SimpleNamespace(device_type="cuda", shape=(8,), mesh_dim_names=("dp",))
+    base = load_profile("h100-sxm")
+    prof = cal.build_profile(cal.SweepResult(matmul_tflops=700.0, other_tflops={"float32": 50.0}), gpu, base,
+                             "nccl", 8)
+    # Each dtype's peak times the one efficiency is the rate measured in that dtype.
+    assert prof.tflops("bfloat16") * prof.compute_efficiency == pytest.approx(700.0)
+    assert prof.tflops("float32") * prof.compute_efficiency == pytest.approx(50.0)
+    assert prof.tflops(None) == prof.peak_tflops == base.peak_tflops
+    assert prof.host_op_us == 0.0  # not measured: no host stream
+    hosted = cal.build_profile(cal.SweepResult(host_op_us=12.5), gpu, base, "nccl", 8)
+    assert hosted.host_op_us == 12.5 and hosted.to_json()["host_op_us"] == 12.5
+    assert "host_op_us" not in base.to_json()  # absent when 0: shipped profiles keep their digest
+    with pytest.raises(ValueError, match="host_op_us must be a finite time >= 0, found -1"):
+        Profile.from_json({**base.to_json(), "host_op_us": -1})
+    assert cal.measure_host_op_us("cpu", ops=20) > 0
+    cpu = SimpleNamespace(device_type="cpu", shape=(2,), mesh_dim_names=("dp",))
+    prof = cal.build_profile(cal.SweepResult(matmul_tflops=0.2, other_tflops={"bfloat16": 0.05}), cpu,
+                             load_profile("cpu-gloo"), "gloo", 2)
+    assert (prof.tflops("float32"), prof.tflops("bfloat16"), prof.compute_efficiency) == (0.2, 0.05, 1.0)
+
+
+def test_a_mesh_of_one_rank_calibrates_compute_and_times_no_collective(tmp_path, monkeypatch, caplog):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "one.json"
+    cfg = CalibrationConfig(kinds=("all_reduce",), min_bytes=4096, max_bytes=16384, warmup=1, iters=2, repeats=1,
+                            run_seconds=0.002, matmul_size=64)
+    run((1,), ("dp",), "gloo", cfg, str(out), nproc=1)
+    prof, base = load_profile(out), load_profile("cpu-gloo")
+    # A group of one rank moves no data: no sample, no fit, and no overlap share measured.
+    assert prof.samples == () and prof.collectives == ()
+    assert prof.overlap == base.overlap and prof.intra_node == base.intra_node
+    assert prof.peak_tflops != base.peak_tflops and prof.tflops("bfloat16") > 0
 
 
 def test_config_and_groups():
@@ -176,6 +225,19 @@ def test_gpu_calibration_runs_on_a_gpu(tmp_path):
     cfg = CalibrationConfig(kinds=("all_reduce",), min_bytes=2**20, max_bytes=2**22, repeats=2, matmul_size=1024)
     run((2,), ("dp",), "nccl", cfg, str(tmp_path / "gpu.json"), nproc=2)
     assert load_profile(tmp_path / "gpu.json").collectives
+
+
+def test_one_gpu_calibrates_compute_and_the_host(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    run((1,), ("dp",), "nccl", CalibrationConfig(kinds=("all_reduce",), max_bytes=2**16), str(tmp_path / "one.json"),
+        nproc=1)
+    prof = load_profile(tmp_path / "one.json")
+    assert prof.collectives == () and prof.host_op_us > 0
+    assert 0 < prof.tflops("float32") * prof.compute_efficiency < prof.tflops("bfloat16") * prof.compute_efficiency
 
 
 def test_vectorized_prediction_matches_scalar():

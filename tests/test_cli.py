@@ -50,7 +50,7 @@ def test_explain_and_diff(world, tmp_path, capsys):
     assert main(["diff", str(a), str(a)]) == 0
     assert "identical" in capsys.readouterr().out
     assert main(["diff", str(a), str(b)]) == 0
-    assert "profile: h100-sxm -> cpu-gloo" in capsys.readouterr().out
+    assert "profile: h100-sxm@bfloat16 -> cpu-gloo" in capsys.readouterr().out
 
 
 def test_demo_pins_and_compare(world, capsys):

@@ -76,6 +76,52 @@ def test_compute_roofline():
     assert compute_time_us(big, 0, prof) == pytest.approx(big / (prof.peak_tflops * 1e6 * prof.compute_efficiency))
 
 
+def test_compute_is_priced_at_the_rate_of_its_dtype():
+    from costmodel.refine import refine_compute
+
+    prof = load_profile("h100-sxm")
+    big = 1e15
+    bf16, fp32 = compute_time_us(big, 0, prof, "bfloat16"), compute_time_us(big, 0, prof, "float32")
+    assert bf16 == compute_time_us(big, 0, prof)
+    # float32 matmuls (no TF32) run on the CUDA cores: the data sheet's 67 against 989 TFLOP/s.
+    assert fp32 / bf16 == pytest.approx(989 / 67)
+    # Memory-bound work is priced by bytes whatever its dtype.
+    assert compute_time_us(1, 1e9, prof, "float32") == compute_time_us(1, 1e9, prof, "bfloat16")
+    # Refining compute scales every dtype's times by the same factor, also where the peak rises.
+    for c in (2.0, 0.25):
+        refined, _ = refine_compute(prof, 1.0, c)
+        for dtype in ("bfloat16", "float32"):
+            assert compute_time_us(big, 0, refined, dtype) == pytest.approx(c * compute_time_us(big, 0, prof, dtype))
+
+
+def test_planner_prices_a_float32_model_at_the_float32_rate(world):
+    import torch
+
+    import autoshard
+
+    world(1)
+
+    def planned(dtype, **options):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024)).to(dtype)
+        x = torch.randn(4096, 1024, dtype=dtype)
+        return autoshard.Planner(model, (x,), autoshard.fake_mesh((1,), ("dp",)), profile="h100-sxm",
+                                 time_limit=10, **options).solve()
+
+    fp32, bf16 = planned(torch.float32), planned(torch.bfloat16)
+    # Matmul-bound at these shapes: float32 costs several times bfloat16 (not the same, as when
+    # every dtype was priced at the bf16 peak; not the full 989/67 either: the bytes double).
+    assert fp32.summary["compute_us"] > 5 * bf16.summary["compute_us"]
+    # A float32 model that will train under mixed precision: priced at bf16, memory as traced.
+    mixed = planned(torch.float32, compute_dtype="bfloat16")
+    assert mixed.summary["compute_us"] < 2 * bf16.summary["compute_us"]
+    assert mixed.summary["peak_mem_bytes"] == fp32.summary["peak_mem_bytes"]
+    assert mixed.profile["name"] == "h100-sxm@bfloat16" and mixed.profile.get("data")
+    assert "every op's FLOPs priced as bfloat16" in mixed.describe()
+    with pytest.raises(ValueError, match="compute_dtype: expected a floating-point torch dtype name .* found 'int8'"):
+        autoshard.PlanOptions(compute_dtype="int8")
+
+
 def test_profiles_load_save_validate(tmp_path):
     assert {"h100-sxm", "cpu-gloo"} <= set(builtin_profiles())
     p = load_profile("h100-sxm")

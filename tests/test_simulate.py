@@ -97,3 +97,59 @@ def test_views_of_a_gathered_bucket_member_become_reshapes():
     assert reshape_strided_bucket_slices(gm) == 2
     gm.recompile()
     assert torch.equal(gm(x_val), x_val[:, 4:].reshape(12))
+
+
+def test_host_stream_bounds_a_program_of_small_ops_by_their_issue():
+    """With a host issue time h per op, a program of tiny ops lasts (ops) x h, views included
+    (they cost the host, not the device), and the device's wait is idle time, not exposed
+    communication; a program of large ops hides its issue behind them; h = 0 is the two-stream
+    walk."""
+    import dataclasses
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.passes import Estimator
+    from autoshard.simulate import simulate
+    from costmodel import load_profile
+
+    def chain(x):
+        for _ in range(50):
+            x = (x * 1.0001).view(-1)
+        return x
+
+    base = load_profile("h100-sxm")
+    small = make_fx(chain)(torch.ones(8))
+    ops = sum(1 for n in small.graph.nodes if n.op == "call_function")
+    assert ops == 100
+    plain = simulate(small, Estimator(base))
+    assert plain.idle_us == 0 and plain.step_us == pytest.approx(50 * base.kernel_launch_us)
+    host = simulate(small, Estimator(dataclasses.replace(base, host_op_us=20.0)))
+    assert host.step_us == pytest.approx(ops * 20.0) and host.compute_us == plain.compute_us
+    assert host.idle_us == pytest.approx(host.step_us - host.compute_us)
+    assert host.overlapped(0.9).exposed_us == pytest.approx(0.0, abs=1e-9)
+    big = make_fx(lambda a: a @ a)(torch.ones(4096, 4096))
+    large = simulate(big, Estimator(dataclasses.replace(base, host_op_us=20.0)))
+    assert large.step_us == pytest.approx(large.compute_us + 20.0)  # only the first issue shows
+
+
+def test_plan_simulation_waits_for_the_host_where_the_ops_are_small(world):
+    """The planned graph's walk keeps the same host clock: a plan of small ops is priced at its
+    issue, ops x h at least, and reports the device's wait; one of large ops is not moved."""
+    import dataclasses
+
+    from costmodel import load_profile
+
+    world(1)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=16)
+    inputs = (torch.randint(0, 128, (2, 16)),)
+    mesh = autoshard.fake_mesh((1,), ("dp",))
+    base = load_profile("h100-sxm")
+    plain = autoshard.plan(model, inputs, mesh, profile=base, time_limit=10)
+    hosted = autoshard.plan(model, inputs, mesh, profile=dataclasses.replace(base, host_op_us=20.0), time_limit=10)
+    ops = len([n for n in trace(model, inputs).gm.graph.nodes if n.op == "call_function"])
+    assert "host_idle_us" not in plain.summary["simulated"]
+    assert hosted.summary["step_us"] >= ops * 20.0 > 2 * plain.summary["step_us"]
+    assert hosted.summary["simulated"]["host_idle_us"] > 0
+    assert hosted.summary["compute_us"] == plain.summary["compute_us"]
+    assert hosted.summary["simulated"]["exposed_comm_us"] == 0
