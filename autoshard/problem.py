@@ -169,6 +169,33 @@ def node_dtype(node: fx.Node) -> str | None:
     return None
 
 
+#: Ops that normalize along a dim (a reduction, then an elementwise pass), by name.
+_NORMALIZING = ("softmax", "norm")
+
+
+def memory_pattern(node: fx.Node) -> str | None:
+    """The access pattern of a memory-bound op (``Profile.mem_efficiency``): ``normalize``
+    (softmax or a norm, forward or backward), ``reduction`` (an output smaller than an input),
+    ``strided`` (an operand of more than one element not contiguous), ``broadcast`` (an operand
+    of more than one element but fewer than the output); None: a contiguous elementwise op or
+    copy."""
+    out = node.meta.get("val")
+    outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
+    ins = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
+    if not outs or not ins:
+        return None
+    if any(k in str(node.target) for k in _NORMALIZING):
+        return "normalize"
+    numel = max(o.numel() for o in outs)
+    if numel < max(v.numel() for v in ins):
+        return "reduction"
+    if any(v.numel() > 1 and not v.is_contiguous() for v in ins):
+        return "strided"
+    if any(1 < v.numel() < numel for v in ins):
+        return "broadcast"
+    return None
+
+
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` aliases its input (no kernel, no memory): view ops, ``detach`` and
     ``_unsafe_view``."""
@@ -180,6 +207,7 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
     """Compute time and output bytes per device of each strategy of a call_function node."""
     flops = node_flops(n, flop_memo, flop_failures)
     dtype = node_dtype(n) if flops > 0 else None
+    pattern = memory_pattern(n) if flops <= 0 else None
     view = is_view(n)
     ins_vals = [a.meta["val"] for a in ns.tensor_args]
     c = np.zeros(len(strats))
@@ -197,7 +225,7 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
             if sharded_in or (not s.ins and any(o is not None and shard_dim(o.placements[axis]) is not None
                                                 for o in s.outs)):
                 split *= mesh_shape[axis]
-        c[i] = compute_time_us(flops / split, in_b + out_b, profile, dtype)
+        c[i] = compute_time_us(flops / split, in_b + out_b, profile, dtype, pattern)
     return c, usage
 
 

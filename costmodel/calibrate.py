@@ -174,6 +174,8 @@ class SweepResult:
     dispatch on a CPU)."""
     host_op_us: float | None = None
     """GPUs: host time per op of a replayed graph (:func:`measure_host_op_us`)."""
+    mem_efficiency: dict = field(default_factory=dict)
+    """Bandwidth share of each memory access pattern (:func:`measure_mem_patterns`)."""
     overlap: float | None = None
     """Share of a collective that matmuls beside it hid (:func:`measure_overlap`)."""
     other_tflops: dict = field(default_factory=dict)
@@ -199,6 +201,30 @@ def measure_bandwidth(device, nbytes: int) -> float:
     timer.run(lambda: dst.copy_(src), 2)
     best = min(timer.run(lambda: dst.copy_(src), 3) for _ in range(3))
     return 2 * src.numel() * 4 / best / 1e9
+
+
+def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float]:
+    """The bandwidth each access pattern of ``Profile.mem_efficiency`` reaches (bytes read and
+    written per second, as the planner counts them) as a share of a contiguous copy's in
+    ``dtype``, on a ``rows`` x ``cols`` tensor, best of a few runs: ``broadcast`` a multiply by
+    a row of ``cols``, ``reduction`` a sum over the last dim, ``normalize`` a softmax over it,
+    ``strided`` a transpose made contiguous."""
+    x = torch.randn(rows, cols, device=device, dtype=dtype)
+    w = torch.randn(cols, device=device, dtype=dtype)
+    out, out_t = torch.empty_like(x), torch.empty(cols, rows, device=device, dtype=dtype)
+    timer = _Timer(torch.device(device))
+
+    def rate(fn, nbytes: int) -> float:
+        timer.run(fn, 2)
+        return nbytes / min(timer.run(fn, 3) for _ in range(3))
+
+    size = x.numel() * x.element_size()
+    copy = rate(lambda: out.copy_(x), 2 * size)
+    rates = {"broadcast": rate(lambda: torch.mul(x, w, out=out), 2 * size),
+             "reduction": rate(lambda: x.sum(-1), size + size // cols),
+             "normalize": rate(lambda: torch.softmax(x, -1), 2 * size),
+             "strided": rate(lambda: out_t.copy_(x.t()), 2 * size)}
+    return {k: min(2.0, max(1e-3, r / copy)) for k, r in rates.items()}
 
 
 def measure_launch_us(device, iters: int = 200) -> float:
@@ -318,7 +344,12 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             result.mem_bandwidth_gbps = measure_bandwidth(device, (512 if device.type == "cuda" else 32) * 2**20)
             result.launch_us = measure_launch_us(device)
             say(f"copy bandwidth {result.mem_bandwidth_gbps:.1f} GB/s, {result.launch_us:.1f} us per op")
-            if device.type == "cuda":  # a CPU device is its own host: its ops' times hold their issue
+            gpu = device.type == "cuda"
+            result.mem_efficiency = measure_mem_patterns(device, torch.bfloat16 if gpu else torch.float32,
+                                                         8192 if gpu else 2048, 4096 if gpu else 1024)
+            say("bandwidth shares by access pattern: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in result.mem_efficiency.items()))
+            if gpu:  # a CPU device is its own host: its ops' times hold their issue
                 result.host_op_us = measure_host_op_us(device)
                 say(f"host: {result.host_op_us:.1f} us to issue each op of a replayed graph")
             if dist.get_world_size() > 1:
@@ -377,6 +408,8 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
         changes["kernel_launch_us"] = result.launch_us
     if result.host_op_us:
         changes["host_op_us"] = result.host_op_us
+    if result.mem_efficiency:
+        changes["mem_efficiency"] = dict(result.mem_efficiency)
     if result.overlap is not None:
         changes["overlap"] = result.overlap
     if result.matmul_tflops:

@@ -137,6 +137,8 @@ def test_measured_overlap_share_goes_into_the_profile(monkeypatch):
 def test_matmul_rates_of_other_dtypes_go_into_the_profile_as_peaks(monkeypatch):
     from types import SimpleNamespace
 
+    import torch
+
     import costmodel.calibrate as cal
 
     monkeypatch.setattr(cal, "identity", lambda mesh, backend: {"date": "today", "device_name": "gpu"})
@@ -155,6 +157,12 @@ def test_matmul_rates_of_other_dtypes_go_into_the_profile_as_peaks(monkeypatch):
     with pytest.raises(ValueError, match="host_op_us must be a finite time >= 0, found -1"):
         Profile.from_json({**base.to_json(), "host_op_us": -1})
     assert cal.measure_host_op_us("cpu", ops=20) > 0
+    shares = cal.measure_mem_patterns("cpu", torch.float32, 256, 128)
+    assert set(shares) == {"broadcast", "reduction", "normalize", "strided"}
+    assert all(0 < v <= 2 for v in shares.values())
+    patterned = cal.build_profile(cal.SweepResult(mem_efficiency=shares), gpu, base, "nccl", 8)
+    assert patterned.bandwidth_gbps("strided") == pytest.approx(base.mem_bandwidth_gbps * shares["strided"])
+    assert patterned.bandwidth_gbps(None) == base.mem_bandwidth_gbps and "mem_efficiency" not in base.to_json()
     cpu = SimpleNamespace(device_type="cpu", shape=(2,), mesh_dim_names=("dp",))
     prof = cal.build_profile(cal.SweepResult(matmul_tflops=0.2, other_tflops={"bfloat16": 0.05}), cpu,
                              load_profile("cpu-gloo"), "gloo", 2)

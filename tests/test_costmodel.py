@@ -94,6 +94,32 @@ def test_compute_is_priced_at_the_rate_of_its_dtype():
             assert compute_time_us(big, 0, refined, dtype) == pytest.approx(c * compute_time_us(big, 0, prof, dtype))
 
 
+def test_memory_bound_ops_are_priced_at_their_access_patterns_bandwidth():
+    import dataclasses
+
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.passes import Estimator
+    from autoshard.problem import memory_pattern
+
+    def step(x, w, y):
+        return (x + y, x * w, x.sum(-1), torch.softmax(x, -1), x.t().contiguous(), x * 2.0)
+
+    gm = make_fx(step, tracing_mode="fake")(torch.ones(256, 512), torch.ones(512), torch.ones(256, 512))
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and not getattr(n.target, "is_view", False)]
+    assert [memory_pattern(n) for n in ops] == [None, "broadcast", "reduction", "normalize", "strided", None]
+    base = load_profile("h100-sxm")
+    shares = {"broadcast": 0.5, "reduction": 0.8, "normalize": 0.4, "strided": 0.25}
+    slow = dataclasses.replace(base, mem_efficiency=shares, kernel_launch_us=0.0)
+    fast = dataclasses.replace(base, kernel_launch_us=0.0)
+    for n in ops:
+        ratio = Estimator(slow).compute_us(n) / Estimator(fast).compute_us(n)
+        assert ratio == pytest.approx(1 / shares.get(memory_pattern(n), 1.0))
+    with pytest.raises(ValueError, match="mem_efficiency must map access patterns"):
+        dataclasses.replace(base, mem_efficiency={"diagonal": 0.5})
+
+
 def test_planner_prices_a_float32_model_at_the_float32_rate(world):
     import torch
 
