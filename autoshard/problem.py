@@ -176,9 +176,9 @@ _NORMALIZING = ("softmax", "norm")
 def memory_pattern(node: fx.Node) -> str | None:
     """The access pattern of a memory-bound op (``Profile.mem_efficiency``): ``normalize``
     (softmax or a norm, forward or backward), ``reduction`` (an output smaller than an input),
-    ``strided`` (an operand of more than one element not contiguous), ``broadcast`` (an operand
-    of more than one element but fewer than the output); None: a contiguous elementwise op or
-    copy."""
+    ``transposed`` (an operand of more than one element whose last dim is not contiguous),
+    ``strided`` (one not contiguous whose last dim is), ``broadcast`` (an operand of more than
+    one element but fewer than the output); None: a contiguous elementwise op or copy."""
     out = node.meta.get("val")
     outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
     ins = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
@@ -189,6 +189,8 @@ def memory_pattern(node: fx.Node) -> str | None:
     numel = max(o.numel() for o in outs)
     if numel < max(v.numel() for v in ins):
         return "reduction"
+    if any(v.numel() > 1 and v.dim() and v.shape[-1] > 1 and v.stride()[-1] != 1 for v in ins):
+        return "transposed"
     if any(v.numel() > 1 and not v.is_contiguous() for v in ins):
         return "strided"
     if any(1 < v.numel() < numel for v in ins):

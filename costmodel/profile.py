@@ -29,7 +29,7 @@ from costmodel.links import LinkModel
 
 PROFILE_VERSION = 2
 #: Access patterns of memory-bound ops that reach less than a copy's bandwidth (``Profile.mem_efficiency``).
-MEMORY_PATTERNS = ("broadcast", "reduction", "normalize", "strided")
+MEMORY_PATTERNS = ("broadcast", "reduction", "normalize", "strided", "transposed")
 #: ``Profile.overlap`` where a profile does not give it (profiles written before it existed).
 DEFAULT_OVERLAP = 0.9
 
@@ -66,10 +66,11 @@ class Profile:
     (:data:`MEMORY_PATTERNS`, :func:`autoshard.problem.memory_pattern`): ``broadcast`` (an
     operand smaller than the output, re-read: norms' weights, rotary tables, biases),
     ``reduction`` (an output smaller than an input: sums, means), ``normalize`` (softmax and
-    norms: a reduction and an elementwise pass), ``strided`` (an operand not contiguous: a
-    transpose made contiguous). A pattern not named, a contiguous elementwise op and a copy
-    reach the whole bandwidth. Measured by ``autoshard calibrate``; on an H100 in bf16 about
-    0.55 (broadcast), 0.45 (softmax), 0.28 (strided)."""
+    norms: a reduction and an elementwise pass), ``strided`` (an operand not contiguous whose
+    last dim is: attention heads permuted), ``transposed`` (an operand whose last dim is not
+    contiguous: a transpose made contiguous). A pattern not named, a contiguous elementwise op
+    and a copy reach the whole bandwidth. Measured by ``autoshard calibrate``; on an H100 in
+    bf16 about 0.54 (broadcast), 0.45 (softmax), 0.19 (transposed)."""
     kernel_launch_us: float = 5.0
     """Floor on the time of any kernel, microseconds."""
     host_op_us: float = 0.0

@@ -158,7 +158,7 @@ def test_matmul_rates_of_other_dtypes_go_into_the_profile_as_peaks(monkeypatch):
         Profile.from_json({**base.to_json(), "host_op_us": -1})
     assert cal.measure_host_op_us("cpu", ops=20) > 0
     shares = cal.measure_mem_patterns("cpu", torch.float32, 256, 128)
-    assert set(shares) == {"broadcast", "reduction", "normalize", "strided"}
+    assert set(shares) == {"broadcast", "reduction", "normalize", "strided", "transposed"}
     assert all(0 < v <= 2 for v in shares.values())
     patterned = cal.build_profile(cal.SweepResult(mem_efficiency=shares), gpu, base, "nccl", 8)
     assert patterned.bandwidth_gbps("strided") == pytest.approx(base.mem_bandwidth_gbps * shares["strided"])
