@@ -237,23 +237,40 @@ def measure_launch_us(device, iters: int = 200) -> float:
     return min(timer.run(lambda: x.add_(1), iters) for _ in range(3)) * 1e6
 
 
-def measure_host_op_us(device, ops: int = 200) -> float:
-    """Microseconds per node of a traced graph of tiny ops (a multiply and a view, repeated)
-    replayed as a lowered program is, best of a few runs: on a GPU, which finishes each op
-    sooner than the next is issued, the host's issue time per op (``Profile.host_op_us``)."""
+def _tiny_training_step(params, x):
+    """Forward and backward of a few decoder blocks (norm, attention, gated MLP) at toy width:
+    the mix of ops, views and getitems a lowered training program replays."""
+    wq, wo, w1, w3, w2, g = params
+    b, s, d = x.shape
+    h = x
+    for _ in range(2):
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+        q = (n @ wq).view(b, s, 2, d // 2).transpose(1, 2)
+        a = torch.softmax(q @ q.transpose(-2, -1) / 2.0, -1) @ q
+        h = h + a.transpose(1, 2).reshape(b, s, d) @ wo
+        h = h + (torch.nn.functional.silu(n @ w1) * (n @ w3)) @ w2
+    return torch.autograd.grad(h.float().mean(), params)
+
+
+def measure_host_op_us(device) -> float:
+    """Microseconds per node of a traced training step at toy width (:func:`_tiny_training_step`:
+    forward and backward as one graph of aten ops) replayed as a lowered program is, median of
+    five runs of about 50 ms (a shared host's speed wanders: the median is what a step sees): on
+    a GPU, which finishes each toy op sooner than the next is issued, the host's issue time per
+    op (``Profile.host_op_us``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def chain(x):
-        for _ in range(ops // 2):
-            x = (x * 1.0001).view(-1)
-        return x
-
-    x = torch.ones(8, device=device)
-    gm = make_fx(chain)(x)
+    d = 16
+    params = [torch.randn(*shape, device=device, requires_grad=True)
+              for shape in ((d, d), (d, d), (d, 2 * d), (d, 2 * d), (2 * d, d), (d,))]
+    x = torch.randn(2, 8, d, device=device)
+    gm = make_fx(_tiny_training_step)(params, x)
     nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     timer = _Timer(torch.device(device))
-    timer.run(lambda: gm(x), 2)
-    return min(timer.run(lambda: gm(x), 5) for _ in range(3)) * 1e6 / nodes
+    one = timer.run(lambda: gm(params, x), 3)
+    iters = max(3, min(1000, int(0.05 / max(one, 1e-6))))
+    runs = sorted(timer.run(lambda: gm(params, x), iters) for _ in range(5))
+    return runs[2] * 1e6 / nodes
 
 
 def _slowest(timer: _Timer, fn, iters: int) -> float:

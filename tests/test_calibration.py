@@ -156,7 +156,7 @@ def test_matmul_rates_of_other_dtypes_go_into_the_profile_as_peaks(monkeypatch):
     assert "host_op_us" not in base.to_json()  # absent when 0: shipped profiles keep their digest
     with pytest.raises(ValueError, match="host_op_us must be a finite time >= 0, found -1"):
         Profile.from_json({**base.to_json(), "host_op_us": -1})
-    assert cal.measure_host_op_us("cpu", ops=20) > 0
+    assert cal.measure_host_op_us("cpu") > 0
     shares = cal.measure_mem_patterns("cpu", torch.float32, 256, 128)
     assert set(shares) == {"broadcast", "reduction", "normalize", "strided", "transposed"}
     assert all(0 < v <= 2 for v in shares.values())
