@@ -380,7 +380,8 @@ def build_problem(
                 c = np.array([local_bytes(s.outs[0], val, mesh_shape) / (profile.mem_bandwidth_gbps * 1e3)
                               for s in strats])
         else:
-            memo_key = (id(strats), n.target)
+            # Strategies are shared by shapes and dtypes; an operand's strides set the access pattern.
+            memo_key = (id(strats), n.target, memory_pattern(n))
             if memo_key in node_memo:
                 c, usage = node_memo[memo_key]
             else:

@@ -122,6 +122,37 @@ def test_memory_bound_ops_are_priced_at_their_access_patterns_bandwidth():
         dataclasses.replace(base, mem_efficiency={"diagonal": 0.5})
 
 
+def test_planned_ops_of_equal_shapes_keep_their_own_access_patterns(world):
+    """Strategies are shared by ops of equal shapes and dtypes; their costs are not where one
+    operand is a transpose: each node is priced at its own pattern."""
+    import dataclasses
+
+    import torch
+
+    import autoshard
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(256, 256))
+
+        def forward(self, x):
+            return (x * self.w).sum() + (x.t() * self.w).sum()
+
+    world(1)
+    prof = dataclasses.replace(load_profile("h100-sxm"), mem_efficiency={"transposed": 0.1}, kernel_launch_us=0.0)
+    planner = autoshard.Planner(Two(), (torch.ones(256, 256),), autoshard.fake_mesh((1,), ("dp",)), profile=prof,
+                                time_limit=10)
+    planner.solve()
+    gp = planner.built
+    muls = [v for v, n in enumerate(gp.nodes) if n.target == torch.ops.aten.mul.Tensor
+            and not any(a.target == torch.ops.aten.t.default for a in n.all_input_nodes if a.op == "call_function")]
+    muls_t = [v for v, n in enumerate(gp.nodes) if n.target == torch.ops.aten.mul.Tensor and v not in muls]
+    assert muls and muls_t
+    plain, transposed = gp.compute_us[muls[0]][0], gp.compute_us[muls_t[0]][0]
+    assert transposed == pytest.approx(10 * plain)
+
+
 def test_planner_prices_a_float32_model_at_the_float32_rate(world):
     import torch
 
