@@ -87,8 +87,8 @@ def refine(profile: Profile, samples, provenance: dict | None = None) -> tuple[P
 def refine_compute(profile: Profile, predicted_us: float, measured_us: float) -> tuple[Profile, float]:
     """``profile`` with every compute time it predicts scaled by ``c = measured_us /
     predicted_us`` (module doc): the compute efficiency divided by ``c`` (the peak raised where
-    that would pass 1), the memory bandwidth divided by ``c`` and the launch floor multiplied
-    by it. Returns the refined profile and ``c`` (the caller records it: :func:`refine`'s
+    that would pass 1), the memory bandwidth divided by ``c``, the launch floor and the host's
+    issue time multiplied by it. Returns the refined profile and ``c`` (the caller records it: :func:`refine`'s
     provenance)."""
     if not (predicted_us > 0 and measured_us > 0):
         raise CostModelError(f"refine_compute: needs predicted and measured compute > 0, found "
@@ -99,4 +99,5 @@ def refine_compute(profile: Profile, predicted_us: float, measured_us: float) ->
         by_dtype = {d: r * efficiency for d, r in by_dtype.items()}
         peak, efficiency = peak * efficiency, 1.0
     return replace(profile, compute_efficiency=efficiency, peak_tflops=peak, dtype_tflops=by_dtype,
-                   mem_bandwidth_gbps=profile.mem_bandwidth_gbps / c, kernel_launch_us=profile.kernel_launch_us * c), c
+                   mem_bandwidth_gbps=profile.mem_bandwidth_gbps / c, kernel_launch_us=profile.kernel_launch_us * c,
+                   host_op_us=profile.host_op_us * c), c

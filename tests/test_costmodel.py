@@ -77,6 +77,8 @@ def test_compute_roofline():
 
 
 def test_compute_is_priced_at_the_rate_of_its_dtype():
+    import dataclasses
+
     from costmodel.refine import refine_compute
 
     prof = load_profile("h100-sxm")
@@ -88,10 +90,12 @@ def test_compute_is_priced_at_the_rate_of_its_dtype():
     # Memory-bound work is priced by bytes whatever its dtype.
     assert compute_time_us(1, 1e9, prof, "float32") == compute_time_us(1, 1e9, prof, "bfloat16")
     # Refining compute scales every dtype's times by the same factor, also where the peak rises.
+    hosted = dataclasses.replace(prof, host_op_us=8.0)
     for c in (2.0, 0.25):
-        refined, _ = refine_compute(prof, 1.0, c)
+        refined, _ = refine_compute(hosted, 1.0, c)
         for dtype in ("bfloat16", "float32"):
             assert compute_time_us(big, 0, refined, dtype) == pytest.approx(c * compute_time_us(big, 0, prof, dtype))
+        assert refined.host_op_us == pytest.approx(c * 8.0)  # the host's issue is in measured compute too
 
 
 def test_memory_bound_ops_are_priced_at_their_access_patterns_bandwidth():
