@@ -445,7 +445,9 @@ def _plan_on_server(args) -> int:
     pins = dict(p.split("=", 1) for p in args.pin)
     plan = PlanClient(args.server, token=token).plan(
         {"reference": family, "preset": preset}, batch=args.batch, seq=args.seq, mesh=dict(zip(names, shape)),
-        profile=args.profile, memory_budget=args.memory_budget or "auto", pins=pins, time_limit=args.time_limit)
+        profile=args.profile, memory_budget=args.memory_budget or "auto", pins=pins, time_limit=args.time_limit,
+        # Reference shapes, as the demo plans them: bf16 compute unless --compute-dtype says otherwise.
+        compute_dtype="bfloat16" if args.compute_dtype is None else _compute_dtype(args))
     print(plan.describe())
     if args.output:
         plan.save(args.output)
@@ -525,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("factory", nargs="?", default=None)
     _common(p, None)
     p.add_argument("--server", default=None, help="ask this plan service (autoshard serve) instead of planning here")
-    p.add_argument("--model", default=None, help="with --server: llama-PRESET or gpt2-PRESET")
+    p.add_argument("--model", default=None, help="with --server: llama-PRESET or gpt2-PRESET (priced as bf16 "
+                                                 "compute, as the demo, unless --compute-dtype says otherwise)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--token-file", default=None, help="with --server: file holding the bearer token")

@@ -137,11 +137,12 @@ class PlanClient:
     # -- like the local planner ---------------------------------------------------
     def plan(self, model: dict, batch: int, seq: int, mesh: dict, profile: str = "h100-sxm",
              memory_budget="auto", pins: dict | None = None, time_limit: float = 60.0,
-             timeout: float = 600.0) -> Plan:
+             timeout: float = 600.0, compute_dtype: str | None = "bfloat16") -> Plan:
         """A ``Plan`` for a model described as data (see :mod:`autoshard.serve.requests`);
-        ``mesh`` maps axis names to sizes, in order."""
+        ``mesh`` maps axis names to sizes, in order; ``compute_dtype``: the dtype every op is
+        priced in (None: as traced, float32)."""
         request = {"model": model, "batch": batch, "seq": seq,
                    "mesh": {"shape": list(mesh.values()), "axis_names": list(mesh)},
                    "profile": profile, "memory_budget": memory_budget, "pins": pins or {},
-                   "time_limit": time_limit}
+                   "time_limit": time_limit, "compute_dtype": compute_dtype}
         return Plan.from_json(self.wait(self.submit(request), timeout))

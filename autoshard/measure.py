@@ -78,7 +78,8 @@ class Measurement:
     """As the plan states them: ``step_us`` (its simulated step, overlap included; the additive
     one in plan files older than the simulation), ``compute_us``, ``comm_us`` (every collective),
     ``exposed_us`` (the communication its step does not hide), ``additive_us`` (nothing
-    overlapped), and ``plan_simulated_us`` (its simulation, None in older plan files)."""
+    overlapped), ``host_idle_us`` (the device's predicted waits for the host: 0 without a host
+    stream) and ``plan_simulated_us`` (its simulation, None in older plan files)."""
     measured: dict
     """``step_us`` (median of the timed steps, slowest rank), ``comm_exposed_us``,
     ``compute_us`` (= step - exposed), ``steps``, ``step_us_all`` (every timed step)."""
@@ -86,7 +87,8 @@ class Measurement:
     """One row per (kind, group): ``predicted`` and ``measured`` :class:`CollectiveStats` as dicts."""
     simulated: dict = field(default_factory=dict)
     """The lowered programs that ran, simulated on a compute and a communication stream
-    (:mod:`autoshard.simulate`): ``step_us``, ``compute_us``, ``comm_us``, ``exposed_us``."""
+    (:mod:`autoshard.simulate`): ``step_us``, ``compute_us``, ``comm_us``, ``exposed_us``,
+    ``host_idle_us``."""
     step_samples: list = field(default_factory=list)
     """In-step collective times ``[kind, group, group_size, bytes, us]``: per message, the
     shortest issue-to-wait time of the attribution steps, median over ranks (``group``: mesh
@@ -107,12 +109,15 @@ class Measurement:
 
     def table(self) -> str:
         p, m = self.predicted, self.measured
+        # Measured compute holds the device's waits for the host: so does the prediction set beside it.
+        idle = p.get("host_idle_us", 0.0)
         lines = [f"autoshard measure: {self.plan_name} on {self.mesh} ({self.backend}), "
                  f"{m['steps']} timed steps",
                  f"{'':24s} {'predicted':>12s} {'measured':>12s} {'pred/meas':>10s}",
                  f"{'step (ms)':24s} {p['step_us'] / 1e3:12.3f} {m['step_us'] / 1e3:12.3f} {self.ratio:10.3f}",
-                 f"{'compute (ms)':24s} {p['compute_us'] / 1e3:12.3f} {m['compute_us'] / 1e3:12.3f} "
-                 f"{_ratio(p['compute_us'], m['compute_us'])}",
+                 f"{'compute (ms)':24s} {(p['compute_us'] + idle) / 1e3:12.3f} {m['compute_us'] / 1e3:12.3f} "
+                 f"{_ratio(p['compute_us'] + idle, m['compute_us'])}"
+                 + (f"   (of which waiting for the host {idle / 1e3:.3f})" if idle else ""),
                  f"{'exposed comm. (ms)':24s} {p['exposed_us'] / 1e3:12.3f} {m['comm_exposed_us'] / 1e3:12.3f} "
                  f"{_ratio(p['exposed_us'], m['comm_exposed_us'])}   (predicted: of {p['comm_us'] / 1e3:.3f} "
                  "in all)",
@@ -337,6 +342,7 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
                    "exposed_us": max(0.0, s["step_us"] - s["compute_us"]
                                      - s.get("simulated", {}).get("host_idle_us", 0.0)),
                    "additive_us": s.get("additive_us", s["compute_us"] + s["comm_us"]),
+                   "host_idle_us": s.get("simulated", {}).get("host_idle_us", 0.0),
                    "plan_simulated_us": s.get("simulated", {}).get("step_us")},
         measured={"step_us": step_us, "comm_exposed_us": exposed, "compute_us": step_us - exposed,
                   "steps": len(steps), "step_us_all": [round(t * 1e6, 1) for t in steps]},

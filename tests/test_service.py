@@ -90,6 +90,7 @@ def test_bad_requests_get_clear_4xx(server):
         (tiny_request() | {"time_limit": 10_000}, 422, "exceeds this service's limit"),
         (tiny_request() | {"mesh": {"shape": [2, 2], "axis_names": ["dp"]}}, 422, "one distinct name per axis"),
         (tiny_request() | {"batch": -1}, 422, "batch"),
+        (tiny_request() | {"compute_dtype": "int8"}, 422, "compute_dtype: expected a floating-point torch dtype"),
     ]
     for body, status, words in cases:
         with pytest.raises(ServiceError) as err:

@@ -76,6 +76,17 @@ class PlanRequest(BaseModel):
     memory_budget: int | Literal["auto"] | None = "auto"
     pins: dict[str, str] = Field(default_factory=dict)
     time_limit: float = Field(default=60.0, gt=0)
+    compute_dtype: str | None = "bfloat16"
+    """The dtype every op is priced in (``PlanOptions.compute_dtype``): the shapes planned here
+    are float32 master weights, trained by default with bf16 compute; None: as traced."""
+
+    @field_validator("compute_dtype")
+    @classmethod
+    def _compute_dtype(cls, v):
+        from autoshard.options import PlanOptions
+
+        PlanOptions(compute_dtype=v)  # raises with the expected names
+        return v
 
     @field_validator("pins")
     @classmethod

@@ -102,7 +102,8 @@ def _plan(store: Store, job: dict):
         logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
     try:
         plan = autoshard.plan(model, inputs, mesh, profile=_profile(store, req.profile),
-                              memory_budget=req.memory_budget, time_limit=req.time_limit, pins=req.pins or None)
+                              memory_budget=req.memory_budget, time_limit=req.time_limit, pins=req.pins or None,
+                              compute_dtype=req.compute_dtype)
     finally:
         for logger in loggers:
             logger.removeHandler(phases)
