@@ -1,7 +1,7 @@
 """Predicted step against measured step, on 4 gloo processes, with a profile calibrated in the
 same run.
 
-    python benchmarks/fidelity.py [--nproc 4] [--steps 10] [--models llama,gpt2]
+    python benchmarks/fidelity.py [--nproc 4] [--steps 10] [--models llama,gpt2] [--refine]
 
 1. ``autoshard calibrate --backend gloo`` on a (2, 2) mesh of local processes (collective fits,
    the matmul rate that prices compute, the overlap share), written to a temporary profile.
@@ -18,6 +18,11 @@ simulation on the planned graph, priced with the calibrated overlap share:
 same share), the measured step, and communication three ways. Last line, for each of the three
 predictions: the median |predicted / measured - 1| over every plan, and how many of the plan
 pairs (same model) whose measured steps differ by more than 15% it orders rightly.
+
+``--refine`` then closes the loop once: the first model's own plan is measured with
+``autoshard measure --refine`` (its in-step collectives and compute refit the calibrated
+profile), every model is planned again under the refined profile and every plan measured
+again; the calibrated round's line is printed first, the refined round's last.
 """
 
 from __future__ import annotations
@@ -96,38 +101,39 @@ def plan_all(name: str, profile: Path, folder: Path, nproc: int) -> dict[str, Pa
     return files
 
 
-def measure(name: str, plan_file: Path, nproc: int, steps: int, out: Path) -> dict:
+def measure(name: str, plan_file: Path, nproc: int, steps: int, out: Path, refine: tuple[Path, Path] | None = None
+            ) -> dict:
+    """``autoshard measure`` of one plan; ``refine``: (profile, refined profile to write)."""
     cmd = [sys.executable, "-m", "autoshard", "-q", "measure", f"fidelity:{name}", "--plan", str(plan_file),
            "--backend", "gloo", "--nproc", str(nproc), "--steps", str(steps), "--json", str(out)]
+    if refine:
+        cmd += ["--refine", str(refine[0]), "-o", str(refine[1])]
     res = subprocess.run(cmd, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0 and "terminated with signal" in res.stderr:
-        # A rare native abort inside gloo on this shared machine (seen: SIGABRT in a worker, no
-        # Python error): one rerun, said out loud.
+    for _ in range(2):
+        if res.returncode == 0 or "terminated with signal" not in res.stderr:
+            break
+        # A native abort inside gloo on this shared machine (seen: SIGABRT in a worker, "malloc():
+        # unaligned tcache chunk detected", no Python error), twice in a row once: rerun, said out loud.
         print(f"  {plan_file.name}: a worker died by a signal, measuring again", flush=True)
         res = subprocess.run(cmd, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         raise RuntimeError(f"measure {plan_file.name} failed:\n{res.stderr[-3000:]}")
+    if refine:
+        print("  " + "\n  ".join(line for line in res.stdout.splitlines() if "refine" in line or "compute" in line),
+              flush=True)
     return json.loads(out.read_text())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--models", default="llama,gpt2")
-    args = ap.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="autoshard-fidelity-"))
-    profile = folder / "profile.json"
-    print(f"calibrating gloo on (2, {args.nproc // 2}) ...", flush=True)
-    print(f"  calibrated in {calibrate(args.nproc, profile):.0f}s: {profile}", flush=True)
-    from costmodel import load_profile
-
-    print(f"  overlap share measured: {load_profile(profile).overlap:.2f}", flush=True)
+def run_round(models: list[str], profile: Path, folder: Path, args, refined: Path | None = None) -> str:
+    """Plan every model under ``profile``, measure each plan, print a row per plan; the last
+    line's summary is returned. ``refined``: the first model's own plan is measured with
+    ``--refine profile -o refined`` (its in-step collectives and compute refit the profile)."""
     rows = []
-    for name in args.models.split(","):
+    for name in models:
         files = plan_all(name, profile, folder, args.nproc)
         for plan_name, plan_file in files.items():
-            m = measure(name, plan_file, args.nproc, args.steps, folder / f"{name}-{plan_name}.measured.json")
+            refine = (profile, refined) if refined and plan_name == "autoshard" and name == models[0] else None
+            m = measure(name, plan_file, args.nproc, args.steps, folder / f"{name}-{plan_name}.measured.json", refine)
             p, q, sim = m["predicted"], m["measured"], m["simulated"]
             rows.append({"model": name, "plan": plan_name, "additive": p["additive_us"] / 1e3,
                          "predicted": p["step_us"] / 1e3, "simulated": sim["step_us"] / 1e3,
@@ -150,7 +156,36 @@ def main() -> None:
             right += (a[model_of] < b[model_of]) == (a["measured"] < b["measured"])
         summary.append(f"{model_of}: median |predicted/measured - 1| {statistics.median(errors):.3f}, order right "
                        f"on {right}/{pairs} pairs > 15% apart")
-    print("; ".join(summary))
+    return "; ".join(summary)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--models", default="llama,gpt2")
+    ap.add_argument("--refine", action="store_true",
+                    help="then one closed loop: refine the profile from our first plan's measured steps, plan "
+                         "again under it, measure again")
+    args = ap.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="autoshard-fidelity-"))
+    profile = folder / "profile.json"
+    print(f"calibrating gloo on (2, {args.nproc // 2}) ...", flush=True)
+    print(f"  calibrated in {calibrate(args.nproc, profile):.0f}s: {profile}", flush=True)
+    from costmodel import load_profile
+
+    print(f"  overlap share measured: {load_profile(profile).overlap:.2f}", flush=True)
+    models = args.models.split(",")
+    refined = folder / "refined.json" if args.refine else None
+    first = run_round(models, profile, folder, args, refined)
+    if not refined:
+        print(first)
+        return
+    print(f"calibrated profile: {first}", flush=True)
+    print(f"re-planning and measuring under the refined profile {refined} ...", flush=True)
+    again = folder / "again"
+    again.mkdir()
+    print(f"after one refine loop: {run_round(models, refined, again, args)}")
 
 
 if __name__ == "__main__":
