@@ -184,17 +184,25 @@ def group_axes(ranks, mesh_ranks, axis_names, rank: int) -> str:
 
 class CollectiveLog(TorchDispatchMode):
     """Times each functional collective from its issue to the end of the last wait on its
-    outputs; ``group_of(group_name) -> (axes text, group size)``."""
+    outputs; ``group_of(group_name) -> (axes text, group size)``. A collective with an op other
+    than a view dispatched between its issue and its wait ran beside compute: its span holds
+    that compute, so it is marked ``overlapped`` and :meth:`spans` leaves it out."""
 
     def __init__(self, group_of):
         super().__init__()
         self.group_of = group_of
         self.records: list[dict] = []
         self._by_output: dict[int, dict] = {}
+        self._clean: list[dict] = []
+        """Issued, not yet waited for, and nothing run beside them so far."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "namespace", "") != "_c10d_functional":
+            if self._clean and not getattr(func, "is_view", False):
+                for rec in self._clean:
+                    rec["overlapped"] = True
+                self._clean.clear()
             return func(*args, **kwargs)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
@@ -204,6 +212,8 @@ class CollectiveLog(TorchDispatchMode):
             if rec is not None:
                 rec["exposed_s"] += dt
                 rec["span_s"] = time.perf_counter() - rec["issued"]
+                if rec in self._clean:
+                    self._clean.remove(rec)
             return out
         kind = KIND.get(func)
         if kind is None:
@@ -214,8 +224,9 @@ class CollectiveLog(TorchDispatchMode):
         inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
         rec = {"kind": kind, "group": axes, "size": size, "bytes": full_buffer_bytes(kind, nbytes, size),
-               "exposed_s": dt, "issued": t0, "span_s": dt}
+               "exposed_s": dt, "issued": t0, "span_s": dt, "overlapped": False}
         self.records.append(rec)
+        self._clean.append(rec)
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
                 self._by_output[id(t)] = rec
@@ -223,10 +234,14 @@ class CollectiveLog(TorchDispatchMode):
 
     def spans(self) -> dict[str, float]:
         """The shortest issue-to-wait time seen per (kind, group, group size, bytes), in us, keyed
-        ``kind|group|size|bytes``: a collective's in-step time. Overlap only lengthens a span (the
-        compute between issue and wait counts), so the shortest of the repeats is the estimate."""
+        ``kind|group|size|bytes``, of the collectives waited for with nothing run beside them:
+        a collective's in-step time. An overlapped one's span also holds the compute between its
+        issue and its wait (a prefetched gather's: whole layers), so it measures the program,
+        not the collective; the profile's overlap share prices that part."""
         out: dict[str, float] = {}
         for rec in self.records:
+            if rec["overlapped"]:
+                continue
             key = f"{rec['kind']}|{rec['group']}|{rec['size']}|{rec['bytes']}"
             out[key] = min(out.get(key, float("inf")), rec["span_s"] * 1e6)
         return out

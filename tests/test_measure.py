@@ -150,3 +150,29 @@ def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, worl
     assert bad.returncode == 2 and "needs -o/--output" in bad.stderr, bad.stderr[-2000:]
     bad = run("measure", "fac:make", "--plan", str(plan_file), "--backend", "gloo", "--nproc", "2")
     assert bad.returncode == 2 and "has 4 ranks but --nproc is 2" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_collectives_run_beside_compute_are_left_out_of_in_step_times(world):
+    """A span is a collective's time only when nothing ran between its issue and its wait (a
+    view does not count): an overlapped one's span holds the compute too, so the refit that
+    reads :meth:`CollectiveLog.spans` leaves it out."""
+    import torch
+    import torch.distributed as dist
+
+    from autoshard.measure import CollectiveLog
+
+    world(2)
+    group = dist.group.WORLD.group_name
+    ops = torch.ops._c10d_functional
+    log = CollectiveLog(lambda name: ("dp", 2))
+    x = torch.ones(4)
+    with log:
+        y = torch.ones(8)
+        first = ops.all_gather_into_tensor(x, 2, group)
+        x.view(2, 2)  # a view between: no kernel
+        ops.wait_tensor(first)
+        early = ops.all_gather_into_tensor(y, 2, group)
+        (x @ x).item()  # compute beside it
+        ops.wait_tensor(early)
+    assert [r["overlapped"] for r in log.records] == [False, True]
+    assert list(log.spans()) == ["all_gather|dp|2|32"]
