@@ -349,15 +349,15 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
         table.append({"kind": key[0], "group": key[1], "predicted": asdict(predicted.get(key, CollectiveStats())),
                       "measured": asdict(rows.get(key, CollectiveStats()))})
     s = plan.summary
+    idle = s.get("simulated", {}).get("host_idle_us", 0.0)
     return Measurement(
         plan_name=f"plan for {plan.model.get('class', 'a model')}",
         mesh=dict(zip(plan.axis_names, plan.mesh_shape)), backend=backend,
         predicted={"step_us": s["step_us"], "compute_us": s["compute_us"], "comm_us": s["comm_us"],
                    # Of the step past compute, what the device waited for the host is not communication.
-                   "exposed_us": max(0.0, s["step_us"] - s["compute_us"]
-                                     - s.get("simulated", {}).get("host_idle_us", 0.0)),
+                   "exposed_us": max(0.0, s["step_us"] - s["compute_us"] - idle),
                    "additive_us": s.get("additive_us", s["compute_us"] + s["comm_us"]),
-                   "host_idle_us": s.get("simulated", {}).get("host_idle_us", 0.0),
+                   "host_idle_us": idle,
                    "plan_simulated_us": s.get("simulated", {}).get("step_us")},
         measured={"step_us": step_us, "comm_exposed_us": exposed, "compute_us": step_us - exposed,
                   "steps": len(steps), "step_us_all": [round(t * 1e6, 1) for t in steps]},

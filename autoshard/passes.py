@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
-from autoshard.problem import is_view, memory_pattern, node_dtype, node_flops
+from autoshard.problem import is_view, node_flops, op_pricing
 from costmodel import compute_time_us
 from costmodel.profile import Profile
 
@@ -74,8 +74,7 @@ class Estimator:
         out = _val(node)
         nbytes += sum(_bytes(o) for o in (out if isinstance(out, (list, tuple)) else [out]))
         flops = node_flops(node, self._flops)
-        return compute_time_us(flops, nbytes, self.profile, node_dtype(node) if flops > 0 else None,
-                               memory_pattern(node) if flops <= 0 else None)
+        return compute_time_us(flops, nbytes, self.profile, *op_pricing(node, flops))
 
     def collective_us(self, node: fx.Node, override_bytes: int | None = None) -> float:
         kind = KIND[node.target]

@@ -198,6 +198,18 @@ def memory_pattern(node: fx.Node) -> str | None:
     return None
 
 
+_UNKNOWN = object()
+
+
+def op_pricing(node: fx.Node, flops: float, pattern=_UNKNOWN) -> tuple[str | None, str | None]:
+    """``(dtype, pattern)`` to price ``node`` by (``costmodel.compute_time_us``): an op with
+    FLOPs at its dtype's rate, one without at its access pattern's bandwidth (``pattern``: its
+    :func:`memory_pattern` where the caller has it)."""
+    if flops > 0:
+        return node_dtype(node), None
+    return None, memory_pattern(node) if pattern is _UNKNOWN else pattern
+
+
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` aliases its input (no kernel, no memory): view ops, ``detach`` and
     ``_unsafe_view``."""
@@ -205,11 +217,11 @@ def is_view(node: fx.Node) -> bool:
         or node.target in (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
 
 
-def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_failures):
-    """Compute time and output bytes per device of each strategy of a call_function node."""
+def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_failures, pattern):
+    """Compute time and output bytes per device of each strategy of a call_function node
+    (``pattern``: its :func:`memory_pattern`)."""
     flops = node_flops(n, flop_memo, flop_failures)
-    dtype = node_dtype(n) if flops > 0 else None
-    pattern = memory_pattern(n) if flops <= 0 else None
+    dtype, pattern = op_pricing(n, flops, pattern)
     view = is_view(n)
     ins_vals = [a.meta["val"] for a in ns.tensor_args]
     c = np.zeros(len(strats))
@@ -381,13 +393,14 @@ def build_problem(
                               for s in strats])
         else:
             # Strategies are shared by shapes and dtypes; an operand's strides set the access pattern.
-            memo_key = (id(strats), n.target, memory_pattern(n))
+            pattern = memory_pattern(n)
+            memo_key = (id(strats), n.target, pattern)
             if memo_key in node_memo:
                 c, usage = node_memo[memo_key]
             else:
                 c, usage = node_memo.setdefault(memo_key, _node_costs(n, strats, per_node[v], outs_vals,
                                                                        mesh_shape, profile, flop_memo,
-                                                                       flop_failures))
+                                                                       flop_failures, pattern))
             if v in scales:
                 c = c * scales[v]
         compute.append(c.copy())

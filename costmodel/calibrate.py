@@ -119,6 +119,11 @@ class _Timer:
             fn()
         return (time.perf_counter() - t0) / iters
 
+    def best(self, fn) -> float:
+        """Seconds per call, the best of three runs of three after two warm-up calls."""
+        self.run(fn, 2)
+        return min(self.run(fn, 3) for _ in range(3))
+
 
 def _op(kind: str, elems: int, n: int, dtype, device, group):
     if kind == "all_reduce":
@@ -187,20 +192,14 @@ def measure_matmul(device, n: int, dtype) -> float:
     """Achieved TFLOP/s of an n x n matmul (best of a few runs)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    timer = _Timer(torch.device(device))
-    timer.run(lambda: a @ b, 2)
-    best = min(timer.run(lambda: a @ b, 3) for _ in range(3))
-    return 2 * n**3 / best / 1e12
+    return 2 * n**3 / _Timer(torch.device(device)).best(lambda: a @ b) / 1e12
 
 
 def measure_bandwidth(device, nbytes: int) -> float:
     """Achieved GB/s of an ``nbytes`` copy (its bytes read and written), best of a few runs."""
     src = torch.ones(max(1, nbytes // 4), device=device)
     dst = torch.empty_like(src)
-    timer = _Timer(torch.device(device))
-    timer.run(lambda: dst.copy_(src), 2)
-    best = min(timer.run(lambda: dst.copy_(src), 3) for _ in range(3))
-    return 2 * src.numel() * 4 / best / 1e9
+    return 2 * src.numel() * 4 / _Timer(torch.device(device)).best(lambda: dst.copy_(src)) / 1e9
 
 
 def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float]:
@@ -216,8 +215,7 @@ def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float
     timer = _Timer(torch.device(device))
 
     def rate(fn, nbytes: int) -> float:
-        timer.run(fn, 2)
-        return nbytes / min(timer.run(fn, 3) for _ in range(3))
+        return nbytes / timer.best(fn)
 
     size = x.numel() * x.element_size()
     copy = rate(lambda: out.copy_(x), 2 * size)
@@ -352,10 +350,10 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
     t_start = time.perf_counter()
     try:
         if cfg.matmul_size:
-            result.matmul_tflops = measure_matmul(device, cfg.matmul_size,
-                                                  torch.bfloat16 if device.type == "cuda" else torch.float32)
+            gpu = device.type == "cuda"
+            planning, other = (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.bfloat16)
+            result.matmul_tflops = measure_matmul(device, cfg.matmul_size, planning)
             say(f"matmul {cfg.matmul_size}^3: {result.matmul_tflops:.3f} TFLOP/s")
-            other = torch.float32 if device.type == "cuda" else torch.bfloat16
             name = str(other).removeprefix("torch.")
             result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other)
             say(f"matmul {cfg.matmul_size}^3 in {name}: {result.other_tflops[name]:.3f} TFLOP/s")
@@ -363,17 +361,15 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             result.mem_bandwidth_gbps = measure_bandwidth(device, (512 if device.type == "cuda" else 32) * 2**20)
             result.launch_us = measure_launch_us(device)
             say(f"copy bandwidth {result.mem_bandwidth_gbps:.1f} GB/s, {result.launch_us:.1f} us per op")
-            gpu = device.type == "cuda"
-            result.mem_efficiency = measure_mem_patterns(device, torch.bfloat16 if gpu else torch.float32,
-                                                         8192 if gpu else 2048, 4096 if gpu else 1024)
+            result.mem_efficiency = measure_mem_patterns(device, planning, 8192 if gpu else 2048,
+                                                         4096 if gpu else 1024)
             say("bandwidth shares by access pattern: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in result.mem_efficiency.items()))
             if gpu:  # a CPU device is its own host: its ops' times hold their issue
                 result.host_op_us = measure_host_op_us(device)
                 say(f"host: {result.host_op_us:.1f} us to issue each op of a replayed graph")
             if dist.get_world_size() > 1:
-                result.overlap = measure_overlap(device, cfg.max_bytes, cfg.matmul_size,
-                                                 torch.bfloat16 if device.type == "cuda" else torch.float32)
+                result.overlap = measure_overlap(device, cfg.max_bytes, cfg.matmul_size, planning)
                 say(f"overlap: matmuls beside an all-reduce of {cfg.max_bytes / 2**20:.1f} MiB hid "
                     f"{result.overlap:.0%} of what perfect overlap would")
             else:

@@ -77,7 +77,7 @@ class Profile:
     """Host time to issue one op of the step's program (Python, dispatcher, launch; views too),
     microseconds. A GPU runs an op no sooner than the host has issued it and every op before
     it, so a program of small ops lasts as long as their issue (:mod:`autoshard.simulate`'s host
-    stream). Measured by ``autoshard calibrate`` on GPUs (a traced graph of tiny ops replayed);
+    stream). Measured by ``autoshard calibrate`` on GPUs (a toy training step traced and replayed);
     0 models no host stream: a CPU device runs each op on the issuing thread, where
     ``kernel_launch_us`` floors it, and shipped GPU profiles leave it to calibration."""
     overlap: float = DEFAULT_OVERLAP
@@ -161,11 +161,11 @@ class Profile:
         d = {k: v for k, v in asdict(self).items()
              if k not in ("collectives", "samples", "step_samples", "refinements", "dtype_tflops", "host_op_us",
                           "mem_efficiency")}
+        # Absent when empty or 0: older profiles keep their JSON form, hence their digest.
         if self.mem_efficiency:
             d["mem_efficiency"] = dict(sorted(self.mem_efficiency.items()))
         if self.host_op_us:
             d["host_op_us"] = self.host_op_us
-        # Absent when empty or 0: older profiles keep their JSON form, hence their digest.
         if self.dtype_tflops:
             d["dtype_tflops"] = dict(sorted(self.dtype_tflops.items()))
         d["collectives"] = [f.to_json() for f in self.collectives]
