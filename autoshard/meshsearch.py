@@ -193,8 +193,14 @@ class _BoundResult(NamedTuple):
     """Its planner, kept where it was built here (None from a worker)."""
     plan: Plan | None
     upper: float | None = None
-    """The predicted step of a plan of it that the bounding found (its memory-free optimum,
-    where that fits the budget), or None."""
+    """The objective (:func:`_bound_share`) of a plan of it that the bounding found (its
+    memory-free optimum, where that fits the budget), or None: an upper bound of the shape's."""
+    step: float | None = None
+    """The predicted (simulated) step of the shape's plan where the bounding found the plan the
+    shape has alone (on the additive objective, its memory-free optimum proved and fitting:
+    :meth:`Planner.solve` answers with it), else None."""
+    peak: float | None = None
+    """That plan's peak memory (bytes)."""
 
 
 def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, plan_below: float = -1.0) -> _BoundResult:
@@ -203,7 +209,7 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
     plan, assembled here (a worker's planner is not kept: without the plan, the search would
     build the shape again to make it: 2.7 s of LLaMA-8B's search on 512 ranks)."""
     started = time.perf_counter()
-    plan = upper = None
+    plan = upper = step = peak = None
     try:
         planner = make(shape) if planner is None else planner
         bound = planner.cheapest_bound()
@@ -219,11 +225,16 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
             free = planner.memory_free(time_limit=seconds)
             if free is not None and free.fits:
                 upper = free.cost
-            if free is not None and free.proved and free.fits and free.cost < plan_below:
-                plan = planner.solve(time_limit=max(1.0, seconds))  # the memory-free optimum, assembled
+            if free is not None and free.proved and free.fits:
+                # The shape's plan alone: the search compares shapes by its predicted step, which
+                # need not follow the additive objective the bound and the pruning are on.
+                step = simulate_plan(planner.built, free.choice, planner.profile.overlap).step_us
+                peak = free.peak_usage
+                if step < plan_below:
+                    plan = planner.solve(time_limit=max(1.0, seconds))  # the memory-free optimum, assembled
     except AutoshardError as exc:  # e.g. a pin written for another number of axes
         return _BoundResult(shape, None, None, time.perf_counter() - started, str(exc), None, None)
-    return _BoundResult(shape, bound, free, time.perf_counter() - started, None, planner, plan, upper)
+    return _BoundResult(shape, bound, free, time.perf_counter() - started, None, planner, plan, upper, step, peak)
 
 
 def _bound_share(planner) -> float:
@@ -309,6 +320,20 @@ def next_to_bound(todo: list[tuple[int, ...]], bounds: dict[tuple[int, ...], flo
     return min(((i, s) for i, s in enumerate(todo) if len(s) == fewest), key=key)[1]
 
 
+def _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first):
+    """The shape's planner: the one that bounded it here, or (bounded in a worker process) built
+    again, given the memory-free answer its worker found instead of searching again."""
+    from autoshard.mesh import fake_mesh
+
+    if planner is not None:
+        return planner
+    planner = make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))), options=options,
+                           traced=first.traced)
+    if free is not None and _bound_share(planner) <= 0:  # the additive optimum
+        planner.memory_free(found=free)
+    return planner
+
+
 def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner, max_axes: int = 3) -> Plan:
     """The best plan over :func:`mesh_shapes`, its table in ``plan.summary["mesh_search"]``.
 
@@ -343,6 +368,14 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     # The cheapest memory-free optimum that fits the budget is a plan: shapes bounded at or above
     # its cost are pruned as soon as it is known (and their problems freed).
     upper, upper_shape = float("inf"), None
+    # Shapes whose plan the bounding found (a proved memory-free optimum that fits is the plan
+    # the shape has alone): shape -> (its predicted step, the plan where it was assembled, the
+    # bounded shape). They are compared by that step, not pruned by a bound of another objective.
+    known: dict[tuple[int, ...], tuple[float, Plan | None, _Bounded]] = {}
+
+    def best_known() -> float:
+        return min((k[0] for k in known.values()), default=float("inf"))
+
     todo = list(shapes)
     jobs = _Bounding(first, lambda shape: make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
                                                        options=options, traced=first.traced),
@@ -353,20 +386,23 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             while todo and jobs.has_room() and not (jobs.running and min(map(len, jobs.running)) < min(map(len, todo))):
                 shape = next_to_bound(todo, bounds)
                 todo.remove(shape)
-                lowest = min(bounded, key=lambda b: (b.no_free, b.bound), default=None)
+                lowest = min([*bounded, *(k[2] for k in known.values())], key=lambda b: (b.no_free, b.bound),
+                             default=None)
                 share = BOUND_SHARE_BINDING if lowest is not None and lowest.free is not None \
                     and not lowest.free.fits else BOUND_SHARE
                 left = t0 + share * limit - time.perf_counter()
                 like = spent.get(len(shape))
-                if (bounded or jobs.running) and (left <= 0 or (like and left < min(like))):
+                if (bounded or known or jobs.running) and (left <= 0 or (like and left < min(like))):
                     rows[shape].note = (f"the bounding time ({share * limit:.0f} s of time_limit"
                                         f"{', memory binding' if share == BOUND_SHARE_BINDING else ''}) is spent: "
                                         "raise time_limit to plan it")
                     continue
-                jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)), upper)
+                # A worker assembles the plan it finds only where it is the best so far (else the
+                # chosen shape's would be built again here to make it).
+                jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)), best_known())
             if not jobs.running:
                 continue
-            shape, bound, free, seconds, error, planner, made, found = jobs.next()
+            shape, bound, free, seconds, error, planner, made, found, step, peak = jobs.next()
             row = rows[shape]
             row.seconds = seconds
             if error is not None:  # e.g. a pin written for another number of axes
@@ -376,10 +412,16 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 bound = bounds[shape] = max(bound, free.lower_bound)
             row.bound_us = bound
             spent.setdefault(len(shape), []).append(seconds)
-            bounded.append(_Bounded(free is None, bound, shapes.index(shape), shape, planner, free, made))
+            entry = _Bounded(free is None, bound, shapes.index(shape), shape, planner, free, made)
+            if step is not None:
+                known[shape] = (step, made, entry)
+                row.outcome, row.step_us, row.peak_mem_bytes = "planned", round(step, 3), int(peak)
+                row.note = "its memory-free optimum (proved, fits): its plan"
+            else:
+                bounded.append(entry)
             log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
-                     + (" (memory-free optimum, fits)" if free is not None and free.proved and free.fits else "")
-                     + (f"; a plan of it at {found / 1e3:.3f} ms" if found is not None else "")
+                     + (f"; its plan (the memory-free optimum, fits) at {step / 1e3:.3f} ms predicted"
+                        if step is not None else f"; a plan of it at {found / 1e3:.3f} ms" if found is not None else "")
                      + f" in {seconds:.1f}s")
             if found is not None and found < upper:
                 upper, upper_shape = found, shape
@@ -390,22 +432,24 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                                       f"of {'x'.join(map(str, upper_shape))} that fits")
     finally:
         jobs.close()
-    best: tuple[Plan, ShapeResult] | None = None
+    solved: dict[tuple[int, ...], Plan] = {}
     infeasible: list[MemoryBudgetError] = []
+    eta = _bound_share(first)
     # Shapes whose memory-free search did not run (toulbar2 missing, cut off) hold only the
     # cheapest-strategy bound, far below any plan: they are solved after those that have one.
     bounded.sort(key=lambda b: (b.no_free, b.bound, b.order))
     for _, bound, _, shape, planner, free, made in bounded:
         row, started = rows[shape], time.perf_counter()
         # Bounds of the objective the plans optimize: the simulated step, or the additive one.
-        best_us = None if best is None else best[0].summary["step_us"] if _bound_share(first) > 0 \
-            else additive_solve(best[0])
+        objective = [*(p.summary["step_us"] if eta > 0 else additive_solve(p) for p in solved.values()),
+                     *([upper] if upper_shape is not None and upper_shape != shape else [])]
+        best_us = min(objective, default=None)
         if best_us is not None and bound >= best_us:
             row.outcome = "pruned"
             row.note = f"bound {bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
             continue
         left = limit - (started - t0)
-        if best is not None and left < MIN_SOLVE_SECONDS:
+        if (solved or known) and left < MIN_SOLVE_SECONDS:
             row.note = "the time limit is spent: raise time_limit to plan it"
             continue
         share = max(MIN_SOLVE_SECONDS, left)
@@ -413,12 +457,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             if made is not None:  # its worker made the plan (its memory-free optimum)
                 plan = made
             else:
-                if planner is None:  # bounded in a worker process: built again here
-                    planner = make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
-                                           options=options, traced=first.traced)
-                    if free is not None and _bound_share(planner) <= 0:  # the additive optimum
-                        planner.memory_free(found=free)
-                plan = planner.solve(time_limit=share)
+                plan = _planner_of(shape, planner, free, make_planner, model, example_inputs, options,
+                                   first).solve(time_limit=share)
         except MemoryBudgetError as exc:
             infeasible.append(exc)
             row.outcome, row.note = "infeasible", str(exc)
@@ -427,14 +467,24 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         row.outcome, row.step_us = "planned", plan.summary["step_us"]
         row.peak_mem_bytes = plan.summary["peak_mem_bytes"]
         proved = plan.solver.get("bound")
-        if proved is not None and _bound_share(first) <= 0:
+        if proved is not None and eta <= 0:
             row.bound_us = max(row.bound_us, proved)  # the solver's bound is additive: a step's only then
         row.seconds += time.perf_counter() - started
         row.note = str(plan.solver.get("status", ""))
         log.info(f"mesh {'x'.join(map(str, shape))}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "
                  f"({plan.solver.get('status')}) in {row.seconds:.1f}s")
-        if best is None or plan.summary["step_us"] < best[0].summary["step_us"]:
-            best = (plan, row)
+        solved[shape] = plan
+    # The answer: the least predicted step of every plan found (ties: the search order's first).
+    steps = {**{shape: k[0] for shape, k in known.items()},
+             **{shape: p.summary["step_us"] for shape, p in solved.items()}}
+    best = min(steps, key=lambda shape: (steps[shape], shapes.index(shape)), default=None)
+    if best in known and best not in solved:
+        started = time.perf_counter()
+        _, made, b = known[best]
+        solved[best] = made if made is not None else _planner_of(
+            best, b.planner, b.free, make_planner, model, example_inputs, options, first).solve(
+            time_limit=max(1.0, limit - (started - t0)))
+        rows[best].seconds += time.perf_counter() - started
     table = [rows[s] for s in shapes]
     if best is None and not infeasible:
         raise ConfigError(f"no mesh shape of {ranks} ranks could be planned: "
@@ -444,7 +494,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         raise MemoryBudgetError(f"no mesh shape of {ranks} ranks fits the memory budget ({len(shapes)} tried); "
                                 f"the closest: {low}", budget_bytes=low.budget_bytes,
                                 min_feasible_bytes=low.min_feasible_bytes)
-    plan, row = best
+    plan, row = solved[best], rows[best]
     row.outcome = "chosen"
     plan.summary["mesh_search"] = [r.to_json() for r in table]
     plan.summary["mesh_search_seconds"] = round(time.perf_counter() - t0, 3)
