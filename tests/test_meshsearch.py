@@ -189,3 +189,59 @@ def test_where_memory_binds_bounding_stops_at_half_and_the_likeliest_shape_gets_
     # then the next bound with what its solve left: (2, 4), bound 502 < 1.5 * 402
     assert _ScriptedPlanner.solves[1] == ((2, 4), 100.0 - 65.0)
     assert rows[(8,)]["outcome"] == "pruned"
+
+
+class _FittingPlanner(_ScriptedPlanner):
+    """Every shape's memory-free optimum is proved and fits (it is the shape's plan), and the
+    plans' predicted (simulated) steps order the shapes otherwise than their additive costs."""
+
+    additive = {(8,): 900.0, (2, 4): 500.0, (4, 2): 520.0, (2, 2, 2): 510.0}
+    simulated = {(8,): 880.0, (2, 4): 470.0, (4, 2): 430.0, (2, 2, 2): 505.0}
+
+    def __init__(self, model, example_inputs, mesh, options=None, traced=None):
+        super().__init__(model, example_inputs, mesh, options, traced)
+        from types import SimpleNamespace
+
+        self.built = SimpleNamespace(shape=self.shape)
+
+    def memory_free(self, time_limit=None, found=None):
+        from types import SimpleNamespace
+
+        self.clock[0] += 1.0
+        cost = self.additive[self.shape]
+        return SimpleNamespace(lower_bound=cost, cost=cost, proved=True, fits=True, peak_usage=1.0,
+                               choice=self.shape)
+
+    def solve(self, time_limit):
+        from types import SimpleNamespace
+
+        self.solves.append((self.shape, time_limit))
+        step = self.simulated[self.shape]
+        return SimpleNamespace(summary={"step_us": step, "peak_mem_bytes": 1,
+                                        "overlap": {"rounds": [{"additive_us": self.additive[self.shape]}]}},
+                               solver={"status": "optimal", "bound": self.additive[self.shape]})
+
+
+def test_shapes_whose_plan_the_bounding_found_are_chosen_by_predicted_step(world, monkeypatch):
+    """A proved memory-free optimum that fits is the shape's plan alone; shapes are compared by
+    its predicted (simulated) step, not pruned by the additive objective the bounds are on: (4, 2)
+    costs more than (2, 4) additively, yet is predicted faster, and is the answer."""
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    world(8)
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _FittingPlanner.clock[0]))
+    monkeypatch.setattr(ms, "simulate_plan",
+                        lambda built, choice, eta: SimpleNamespace(step_us=_FittingPlanner.simulated[choice]))
+    _FittingPlanner.clock[0], _FittingPlanner.solves = 0.0, []
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), _FittingPlanner)
+    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    assert plan.summary["step_us"] == 430.0 and rows[(4, 2)]["outcome"] == "chosen"
+    assert {s: r["outcome"] for s, r in rows.items() if s != (4, 2)} == {(8,): "planned", (2, 4): "planned",
+                                                                         (2, 2, 2): "planned"}
+    assert rows[(2, 4)]["step_us"] == 470.0 and rows[(2, 4)]["bound_us"] == 500.0
+    # bounded here, every planner is kept: only the chosen shape's plan is assembled, once
+    assert [shape for shape, _ in _FittingPlanner.solves] == [(4, 2)]

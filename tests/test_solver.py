@@ -565,3 +565,37 @@ def test_both_backends_solve_one_model(seed):
         assert sol.status == "optimal", b
     assert runs["highs"].stats["variables"] == runs["cbc"].stats["variables"]
     assert runs["highs"].stats["constraints"] == runs["cbc"].stats["constraints"]
+
+
+def test_pairwise_stage_runs_when_its_share_is_under_a_second():
+    """toulbar2 counts whole seconds: a solve of 1.5 s gives the pairwise stage a share of 0.75 s,
+    which once skipped it (a hand-written plan solved in a share of a share of the planner's time
+    came out of the heuristic start 280x dearer). The stage gets its one second."""
+    pytest.importorskip("pytoulbar2")
+    rng = np.random.default_rng(3)
+    p = random_problem(rng, n=8, kmax=3, density=0.3, limit=False)
+    sol = solve(p, time_limit=1.5)
+    assert sol.source == "pairwise" and sol.status.value == "optimal"
+    assert sol.cost == pytest.approx(brute_force(p))
+
+
+def test_a_repair_within_the_gap_of_the_memory_free_optimum_is_the_answer():
+    """Where the memory-free optimum breaks the limit and its repair lies within mip_gap of it (a
+    bound of every answer), the solve ends there, proved within the gap; with the default gap
+    the exact stage runs and proves the true optimum."""
+    pytest.importorskip("pytoulbar2")
+    import importlib
+
+    solve_module = importlib.import_module("solver.solve")
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        p = random_problem(rng, n=8, kmax=3, density=0.3, limit=True)
+        free = solve_module.memory_free(p.replaced(usage_limit=None), 5)
+        if free is not None and not evaluate(p, free.choice).feasible and brute_force(p) is not None:
+            break
+    best = brute_force(p)
+    loose = solve(p, time_limit=10, mip_gap=10.0)  # any repair is within 1000% of the bound here
+    assert loose.source == "repair" and loose.status.value == "optimal"
+    assert loose.lower_bound == pytest.approx(free.cost) and loose.cost >= best - 1e-9
+    tight = solve(p, time_limit=10)
+    assert tight.cost == pytest.approx(best) and tight.lower_bound <= best + 1e-6
