@@ -17,14 +17,20 @@ with ``overlap_objective``, the step simulated with the profile's overlap share 
 hides up to ``eta`` of a plan's communication, so the memory-free optimum is then taken with
 every edge cost scaled by ``1 - eta`` (:meth:`Planner.overlap_free`), a bound of every
 simulated step, and where it fits the budget its simulated step is a plan's, pruning the shapes
-bounded above it. The shape chosen is the one of least predicted (simulated) step. Shapes are
+bounded above it. On the additive objective, a shape whose memory-free optimum is proved and
+fits has its plan once bounded (that optimum is what planning it alone answers): it is kept as
+planned, with the predicted step of that plan, never pruned by a bound of the additive
+objective (a plan of higher additive cost may hide more of its communication and be
+predicted faster). The shape chosen
+is the one of least predicted (simulated) step among every plan found. Shapes are
 bounded in the order of :func:`next_to_bound`, in worker processes where cores allow
 (:func:`bounding_workers`), for ``BOUND_SHARE`` of the time limit (``BOUND_SHARE_BINDING`` once
 memory binds the lowest bound), then solved in increasing bound, each as a plan on a given
 mesh is (hand-written seeds included) with all the time left (the solver's stall rule ends it
 when it stops improving); a shape whose bound is not below the best plan found is pruned
-unsolved. On the additive objective, where memory does not bind the lowest bound's plan, the
-first solve proves it and every other shape is pruned. ``time_limit`` is the whole search's:
+unsolved (on the additive objective this applies to the shapes where memory binds: their plans
+may still be predicted faster, by hand-written seeds that overlap more, which the search does
+not try for them). ``time_limit`` is the whole search's:
 raise it to bound or solve more shapes. Every shape goes in the table, with its bound and why
 it was pruned or skipped or what it cost.
 """
