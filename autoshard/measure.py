@@ -14,9 +14,9 @@ every functional collective of the programs from its issue to the end of its wai
   redistributes; a bucket is one measured collective for several planned ones).
 
 The timed steps run without the log (its Python hook on every op would slow them); the
-attribution steps' exposed times are read per step. On GPUs the step is timed with CUDA events
-and the attribution's waits are host-side (a wait returns when the collective is enqueued
-before the compute that reads it), so per-collective GPU time needs the profiler's kernel view.
+attribution steps' exposed times are read per step. Times are taken on the clock the work runs
+on (:class:`HostClock` on CPU backends; :class:`CudaClock`, CUDA events on the compute stream,
+on GPUs, where issuing and waiting return to the host at once and only the stream waits).
 """
 
 from __future__ import annotations
@@ -182,15 +182,46 @@ def group_axes(ranks, mesh_ranks, axis_names, rank: int) -> str:
     return "?"
 
 
-class CollectiveLog(TorchDispatchMode):
-    """Times each functional collective from its issue to the end of the last wait on its
-    outputs; ``group_of(group_name) -> (axes text, group size)``. A collective with an op other
-    than a view dispatched between its issue and its wait ran beside compute: its span holds
-    that compute, so it is marked ``overlapped`` and :meth:`spans` leaves it out."""
+class HostClock:
+    """Marks in host seconds: on CPU backends (gloo) a collective's work runs on the host, so its
+    issue and its wait calls bracket it."""
 
-    def __init__(self, group_of):
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return end - start
+
+
+class CudaClock:
+    """Marks as CUDA events recorded on the current (compute) stream. A collective's work waits on
+    that stream for the compute issued before it, and its wait holds the stream until the work
+    ends: the time between the events around its issue and after its wait is the work's own,
+    queueing included, when nothing was queued between (``overlapped`` is False); between the
+    events around the wait, the time the stream was held. Read once the device is synchronized."""
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Times each functional collective from its issue to the end of its first wait, on
+    ``clock`` (:class:`HostClock` by default; :class:`CudaClock` on GPUs, read only after the
+    device is synchronized); ``group_of(group_name) -> (axes text, group size)``. A collective
+    with an op other than a view dispatched between its issue and its wait ran beside compute:
+    its span holds that compute, so it is marked ``overlapped`` and :meth:`spans` leaves it out.
+    Per record: ``exposed_s``, the time in its issue and its wait (what it held the rank, or the
+    stream), and ``span_s``, issue to the end of the wait."""
+
+    def __init__(self, group_of, clock=None):
         super().__init__()
         self.group_of = group_of
+        self.clock = clock or HostClock()
         self.records: list[dict] = []
         self._by_output: dict[int, dict] = {}
         self._clean: list[dict] = []
@@ -204,14 +235,13 @@ class CollectiveLog(TorchDispatchMode):
                     rec["overlapped"] = True
                 self._clean.clear()
             return func(*args, **kwargs)
-        t0 = time.perf_counter()
+        start = self.clock.mark()
         out = func(*args, **kwargs)
-        dt = time.perf_counter() - t0
+        end = self.clock.mark()
         if func is _WAIT:
             rec = self._by_output.pop(id(args[0]), None)
             if rec is not None:
-                rec["exposed_s"] += dt
-                rec["span_s"] = time.perf_counter() - rec["issued"]
+                rec["waited"] = (start, end)
                 if rec in self._clean:
                     self._clean.remove(rec)
             return out
@@ -224,13 +254,23 @@ class CollectiveLog(TorchDispatchMode):
         inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
         rec = {"kind": kind, "group": axes, "size": size, "bytes": full_buffer_bytes(kind, nbytes, size),
-               "exposed_s": dt, "issued": t0, "span_s": dt, "overlapped": False}
+               "issued": (start, end), "waited": None, "overlapped": False}
         self.records.append(rec)
         self._clean.append(rec)
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor):
                 self._by_output[id(t)] = rec
         return out
+
+    def _times(self) -> list[dict]:
+        """The records with ``exposed_s`` and ``span_s`` read off their clock marks."""
+        sec = self.clock.seconds
+        for rec in self.records:
+            if "span_s" not in rec:
+                (i0, i1), waited = rec["issued"], rec["waited"]
+                rec["exposed_s"] = sec(i0, i1) + (sec(*waited) if waited else 0.0)
+                rec["span_s"] = sec(i0, waited[1] if waited else i1)
+        return self.records
 
     def spans(self) -> dict[str, float]:
         """The shortest issue-to-wait time seen per (kind, group, group size, bytes), in us, keyed
@@ -239,7 +279,7 @@ class CollectiveLog(TorchDispatchMode):
         issue and its wait (a prefetched gather's: whole layers), so it measures the program,
         not the collective; the profile's overlap share prices that part."""
         out: dict[str, float] = {}
-        for rec in self.records:
+        for rec in self._times():
             if rec["overlapped"]:
                 continue
             key = f"{rec['kind']}|{rec['group']}|{rec['size']}|{rec['bytes']}"
@@ -248,7 +288,7 @@ class CollectiveLog(TorchDispatchMode):
 
     def by_kind(self, steps: int) -> dict[tuple[str, str], CollectiveStats]:
         out: dict[tuple[str, str], CollectiveStats] = {}
-        for rec in self.records:
+        for rec in self._times():
             s = out.setdefault((rec["kind"], rec["group"]), CollectiveStats())
             s.count += 1 / steps
             s.bytes += rec["bytes"] / steps
@@ -302,7 +342,7 @@ def run_steps(model, inputs: tuple, cfg: MeasureConfig, mesh, kwargs=None) -> tu
         _sync(device_type)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    log = CollectiveLog(_group_resolver(mesh))
+    log = CollectiveLog(_group_resolver(mesh), CudaClock() if device_type == "cuda" else HostClock())
     for _ in range(cfg.attribution_steps):
         _sync(device_type)
         dist.barrier()

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from autoshard.errors import ConfigError
 from autoshard.measure import (
@@ -176,3 +177,66 @@ def test_collectives_run_beside_compute_are_left_out_of_in_step_times(world):
         ops.wait_tensor(early)
     assert [r["overlapped"] for r in log.records] == [False, True]
     assert list(log.spans()) == ["all_gather|dp|2|32"]
+
+
+class _ScriptedClock:
+    """Marks 0, 1, 2 ... in order taken, each one millisecond apart."""
+
+    def __init__(self):
+        self.ticks = 0
+
+    def mark(self):
+        self.ticks += 1
+        return self.ticks - 1
+
+    def seconds(self, start, end):
+        return (end - start) * 1e-3
+
+
+def test_collective_times_are_read_off_the_clock_marks(world):
+    """Exposed time is what the issue and the wait took on the log's clock; the span runs from
+    the issue to the end of the wait (marks in order: issue 0-1, wait 2-3; the second collective,
+    never waited for, has its issue alone). On GPUs the clock is CUDA events, read after the
+    device is synchronized, not the host's, which returns from both calls at once."""
+    import torch
+    import torch.distributed as dist
+
+    from autoshard.measure import CollectiveLog, CudaClock, HostClock
+
+    world(2)
+    group = dist.group.WORLD.group_name
+    ops = torch.ops._c10d_functional
+    log = CollectiveLog(lambda name: ("dp", 2), _ScriptedClock())
+    with log:
+        ops.wait_tensor(ops.all_gather_into_tensor(torch.ones(4), 2, group))
+        ops.all_reduce(torch.ones(4), "sum", group)
+    first, second = log._times()
+    assert (first["exposed_s"], first["span_s"]) == pytest.approx((2e-3, 3e-3))
+    assert (second["exposed_s"], second["span_s"]) == pytest.approx((1e-3, 1e-3))
+    assert log.spans() == {"all_gather|dp|2|32": pytest.approx(3e3), "all_reduce|dp|2|16": pytest.approx(1e3)}
+    rows = log.by_kind(1)
+    assert rows[("all_gather", "dp")].us == pytest.approx(2e3) and rows[("all_reduce", "dp")].count == 1
+    assert isinstance(CollectiveLog(lambda name: ("dp", 2)).clock, HostClock)
+    assert CudaClock().seconds is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_clock_times_a_collective_on_the_stream(tmp_path):
+    import torch.distributed as dist
+
+    from autoshard.measure import CollectiveLog, CudaClock
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD.group_name
+        ops = torch.ops._c10d_functional
+        log = CollectiveLog(lambda name: ("dp", 1), CudaClock())
+        x = torch.ones(1 << 24, device="cuda")
+        with log:
+            y = ops.all_reduce(x * 2, "sum", group)
+            ops.wait_tensor(y)
+        torch.cuda.synchronize()
+        (rec,) = log._times()
+        assert 0 <= rec["exposed_s"] <= rec["span_s"] and rec["span_s"] > 0
+    finally:
+        dist.destroy_process_group()
