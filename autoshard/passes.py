@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
-from autoshard.problem import is_view, node_flops, op_pricing
+from autoshard.problem import is_view, matmul_operands, matmul_side, node_flops, op_pricing
 from costmodel import compute_time_us
 from costmodel.profile import Profile
 
@@ -74,7 +74,12 @@ class Estimator:
         out = _val(node)
         nbytes += sum(_bytes(o) for o in (out if isinstance(out, (list, tuple)) else [out]))
         flops = node_flops(node, self._flops)
-        return compute_time_us(flops, nbytes, self.profile, *op_pricing(node, flops))
+        mm = matmul_operands(node) if self.profile.matmul_shares else None
+        side = None
+        if mm is not None:  # a per-rank program's values are the local pieces
+            args = [a for a in node.args if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
+            side = matmul_side(tuple(_val(args[mm[0]]).shape), tuple(_val(args[mm[1]]).shape))
+        return compute_time_us(flops, nbytes, self.profile, *op_pricing(node, flops), side)
 
     def collective_us(self, node: fx.Node, override_bytes: int | None = None) -> float:
         kind = KIND[node.target]

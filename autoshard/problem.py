@@ -210,6 +210,29 @@ def op_pricing(node: fx.Node, flops: float, pattern=_UNKNOWN) -> tuple[str | Non
     return None, memory_pattern(node) if pattern is _UNKNOWN else pattern
 
 
+#: Matmuls by op: the positions of their operands A ([..., M, K]) and B ([..., K, N]) in ``args``.
+_MATMULS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2),
+            torch.ops.aten.bmm.default: (0, 1), torch.ops.aten.baddbmm.default: (1, 2)}
+
+
+def matmul_operands(node: fx.Node) -> tuple[int, int] | None:
+    """Where a matmul's operands A and B are among the node's tensor arguments (in
+    ``strategies._tensor_args`` order: ``args`` first); None for other ops."""
+    pos = _MATMULS.get(node.target)
+    if pos is None:
+        return None
+    index = [k for k, a in enumerate(node.args) if is_tensor(a)]
+    if pos[0] not in index or pos[1] not in index:
+        return None
+    return index.index(pos[0]), index.index(pos[1])
+
+
+def matmul_side(a_shape, b_shape) -> float | None:
+    """The side of the cube of a matmul's M x N x K (per batch entry; ``Profile.matmul_share``)."""
+    volume = a_shape[-2] * a_shape[-1] * b_shape[-1]
+    return volume ** (1 / 3) if volume > 0 else None
+
+
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` aliases its input (no kernel, no memory): view ops, ``detach`` and
     ``_unsafe_view``."""
@@ -228,6 +251,8 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
     usage = np.zeros(len(strats))
     if view:
         return c, usage  # views alias their input: no time, no memory
+    # A matmul's rate follows the size of its local pieces, which each strategy sets.
+    mm = matmul_operands(n) if profile.matmul_shares else None
     for i, s in enumerate(strats):
         out_b = sum(local_bytes(o, t, mesh_shape) for o, t in zip(s.outs, outs_vals)
                     if o is not None and isinstance(t, torch.Tensor))
@@ -239,7 +264,10 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
             if sharded_in or (not s.ins and any(o is not None and shard_dim(o.placements[axis]) is not None
                                                 for o in s.outs)):
                 split *= mesh_shape[axis]
-        c[i] = compute_time_us(flops / split, in_b + out_b, profile, dtype, pattern)
+        side = None if mm is None else matmul_side(
+            s.ins[mm[0]].local_shape(tuple(ins_vals[mm[0]].shape), mesh_shape),
+            s.ins[mm[1]].local_shape(tuple(ins_vals[mm[1]].shape), mesh_shape))
+        c[i] = compute_time_us(flops / split, in_b + out_b, profile, dtype, pattern, side)
     return c, usage
 
 

@@ -172,6 +172,8 @@ class SweepResult:
     """(kind, group, group_size, intra_node, bytes, us) per timed run."""
     interrupted: bool = False
     matmul_tflops: float | None = None
+    """Achieved TFLOP/s of the calibration matmul (side ``matmul_side``) in the planning dtype."""
+    matmul_side: int | None = None
     mem_bandwidth_gbps: float | None = None
     """Achieved bandwidth of a large copy (bytes read + written per second / 1e9)."""
     launch_us: float | None = None
@@ -186,6 +188,29 @@ class SweepResult:
     other_tflops: dict = field(default_factory=dict)
     """Achieved TFLOP/s of the same matmul in the dtypes other than the planning one (float32 on
     GPUs, under this process's TF32 setting; bfloat16 on CPUs), by dtype name."""
+    matmul_sizes: dict = field(default_factory=dict)
+    """Achieved TFLOP/s of square matmuls in the planning dtype by side, the calibration size's
+    included (:func:`matmul_sides`)."""
+
+
+#: Sides of the matmuls that calibrate the rate by size, as multiples of ``matmul_size`` (GPUs go
+#: up to 4x: their rate still grows past the usual calibration sizes; a CPU's has levelled off).
+MATMUL_SIDE_FACTORS = {"cpu": (1 / 8, 1 / 4, 1 / 2, 1, 2), "cuda": (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)}
+
+
+def matmul_sides(n: int, device_type: str) -> list[int]:
+    """The sides timed for ``Profile.matmul_shares`` around the calibration side ``n`` (at least 16)."""
+    factors = MATMUL_SIDE_FACTORS["cuda" if device_type == "cuda" else "cpu"]
+    return sorted({max(16, int(round(n * f))) for f in factors} | {n})
+
+
+def matmul_shares(rates: dict, n: int) -> dict[str, float]:
+    """``Profile.matmul_shares`` from the rate measured at each side: each side's rate over the
+    calibration side ``n``'s (itself 1)."""
+    base = rates.get(n)
+    if not base:
+        return {}
+    return {str(side): round(rate / base, 4) for side, rate in sorted(rates.items()) if rate > 0}
 
 
 def measure_matmul(device, n: int, dtype) -> float:
@@ -353,7 +378,13 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             gpu = device.type == "cuda"
             planning, other = (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.bfloat16)
             result.matmul_tflops = measure_matmul(device, cfg.matmul_size, planning)
+            result.matmul_side = cfg.matmul_size
             say(f"matmul {cfg.matmul_size}^3: {result.matmul_tflops:.3f} TFLOP/s")
+            result.matmul_sizes = {side: result.matmul_tflops if side == cfg.matmul_size
+                                   else measure_matmul(device, side, planning)
+                                   for side in matmul_sides(cfg.matmul_size, device.type)}
+            say("matmul rate by side: " + ", ".join(f"{side} {rate:.3f}" for side, rate in result.matmul_sizes.items())
+                + " TFLOP/s")
             name = str(other).removeprefix("torch.")
             result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other)
             say(f"matmul {cfg.matmul_size}^3 in {name}: {result.other_tflops[name]:.3f} TFLOP/s")
@@ -436,6 +467,9 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
         eff = changes["compute_efficiency"]
         changes["dtype_tflops"] = {**base.dtype_tflops,
                                    **{d: r / eff for d, r in result.other_tflops.items() if r > 0}}
+        shares = matmul_shares(result.matmul_sizes, result.matmul_side)
+        if len(shares) > 1:
+            changes["matmul_shares"] = shares
     mesh_info = {"shape": list(mesh.shape), "axis_names": list(mesh.mesh_dim_names or [])}
     ident = identity(mesh, backend)
     ident["interrupted"] = result.interrupted

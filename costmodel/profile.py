@@ -71,6 +71,14 @@ class Profile:
     contiguous: a transpose made contiguous). A pattern not named, a contiguous elementwise op
     and a copy reach the whole bandwidth. Measured by ``autoshard calibrate``; on an H100 in
     bf16 about 0.54 (broadcast), 0.45 (softmax), 0.19 (transposed)."""
+    matmul_shares: dict = field(default_factory=dict)
+    """Share of the calibrated matmul rate (``tflops(dtype) * compute_efficiency``, measured on
+    one square size) that a matmul reaches by its size, by side (a string of an int: the side of
+    the cube of its M x N x K, per batch entry) in ascending order: ``{"128": 0.35, "512": 0.8,
+    "1024": 1.0, "2048": 1.05}``. Between sides the share follows log(side) linearly; beyond
+    the ends it stays at the end's. A matmul sharded into thin local pieces (tensor parallelism
+    on many ranks) runs below the rate of a well-shaped one. Measured by ``autoshard
+    calibrate``; empty: every matmul at the calibrated rate."""
     kernel_launch_us: float = 5.0
     """Floor on the time of any kernel, microseconds."""
     host_op_us: float = 0.0
@@ -135,6 +143,14 @@ class Profile:
             raise CostModelError(f"profile {self.name!r}: mem_efficiency must map access patterns "
                                  f"{MEMORY_PATTERNS} to shares of the bandwidth in (0, 2], "
                                  f"found {self.mem_efficiency!r}")
+        if not isinstance(self.matmul_shares, dict) or not all(
+                isinstance(k, str) and k.isdigit() and int(k) > 0 and isinstance(v, (int, float))
+                and not isinstance(v, bool) and 0 < v <= 4 for k, v in self.matmul_shares.items()):
+            raise CostModelError(f"profile {self.name!r}: matmul_shares must map sides (positive integers, as "
+                                 f"strings) to shares of the calibrated rate in (0, 4], found {self.matmul_shares!r}")
+        if self.matmul_shares:
+            ordered = sorted(self.matmul_shares.items(), key=lambda kv: int(kv[0]))
+            object.__setattr__(self, "matmul_shares", dict(ordered))
         if not (isinstance(self.host_op_us, (int, float)) and 0 <= self.host_op_us < float("inf")):
             raise CostModelError(f"profile {self.name!r}: host_op_us must be a finite time >= 0, "
                                  f"found {self.host_op_us!r}")
@@ -160,12 +176,14 @@ class Profile:
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
              if k not in ("collectives", "samples", "step_samples", "refinements", "dtype_tflops", "host_op_us",
-                          "mem_efficiency")}
+                          "mem_efficiency", "matmul_shares")}
         # Absent when empty or 0: older profiles keep their JSON form, hence their digest.
         if self.mem_efficiency:
             d["mem_efficiency"] = dict(sorted(self.mem_efficiency.items()))
         if self.host_op_us:
             d["host_op_us"] = self.host_op_us
+        if self.matmul_shares:
+            d["matmul_shares"] = dict(self.matmul_shares)
         if self.dtype_tflops:
             d["dtype_tflops"] = dict(sorted(self.dtype_tflops.items()))
         d["collectives"] = [f.to_json() for f in self.collectives]
@@ -180,6 +198,20 @@ class Profile:
     def bandwidth_gbps(self, pattern: str | None = None) -> float:
         """Memory bandwidth a memory-bound op of this access pattern reaches (None: a copy's)."""
         return self.mem_bandwidth_gbps * self.mem_efficiency.get(pattern, 1.0) if pattern else self.mem_bandwidth_gbps
+
+    def matmul_share(self, side: float | None) -> float:
+        """The share of the calibrated rate a matmul of this side reaches (``matmul_shares``;
+        1 without a curve or a side)."""
+        if not self.matmul_shares or not side or side <= 0:
+            return 1.0
+        pts = [(math.log(int(k)), v) for k, v in self.matmul_shares.items()]
+        x = math.log(side)
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return pts[-1][1]
 
     def tflops(self, dtype: str | None = None) -> float:
         """Dense peak of a matmul in ``dtype`` (a torch dtype name; None: the planning dtype)."""

@@ -300,3 +300,28 @@ def test_refine_scales_fits_to_in_step_times_and_converges():
         refine(base, [])
     with pytest.raises(CostModelError, match="needs bytes > 0"):
         refine(base, [("all_reduce", "dp", 2, True, 0, 5.0)])
+
+
+def test_matmul_rate_by_size_goes_into_the_profile_as_shares(monkeypatch):
+    """Square matmuls around the calibration side are timed; each side's rate over the
+    calibration side's is its share (``Profile.matmul_shares``); one side alone gives no curve."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import costmodel.calibrate as cal
+
+    assert cal.matmul_sides(1024, "cpu") == [128, 256, 512, 1024, 2048]
+    assert cal.matmul_sides(4096, "cuda") == [512, 1024, 2048, 4096, 8192, 16384]
+    assert cal.matmul_sides(64, "cpu") == [16, 32, 64, 128]  # no side under 16
+    monkeypatch.setattr(cal, "identity", lambda mesh, backend: {"date": "today", "device_name": "cpu"})
+    cpu = SimpleNamespace(device_type="cpu", shape=(2,), mesh_dim_names=("dp",))
+    rates = {128: 0.05, 256: 0.1, 512: 0.2}
+    prof = cal.build_profile(cal.SweepResult(matmul_tflops=0.1, matmul_side=256, matmul_sizes=rates), cpu,
+                             load_profile("cpu-gloo"), "gloo", 2)
+    assert prof.matmul_shares == {"128": 0.5, "256": 1.0, "512": 2.0}
+    assert prof.matmul_share(256) == 1.0 and prof.matmul_share(128) == 0.5
+    alone = cal.build_profile(cal.SweepResult(matmul_tflops=0.1, matmul_side=256, matmul_sizes={256: 0.1}), cpu,
+                              load_profile("cpu-gloo"), "gloo", 2)
+    assert alone.matmul_shares == {}
+    assert cal.measure_matmul("cpu", 32, torch.float32) > 0

@@ -196,3 +196,77 @@ def test_profiles_load_save_validate(tmp_path):
         LinkModel(latency_us=1, busbw_gbps=0)
     with pytest.raises(ValueError, match="version"):
         Profile.from_json({**p.to_json(), "version": 7})
+
+
+def test_a_matmul_is_priced_at_the_rate_of_its_size():
+    """``matmul_shares``: the calibrated rate's share by side (the cube root of M x N x K), linear
+    in log(side) between the sides measured, the end's beyond them; a profile without a curve
+    prices every size alike. A per-rank program prices its matmuls by their local shapes."""
+    import dataclasses
+
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.passes import Estimator
+    from autoshard.problem import matmul_operands
+
+    # Bandwidth without bound: these small matmuls are priced by their FLOPs alone.
+    base = dataclasses.replace(load_profile("h100-sxm"), kernel_launch_us=0.0, mem_bandwidth_gbps=1e9)
+    curved = dataclasses.replace(base, matmul_shares={"1024": 1.0, "128": 0.25, "512": 0.75})
+    assert list(curved.matmul_shares) == ["128", "512", "1024"]  # kept in ascending order
+    assert curved.matmul_share(64) == 0.25 and curved.matmul_share(4096) == 1.0
+    assert curved.matmul_share(256) == pytest.approx(0.5)  # halfway in log(side) from 128 to 512
+    assert curved.matmul_share(None) == 1.0 and base.matmul_share(128) == 1.0
+    big = 1e12
+    assert compute_time_us(big, 0, curved, side=128) == pytest.approx(4 * compute_time_us(big, 0, base))
+    assert compute_time_us(big, 0, curved) == compute_time_us(big, 0, base)  # no side: not a matmul
+    assert Profile.from_json(curved.to_json()) == curved and "matmul_shares" not in base.to_json()
+    with pytest.raises(ValueError, match="matmul_shares must map sides"):
+        dataclasses.replace(base, matmul_shares={"wide": 0.5})
+
+    def step(x, w, b):
+        return x @ w, torch.addmm(b, x, w), torch.bmm(x.view(2, 64, 128), w.view(2, 128, 32)), x + 1
+
+    gm = make_fx(step, tracing_mode="fake")(torch.ones(128, 128), torch.ones(128, 64), torch.ones(64))
+    mm, addmm, bmm, add = [n for n in gm.graph.nodes if n.op == "call_function"
+                           and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                                            torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor)]
+    assert (matmul_operands(mm), matmul_operands(addmm), matmul_operands(add)) == ((0, 1), (1, 2), None)
+    # sides 101.6 (128 x 128 x 64) and, per batch entry, 64 (64 x 128 x 32): under the curve's first
+    for n in (mm, addmm, bmm):
+        assert Estimator(curved).compute_us(n) == pytest.approx(Estimator(base).compute_us(n) / 0.25)
+    assert Estimator(curved).compute_us(add) == Estimator(base).compute_us(add)
+
+
+def test_planner_prices_thin_local_matmuls_at_their_lower_rate(world):
+    """A matmul split over tensor parallelism runs as pieces of a smaller side: with a curve, a
+    strategy that shards the weight's output dim 8 ways costs more than an eighth of the whole."""
+    import dataclasses
+
+    import torch
+
+    import autoshard
+
+    world(8)
+    model = torch.nn.Linear(1024, 1024, bias=False)
+    x = torch.randn(1024, 1024)
+    mesh = autoshard.fake_mesh((8,), ("tp",))
+
+    def mm_costs(prof):
+        planner = autoshard.Planner(model, (x,), mesh, profile=prof, memory_budget=None, time_limit=10)
+        gp = planner.built
+        v = next(v for v, n in enumerate(gp.nodes) if n.target == torch.ops.aten.mm.default)
+        return gp, v, gp.compute_us[v]
+
+    base = dataclasses.replace(load_profile("h100-sxm"), kernel_launch_us=0.0, mem_bandwidth_gbps=1e9)
+    curved = dataclasses.replace(base, matmul_shares={"256": 0.5, "1024": 1.0})
+    gp, v, flat = mm_costs(base)
+    _, _, shaped = mm_costs(curved)
+    whole = [k for k, s in enumerate(gp.strategies[v]) if all(p == "R" for sp in s.ins for p in sp.placements)]
+    split = [k for k, s in enumerate(gp.strategies[v])
+             if s.ins[1].placements == ("S(1)",) and s.ins[0].placements == ("R",)]
+    assert whole and split
+    assert shaped[whole[0]] == pytest.approx(flat[whole[0]])  # side 1024: the calibrated rate
+    side = (1024 * 1024 * 128) ** (1 / 3)  # 512 per rank
+    assert shaped[split[0]] == pytest.approx(flat[split[0]] / curved.matmul_share(side))
+    assert curved.matmul_share(side) == pytest.approx(0.75)
