@@ -202,11 +202,14 @@ class _BoundResult(NamedTuple):
     """The objective (:func:`_bound_share`) of a plan of it that the bounding found (its
     memory-free optimum, where that fits the budget), or None: an upper bound of the shape's."""
     step: float | None = None
-    """The predicted (simulated) step of the shape's plan where the bounding found the plan the
-    shape has alone (on the additive objective, its memory-free optimum proved and fitting:
-    :meth:`Planner.solve` answers with it), else None."""
+    """The predicted (simulated) step of a plan of the shape the bounding found, else None: on the
+    additive objective, its memory-free optimum where proved and fitting (the plan the shape has
+    alone: :meth:`Planner.solve` answers with it), or where memory binds its best hand-written
+    plan (``hand``; planned alone, the shape's plan is predicted no slower)."""
     peak: float | None = None
-    """That plan's peak memory (bytes)."""
+    """That plan's peak memory (bytes), where known (a hand-written plan's once assembled)."""
+    hand: str | None = None
+    """The hand-written plan's name where ``step`` is one's."""
 
 
 def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, plan_below: float = -1.0) -> _BoundResult:
@@ -215,7 +218,7 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
     plan, assembled here (a worker's planner is not kept: without the plan, the search would
     build the shape again to make it: 2.7 s of LLaMA-8B's search on 512 ranks)."""
     started = time.perf_counter()
-    plan = upper = step = peak = None
+    plan = upper = step = peak = hand = None
     try:
         planner = make(shape) if planner is None else planner
         bound = planner.cheapest_bound()
@@ -238,9 +241,33 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
                 peak = free.peak_usage
                 if step < plan_below:
                     plan = planner.solve(time_limit=max(1.0, seconds))  # the memory-free optimum, assembled
+            elif free is not None and hasattr(planner, "hand_written"):
+                # Memory binds: planned alone, the shape's plan is the least predicted of its solve
+                # and its hand-written plans, which may hide far more communication than the
+                # additive objective, so its bound, says (LLaMA-8B on (64, 4, 2): FSDP+TP at 545.4
+                # ms, bounded at 575.6 additive). Solved under their pins, they cost seconds.
+                found_hand = planner.hand_written(time_limit=max(1.0, seconds))
+                if found_hand is not None:
+                    hand, seed = found_hand
+                    step = seed.step_us
+                    if step < plan_below:
+                        plan = _hand_written_plan(hand, seed)
+                        peak = plan.summary["peak_mem_bytes"]
     except AutoshardError as exc:  # e.g. a pin written for another number of axes
         return _BoundResult(shape, None, None, time.perf_counter() - started, str(exc), None, None)
-    return _BoundResult(shape, bound, free, time.perf_counter() - started, None, planner, plan, upper, step, peak)
+    return _BoundResult(shape, bound, free, time.perf_counter() - started, None, planner, plan, upper, step, peak,
+                        hand)
+
+
+def _hand_written_plan(name: str, seed) -> Plan:
+    """A hand-written plan (a :class:`~autoshard.planner._Seed`) as a search's answer, labelled."""
+    import dataclasses
+
+    plan = seed.plan
+    summary = {k: v for k, v in plan.summary.items() if k != "pinned"}
+    return dataclasses.replace(plan, summary=summary, solver={
+        **plan.solver, "source": f"baseline {name} (hand-written, under its pins: predicted faster than the "
+                                 "plans the mesh search solved)"})
 
 
 def _bound_share(planner) -> float:
@@ -326,6 +353,14 @@ def next_to_bound(todo: list[tuple[int, ...]], bounds: dict[tuple[int, ...], flo
     return min(((i, s) for i, s in enumerate(todo) if len(s) == fewest), key=key)[1]
 
 
+def _prune(row: ShapeResult, planned: bool, why: str) -> None:
+    """``row`` not solved for ``why``: pruned, or still planned by its hand-written plan."""
+    if planned:
+        row.note += f"; not solved: {why}"
+    else:
+        row.outcome, row.note = "pruned", why
+
+
 def _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first):
     """The shape's planner: the one that bounded it here, or (bounded in a worker process) built
     again, given the memory-free answer its worker found instead of searching again."""
@@ -374,10 +409,12 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     # The cheapest memory-free optimum that fits the budget is a plan: shapes bounded at or above
     # its cost are pruned as soon as it is known (and their problems freed).
     upper, upper_shape = float("inf"), None
-    # Shapes whose plan the bounding found (a proved memory-free optimum that fits is the plan
-    # the shape has alone): shape -> (its predicted step, the plan where it was assembled, the
-    # bounded shape). They are compared by that step, not pruned by a bound of another objective.
-    known: dict[tuple[int, ...], tuple[float, Plan | None, _Bounded]] = {}
+    # Shapes with a plan the bounding found (a proved memory-free optimum that fits is the plan
+    # the shape has alone; where memory binds, its best hand-written plan): shape -> (its
+    # predicted step, the plan where it was assembled, the bounded shape, the hand-written
+    # plan's name or None). They are compared by that step, not pruned by a bound of another
+    # objective.
+    known: dict[tuple[int, ...], tuple[float, Plan | None, _Bounded, str | None]] = {}
 
     def best_known() -> float:
         return min((k[0] for k in known.values()), default=float("inf"))
@@ -408,7 +445,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)), best_known())
             if not jobs.running:
                 continue
-            shape, bound, free, seconds, error, planner, made, found, step, peak = jobs.next()
+            shape, bound, free, seconds, error, planner, made, found, step, peak, hand = jobs.next()
             row = rows[shape]
             row.seconds = seconds
             if error is not None:  # e.g. a pin written for another number of axes
@@ -418,24 +455,28 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 bound = bounds[shape] = max(bound, free.lower_bound)
             row.bound_us = bound
             spent.setdefault(len(shape), []).append(seconds)
-            entry = _Bounded(free is None, bound, shapes.index(shape), shape, planner, free, made)
+            entry = _Bounded(free is None, bound, shapes.index(shape), shape, planner, free,
+                             made if hand is None else None)
             if step is not None:
-                known[shape] = (step, made, entry)
-                row.outcome, row.step_us, row.peak_mem_bytes = "planned", round(step, 3), int(peak)
-                row.note = "its memory-free optimum (proved, fits): its plan"
-            else:
+                known[shape] = (step, made, entry, hand)
+                row.outcome, row.step_us = "planned", round(step, 3)
+                row.peak_mem_bytes = None if peak is None else int(peak)
+                row.note = "its memory-free optimum (proved, fits): its plan" if hand is None else \
+                    f"hand-written {hand}, its best (memory binds)"
+            if step is None or hand is not None:  # a plan of it may still beat its hand-written one
                 bounded.append(entry)
             log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
                      + (f"; its plan (the memory-free optimum, fits) at {step / 1e3:.3f} ms predicted"
-                        if step is not None else f"; a plan of it at {found / 1e3:.3f} ms" if found is not None else "")
+                        if step is not None and hand is None else
+                        f"; hand-written {hand} at {step / 1e3:.3f} ms predicted" if step is not None else
+                        f"; a plan of it at {found / 1e3:.3f} ms" if found is not None else "")
                      + f" in {seconds:.1f}s")
             if found is not None and found < upper:
                 upper, upper_shape = found, shape
             for b in [b for b in bounded if b.shape != upper_shape and b.bound >= upper]:
                 bounded.remove(b)
-                rows[b.shape].outcome = "pruned"
-                rows[b.shape].note = (f"bound {b.bound / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the memory-free plan "
-                                      f"of {'x'.join(map(str, upper_shape))} that fits")
+                _prune(rows[b.shape], b.shape in known, f"bound {b.bound / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the "
+                       f"memory-free plan of {'x'.join(map(str, upper_shape))} that fits")
     finally:
         jobs.close()
     solved: dict[tuple[int, ...], Plan] = {}
@@ -451,12 +492,12 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                      *([upper] if upper_shape is not None and upper_shape != shape else [])]
         best_us = min(objective, default=None)
         if best_us is not None and bound >= best_us:
-            row.outcome = "pruned"
-            row.note = f"bound {bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
+            _prune(row, shape in known, f"bound {bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms")
             continue
         left = limit - (started - t0)
         if (solved or known) and left < MIN_SOLVE_SECONDS:
-            row.note = "the time limit is spent: raise time_limit to plan it"
+            spent = "the time limit is spent: raise time_limit to plan it"
+            row.note = f"{row.note}; not solved: {spent}" if shape in known else spent
             continue
         share = max(MIN_SOLVE_SECONDS, left)
         try:
@@ -481,15 +522,25 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                  f"({plan.solver.get('status')}) in {row.seconds:.1f}s")
         solved[shape] = plan
     # The answer: the least predicted step of every plan found (ties: the search order's first).
-    steps = {**{shape: k[0] for shape, k in known.items()},
-             **{shape: p.summary["step_us"] for shape, p in solved.items()}}
+    steps = {shape: k[0] for shape, k in known.items()}
+    for shape, p in solved.items():
+        steps[shape] = min(steps.get(shape, float("inf")), p.summary["step_us"])
     best = min(steps, key=lambda shape: (steps[shape], shapes.index(shape)), default=None)
-    if best in known and best not in solved:
+    if best in known and (best not in solved or known[best][0] < solved[best].summary["step_us"]):
         started = time.perf_counter()
-        _, made, b = known[best]
-        solved[best] = made if made is not None else _planner_of(
-            best, b.planner, b.free, make_planner, model, example_inputs, options, first).solve(
-            time_limit=max(1.0, limit - (started - t0)))
+        _, made, b, hand = known[best]
+        if made is None:
+            planner = _planner_of(best, b.planner, b.free, make_planner, model, example_inputs, options, first)
+            left = max(1.0, limit - (started - t0))
+            if hand is None:
+                made = planner.solve(time_limit=left)
+            else:
+                name, seed = planner.hand_written(time_limit=left)
+                made = _hand_written_plan(name, seed)
+        solved[best] = made
+        rows[best].step_us, rows[best].peak_mem_bytes = made.summary["step_us"], made.summary["peak_mem_bytes"]
+        if hand is not None:
+            rows[best].note = f"hand-written {hand} (memory binds): predicted faster than every plan solved"
         rows[best].seconds += time.perf_counter() - started
     table = [rows[s] for s in shapes]
     if best is None and not infeasible:

@@ -344,6 +344,20 @@ class Planner:
                 out["autoshard"] = self._adopt(opts, name, seed)
         return out
 
+    def hand_written(self, time_limit: float, **overrides) -> tuple[str, _Seed] | None:
+        """The hand-written plan of least predicted step that these options allow (``seed_baselines``
+        on, no input specs given, its recompute mode the one asked for or ``"auto"``), each solved
+        under its pins as a solve seeds with them, in ``time_limit`` seconds for all: (its name, the
+        seed; ``seed.plan`` assembles it), or None. Planned alone where memory binds, a shape's plan
+        is the least predicted of its solve and these: a mesh search compares shapes by them."""
+        opts = self._options(overrides)
+        if not opts.seed_baselines or opts.input_specs is not None:
+            return None
+        names = [n for n in baselines_for(self.model) if opts.recompute in ("auto", baseline_recompute(n))]
+        seeds = [(name, seed) for name, seed in self._baselines(names, opts, time_limit).items()
+                 if isinstance(seed, _Seed)]
+        return min(seeds, key=lambda kv: kv[1].step_us, default=None)
+
     def _adopt(self, opts: PlanOptions, name: str, seed: _Seed) -> Plan:
         """Hand-written plan ``name`` as the plan of ``opts`` (it is predicted faster than the
         solve's), labelled as such."""

@@ -245,3 +245,44 @@ def test_shapes_whose_plan_the_bounding_found_are_chosen_by_predicted_step(world
     assert rows[(2, 4)]["step_us"] == 470.0 and rows[(2, 4)]["bound_us"] == 500.0
     # bounded here, every planner is kept: only the chosen shape's plan is assembled, once
     assert [shape for shape, _ in _FittingPlanner.solves] == [(4, 2)]
+
+
+class _HandWrittenPlanner(_ScriptedPlanner):
+    """Memory binds every shape; each shape's best hand-written plan is predicted at ``hand``."""
+
+    hand = {(8,): 2000.0, (2, 4): 800.0, (4, 2): 300.0, (2, 2, 2): 700.0}
+
+    def hand_written(self, time_limit):
+        from types import SimpleNamespace
+
+        step = self.hand[self.shape]
+        plan = SimpleNamespace(summary={"step_us": step, "peak_mem_bytes": 2}, solver={"source": "fsdp"},
+                               mesh_shape=list(self.shape))
+        return "fsdp", SimpleNamespace(step_us=step, plan=plan)
+
+
+def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypatch):
+    """Planned alone where memory binds, a shape's plan is the least predicted of its solve and
+    its hand-written plans, which may overlap far more than the additive bound says: the search
+    times them while bounding, and one predicted faster than every solve is the answer, its
+    shape's row planned though its bound pruned its solve."""
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    world(8)
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), _HandWrittenPlanner)
+    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    assert plan.summary["step_us"] == 300.0 and rows[(4, 2)]["outcome"] == "chosen"
+    assert rows[(4, 2)]["bound_us"] == 504.0 and "hand-written fsdp" in rows[(4, 2)]["note"]
+    # Solved in bound order while bounded below the best additive step (1.5 x 402 = 603 for
+    # (2, 2, 2)); (8,), bounded at 908, is not, and keeps its hand-written plan.
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(2, 2, 2), (2, 4), (4, 2)]
+    assert rows[(2, 2, 2)]["step_us"] == 603.0
+    assert rows[(8,)]["outcome"] == "planned" and rows[(8,)]["step_us"] == 2000.0
+    assert "not solved: bound 0.908 ms >= best 0.603 ms" in rows[(8,)]["note"]
