@@ -245,8 +245,19 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
                 # Memory binds: planned alone, the shape's plan is the least predicted of its solve
                 # and its hand-written plans, which may hide far more communication than the
                 # additive objective, so its bound, says (LLaMA-8B on (64, 4, 2): FSDP+TP at 545.4
-                # ms, bounded at 575.6 additive). Solved under their pins, they cost seconds.
-                found_hand = planner.hand_written(time_limit=max(1.0, seconds))
+                # ms, bounded at 575.6 additive). Solved under their pins, most are proved by their
+                # memory-free optimum in about the time the shape's own took; they get that long
+                # (given all of ``seconds``, those that need the exact search doubled the bounding
+                # of LLaMA-8B's 3-D shapes on 64 ranks).
+                # Their predicted steps are bounded from below, as any plan's: a step hides at most
+                # the overlap share of what perfect overlap would (which is no more than its
+                # communication, the additive step less its compute), so S >= (1 - eta) * additive
+                # + eta * compute >= (1 - eta) * bound + eta * cheapest (recomputation adds to both).
+                eta_p = planner.profile.overlap
+                spent = time.perf_counter() - started
+                found_hand = planner.hand_written(time_limit=max(1.0, min(seconds, spent)),
+                                                  floor_us=(1 - eta_p) * max(bound, free.lower_bound) + eta_p * bound,
+                                                  below=plan_below if plan_below > 0 else float("inf"))
                 if found_hand is not None:
                     hand, seed = found_hand
                     step = seed.step_us

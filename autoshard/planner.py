@@ -344,16 +344,23 @@ class Planner:
                 out["autoshard"] = self._adopt(opts, name, seed)
         return out
 
-    def hand_written(self, time_limit: float, **overrides) -> tuple[str, _Seed] | None:
+    def hand_written(self, time_limit: float, floor_us: float = 0.0, below: float = float("inf"),
+                     **overrides) -> tuple[str, _Seed] | None:
         """The hand-written plan of least predicted step that these options allow (``seed_baselines``
         on, no input specs given, its recompute mode the one asked for or ``"auto"``), each solved
         under its pins as a solve seeds with them, in ``time_limit`` seconds for all: (its name, the
         seed; ``seed.plan`` assembles it), or None. Planned alone where memory binds, a shape's plan
-        is the least predicted of its solve and these: a mesh search compares shapes by them."""
+        is the least predicted of its solve and these: a mesh search compares shapes by them.
+        ``floor_us``: a lower bound of every plan's predicted step without recomputation; a plan
+        in a recompute mode is predicted at least that plus its recomputed copies' cheapest
+        compute (:meth:`recompute_floor`), and one that cannot be predicted below ``below`` is
+        not solved."""
         opts = self._options(overrides)
         if not opts.seed_baselines or opts.input_specs is not None:
             return None
-        names = [n for n in baselines_for(self.model) if opts.recompute in ("auto", baseline_recompute(n))]
+        names = [n for n in baselines_for(self.model) if opts.recompute in ("auto", baseline_recompute(n))
+                 and floor_us + (self.recompute_floor(baseline_recompute(n), opts)
+                                 if baseline_recompute(n) != "none" else 0.0) < below]
         seeds = [(name, seed) for name, seed in self._baselines(names, opts, time_limit).items()
                  if isinstance(seed, _Seed)]
         return min(seeds, key=lambda kv: kv[1].step_us, default=None)
