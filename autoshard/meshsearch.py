@@ -28,9 +28,10 @@ bounded in the order of :func:`next_to_bound`, in worker processes where cores a
 memory binds the lowest bound), then solved in increasing bound, each as a plan on a given
 mesh is (hand-written seeds included) with all the time left (the solver's stall rule ends it
 when it stops improving); a shape whose bound is not below the best plan found is pruned
-unsolved (on the additive objective this applies to the shapes where memory binds: their plans
-may still be predicted faster, by hand-written seeds that overlap more, which the search does
-not try for them). ``time_limit`` is the whole search's:
+unsolved (on the additive objective this applies to the shapes where memory binds; planned
+alone, their plan is the least predicted of their solve and their hand-written plans, which may
+overlap far more than the additive objective sees: the bounding times the best of those, which
+competes as a plan of the shape whether or not it is solved). ``time_limit`` is the whole search's:
 raise it to bound or solve more shapes. Every shape goes in the table, with its bound and why
 it was pruned or skipped or what it cost.
 """
@@ -507,8 +508,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             continue
         left = limit - (started - t0)
         if (solved or known) and left < MIN_SOLVE_SECONDS:
-            spent = "the time limit is spent: raise time_limit to plan it"
-            row.note = f"{row.note}; not solved: {spent}" if shape in known else spent
+            why = "the time limit is spent: raise time_limit to plan it"
+            row.note = f"{row.note}; not solved: {why}" if shape in known else why
             continue
         share = max(MIN_SOLVE_SECONDS, left)
         try:
