@@ -193,14 +193,21 @@ class SweepResult:
     included (:func:`matmul_sides`)."""
 
 
-#: Sides of the matmuls that calibrate the rate by size, as multiples of ``matmul_size`` (GPUs go
-#: up to 4x: their rate still grows past the usual calibration sizes; a CPU's has levelled off).
-MATMUL_SIDE_FACTORS = {"cpu": (1 / 8, 1 / 4, 1 / 2, 1, 2), "cuda": (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)}
+#: Sides of the matmuls that calibrate the rate by size, as multiples of ``matmul_size``, by
+#: device type: on GPUs from an eighth (a grid too small to fill the SMs) to 4x (the rate still
+#: grows past the usual calibration sizes). Not on CPUs: a lone small matmul there runs from
+#: cache, which the same matmul inside a step does not (on 4 gloo ranks of 2 cores, 128 and 256
+#: timed 2x the rate of 1024, and pricing steps with that curve moved the median prediction
+#: error of `benchmarks/fidelity.py` from 0.055 to 0.146, every step predicted low).
+MATMUL_SIDE_FACTORS = {"cuda": (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)}
 
 
 def matmul_sides(n: int, device_type: str) -> list[int]:
-    """The sides timed for ``Profile.matmul_shares`` around the calibration side ``n`` (at least 16)."""
-    factors = MATMUL_SIDE_FACTORS["cuda" if device_type == "cuda" else "cpu"]
+    """The sides timed for ``Profile.matmul_shares`` around the calibration side ``n`` (at least
+    16); none where the device type is not calibrated by size (:data:`MATMUL_SIDE_FACTORS`)."""
+    factors = MATMUL_SIDE_FACTORS.get(device_type)
+    if not factors:
+        return []
     return sorted({max(16, int(round(n * f))) for f in factors} | {n})
 
 
@@ -383,8 +390,9 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             result.matmul_sizes = {side: result.matmul_tflops if side == cfg.matmul_size
                                    else measure_matmul(device, side, planning)
                                    for side in matmul_sides(cfg.matmul_size, device.type)}
-            say("matmul rate by side: " + ", ".join(f"{side} {rate:.3f}" for side, rate in result.matmul_sizes.items())
-                + " TFLOP/s")
+            if result.matmul_sizes:
+                say("matmul rate by side: " + ", ".join(f"{side} {rate:.3f}"
+                                                        for side, rate in result.matmul_sizes.items()) + " TFLOP/s")
             name = str(other).removeprefix("torch.")
             result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other)
             say(f"matmul {cfg.matmul_size}^3 in {name}: {result.other_tflops[name]:.3f} TFLOP/s")

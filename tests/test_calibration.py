@@ -311,9 +311,9 @@ def test_matmul_rate_by_size_goes_into_the_profile_as_shares(monkeypatch):
 
     import costmodel.calibrate as cal
 
-    assert cal.matmul_sides(1024, "cpu") == [128, 256, 512, 1024, 2048]
     assert cal.matmul_sides(4096, "cuda") == [512, 1024, 2048, 4096, 8192, 16384]
-    assert cal.matmul_sides(64, "cpu") == [16, 32, 64, 128]  # no side under 16
+    assert cal.matmul_sides(64, "cuda") == [16, 32, 64, 128, 256]  # no side under 16
+    assert cal.matmul_sides(1024, "cpu") == []  # a lone small matmul runs from a CPU's cache
     monkeypatch.setattr(cal, "identity", lambda mesh, backend: {"date": "today", "device_name": "cpu"})
     cpu = SimpleNamespace(device_type="cpu", shape=(2,), mesh_dim_names=("dp",))
     rates = {128: 0.05, 256: 0.1, 512: 0.2}
