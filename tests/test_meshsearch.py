@@ -283,9 +283,10 @@ def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypat
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
     assert plan.summary["step_us"] == 300.0 and rows[(4, 2)]["outcome"] == "chosen"
     assert rows[(4, 2)]["bound_us"] == 504.0 and "hand-written fsdp" in rows[(4, 2)]["note"]
-    # Solved in bound order while bounded below the best additive step (1.5 x 402 = 603 for
-    # (2, 2, 2)); (8,), bounded at 908, is not, and keeps its hand-written plan.
-    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(2, 2, 2), (2, 4), (4, 2)]
+    # Solved best hand-written plan first (its solve starts from it), while bounded below the best
+    # additive step (1.5 x 402 = 603 for (2, 2, 2)); (8,), bounded at 908, is not, and keeps its
+    # hand-written plan.
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2), (2, 2, 2), (2, 4)]
     assert rows[(2, 2, 2)]["step_us"] == 603.0
     assert rows[(8,)]["outcome"] == "planned" and rows[(8,)]["step_us"] == 2000.0
     assert "not solved: bound 0.908 ms >= best 0.603 ms" in rows[(8,)]["note"]
