@@ -274,13 +274,7 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
 
 def _hand_written_plan(name: str, seed) -> Plan:
     """A hand-written plan (a :class:`~autoshard.planner._Seed`) as a search's answer, labelled."""
-    import dataclasses
-
-    plan = seed.plan
-    summary = {k: v for k, v in plan.summary.items() if k != "pinned"}
-    return dataclasses.replace(plan, summary=summary, solver={
-        **plan.solver, "source": f"baseline {name} (hand-written, under its pins: predicted faster than the "
-                                 "plans the mesh search solved)"})
+    return seed.as_ours(name, "hand-written, under its pins: predicted faster than the plans the mesh search solved")
 
 
 def _bound_share(planner) -> float:

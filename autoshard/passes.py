@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.problem import is_view, matmul_operands, matmul_side, node_flops, op_pricing
+from autoshard.strategies import is_tensor
 from costmodel import compute_time_us
 from costmodel.profile import Profile
 
@@ -77,7 +78,7 @@ class Estimator:
         mm = matmul_operands(node) if self.profile.matmul_shares else None
         side = None
         if mm is not None:  # a per-rank program's values are the local pieces
-            args = [a for a in node.args if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
+            args = [a for a in node.args if is_tensor(a)]
             side = matmul_side(tuple(_val(args[mm[0]]).shape), tuple(_val(args[mm[1]]).shape))
         return compute_time_us(flops, nbytes, self.profile, *op_pricing(node, flops), side)
 

@@ -101,6 +101,13 @@ class _Seed:
     def plan(self) -> Plan:
         return self._assemble()
 
+    def as_ours(self, name: str, why: str) -> Plan:
+        """This hand-written plan, ``name``, as the answer: without its pin count, its source
+        saying why it was taken."""
+        plan = self.plan
+        summary = {k: v for k, v in plan.summary.items() if k != "pinned"}
+        return dataclasses.replace(plan, summary=summary, solver={**plan.solver, "source": f"baseline {name} ({why})"})
+
 
 class Planner:
     """One traced model and its problem on one mesh, solved as many times as asked.
@@ -368,11 +375,8 @@ class Planner:
     def _adopt(self, opts: PlanOptions, name: str, seed: _Seed) -> Plan:
         """Hand-written plan ``name`` as the plan of ``opts`` (it is predicted faster than the
         solve's), labelled as such."""
-        plan = seed.plan
-        summary = {k: v for k, v in plan.summary.items() if k != "pinned"}
-        ours = dataclasses.replace(plan, summary=summary, solver={
-            **plan.solver, "source": f"baseline {name} (predicted faster than the solve's plan, "
-                                     f"{self._plans[_key(opts)][0].summary['step_us'] / 1e3:.3f} ms)"})
+        ours = seed.as_ours(name, f"predicted faster than the solve's plan, "
+                                  f"{self._plans[_key(opts)][0].summary['step_us'] / 1e3:.3f} ms")
         log.info(f"plan: baseline {name} is predicted faster ({seed.step_us / 1e3:.3f} ms): it is the plan")
         self._plans[_key(opts)] = (ours, seed.choice)
         return ours

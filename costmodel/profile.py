@@ -148,9 +148,10 @@ class Profile:
                 and not isinstance(v, bool) and 0 < v <= 4 for k, v in self.matmul_shares.items()):
             raise CostModelError(f"profile {self.name!r}: matmul_shares must map sides (positive integers, as "
                                  f"strings) to shares of the calibrated rate in (0, 4], found {self.matmul_shares!r}")
-        if self.matmul_shares:
-            ordered = sorted(self.matmul_shares.items(), key=lambda kv: int(kv[0]))
-            object.__setattr__(self, "matmul_shares", dict(ordered))
+        ordered = sorted(self.matmul_shares.items(), key=lambda kv: int(kv[0]))
+        object.__setattr__(self, "matmul_shares", dict(ordered))
+        # (log side, share) per point: the planner asks once per strategy of every matmul.
+        object.__setattr__(self, "_matmul_points", [(math.log(int(k)), v) for k, v in ordered])
         if not (isinstance(self.host_op_us, (int, float)) and 0 <= self.host_op_us < float("inf")):
             raise CostModelError(f"profile {self.name!r}: host_op_us must be a finite time >= 0, "
                                  f"found {self.host_op_us!r}")
@@ -202,9 +203,9 @@ class Profile:
     def matmul_share(self, side: float | None) -> float:
         """The share of the calibrated rate a matmul of this side reaches (``matmul_shares``;
         1 without a curve or a side)."""
-        if not self.matmul_shares or not side or side <= 0:
+        pts = self._matmul_points
+        if not pts or not side or side <= 0:
             return 1.0
-        pts = [(math.log(int(k)), v) for k, v in self.matmul_shares.items()]
         x = math.log(side)
         if x <= pts[0][0]:
             return pts[0][1]

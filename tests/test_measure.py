@@ -201,7 +201,7 @@ def test_collective_times_are_read_off_the_clock_marks(world):
     import torch
     import torch.distributed as dist
 
-    from autoshard.measure import CollectiveLog, CudaClock, HostClock
+    from autoshard.measure import CollectiveLog, HostClock
 
     world(2)
     group = dist.group.WORLD.group_name
@@ -217,7 +217,6 @@ def test_collective_times_are_read_off_the_clock_marks(world):
     rows = log.by_kind(1)
     assert rows[("all_gather", "dp")].us == pytest.approx(2e3) and rows[("all_reduce", "dp")].count == 1
     assert isinstance(CollectiveLog(lambda name: ("dp", 2)).clock, HostClock)
-    assert CudaClock().seconds is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
