@@ -35,6 +35,7 @@ from autoshard import _torch_compat as tc
 from autoshard.problem import is_view, matmul_operands, matmul_side, node_flops, op_pricing
 from autoshard.strategies import is_tensor
 from costmodel import compute_time_us
+from costmodel.ops import host_kind
 from costmodel.profile import Profile
 
 _F = torch.ops._c10d_functional
@@ -62,9 +63,15 @@ class Estimator:
 
     def __init__(self, profile: Profile):
         self.profile = profile
-        self.host_us = profile.host_op_us
-        """Host time to issue each node (:mod:`autoshard.simulate`'s host stream)."""
         self._flops: dict = {}
+        self._issue: dict = {}
+
+    def issue_us(self, node: fx.Node) -> float:
+        """Host time to issue ``node`` (:mod:`autoshard.simulate`'s host stream)."""
+        us = self._issue.get(node.target)
+        if us is None:
+            us = self._issue[node.target] = self.profile.host_us(host_kind(node.target))
+        return us
 
     def compute_us(self, node: fx.Node) -> float:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):

@@ -24,6 +24,7 @@ in the backward only.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,7 @@ from autoshard.layers import layer_ties
 from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.tracing import TracedGraph
 from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
+from costmodel.ops import host_kind, is_view_target
 from costmodel.spec import shard_dim
 
 log = logging.getLogger(__name__)
@@ -77,8 +79,19 @@ class GraphProblem:
     """``{"factor": f, "expert_matmuls": n}`` where the graph has expert matmuls
     (:mod:`autoshard.imbalance`); empty otherwise."""
     host_op_us: float = 0.0
-    """Host time to issue each node (the profile's ``host_op_us``): :mod:`autoshard.simulate`'s
-    host stream."""
+    """Host time to issue each node that launches a kernel (the profile's ``host_op_us``):
+    :mod:`autoshard.simulate`'s host stream."""
+    host_view_us: float | None = None
+    """Host time to issue a view (the profile's ``host_view_us``; None: ``host_op_us``)."""
+    _issue: list | None = field(default=None, init=False, repr=False, compare=False)
+
+    def issue_us(self) -> list[float]:
+        """Host time to issue each node, by index (0 for placeholders and getitems)."""
+        if self._issue is None:
+            cost = {"free": 0.0, "kernel": self.host_op_us,
+                    "view": self.host_op_us if self.host_view_us is None else self.host_view_us}
+            self._issue = [cost[host_kind(n.target)] if n.op == "call_function" else 0.0 for n in self.nodes]
+        return self._issue
 
     @property
     def num_originals(self) -> int:
@@ -228,16 +241,18 @@ def matmul_operands(node: fx.Node) -> tuple[int, int] | None:
 
 
 def matmul_side(a_shape, b_shape) -> float | None:
-    """The side of the cube of a matmul's M x N x K (per batch entry; ``Profile.matmul_share``)."""
-    volume = a_shape[-2] * a_shape[-1] * b_shape[-1]
+    """The side of the cube of a matmul's M x N x K times its batch entries
+    (``Profile.matmul_share``): a batched matmul's entries run side by side, so it fills the
+    device as one matmul of its whole volume does."""
+    batch = max(math.prod(a_shape[:-2]), math.prod(b_shape[:-2]))
+    volume = batch * a_shape[-2] * a_shape[-1] * b_shape[-1]
     return volume ** (1 / 3) if volume > 0 else None
 
 
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` aliases its input (no kernel, no memory): view ops, ``detach`` and
     ``_unsafe_view``."""
-    return isinstance(node.target, torch._ops.OpOverload) and bool(getattr(node.target, "is_view", False)) \
-        or node.target in (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
+    return is_view_target(node.target)
 
 
 def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_failures, pattern):
@@ -489,7 +504,7 @@ def build_problem(
     return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index,
                         dict(en.stats.rule_errors), flop_failures,
                         imbalance={"factor": load_imbalance, "expert_matmuls": len(experts)} if experts else {},
-                        host_op_us=profile.host_op_us)
+                        host_op_us=profile.host_op_us, host_view_us=profile.host_view_us)
 
 
 def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,

@@ -106,7 +106,7 @@ def simulate(gm: fx.GraphModule, est: Estimator) -> Timeline:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        t_host += est.host_us
+        t_host += est.issue_us(node)
         if node.target in KIND:
             start = max(t_compute, t_comm, t_host)
             us = est.collective_us(node)
@@ -189,7 +189,7 @@ def _walk(gp, choice, slack: np.ndarray | None) -> Timeline:
     grads_from: dict[int, list[int]] = {}
     for k, e in enumerate(gp.edges):
         (grads_from if e.arg < 0 else into).setdefault(e.producer if e.arg < 0 else e.consumer, []).append(k)
-    host = gp.host_op_us
+    host = gp.issue_us()
     t_compute = t_comm = t_host = 0.0
     done: dict[int, float] = {}
     grad_starts: list[tuple[int, float]] = []
@@ -197,8 +197,7 @@ def _walk(gp, choice, slack: np.ndarray | None) -> Timeline:
     order = _order(gp)
     last = order[-1] if order else -1
     for v in order:
-        if host and gp.nodes[v].op == "call_function":  # placeholders are no ops
-            t_host += host
+        t_host += host[v]
         ready = t_compute
         for k in into.get(v, []):
             e = gp.edges[k]

@@ -178,7 +178,8 @@ def predict(measured: dict) -> None:
           f"{shipped.compute_efficiency:.2f}, {shipped.mem_bandwidth_gbps:.0f} GB/s, launch "
           f"{shipped.kernel_launch_us:.1f} us); calibrated ({calibrated.peak_tflops:.0f} x "
           f"{calibrated.compute_efficiency:.2f}, {calibrated.mem_bandwidth_gbps:.0f} GB/s, launch "
-          f"{calibrated.kernel_launch_us:.1f} us, host {calibrated.host_op_us:.1f} us per op)", flush=True)
+          f"{calibrated.kernel_launch_us:.1f} us, host {calibrated.host_op_us:.1f} us per op, "
+          f"{calibrated.host_us('view'):.1f} per view)", flush=True)
     rows = []
     for name, times in measured["steps_s"].items():
         # Older files held the eager step alone.

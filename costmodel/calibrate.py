@@ -124,6 +124,25 @@ class _Timer:
         self.run(fn, 2)
         return min(self.run(fn, 3) for _ in range(3))
 
+    def device_best(self, fn, calls: int = 20) -> float:
+        """Seconds per call that the device spends, best of three: on a GPU, ``calls`` calls
+        captured in a CUDA graph and replayed, so the host's issue (10-17 us an op on the GPU
+        nodes seen, more than a small kernel's own time) is not in it; elsewhere :meth:`best`."""
+        if self.device.type != "cuda":
+            return self.best(fn)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture, as CUDA graphs ask
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        return min(self.run(graph.replay, 3) for _ in range(3)) / calls
+
 
 def _op(kind: str, elems: int, n: int, dtype, device, group):
     if kind == "all_reduce":
@@ -180,7 +199,9 @@ class SweepResult:
     """Time per tiny op issued from Python: the floor of every op (kernel launch on a GPU, eager
     dispatch on a CPU)."""
     host_op_us: float | None = None
-    """GPUs: host time per op of a replayed graph (:func:`measure_host_op_us`)."""
+    """GPUs: host time per op that launches a kernel, in a replayed graph (:func:`measure_host_issue`)."""
+    host_view_us: float | None = None
+    """GPUs: host time per view, in a replayed graph (:func:`measure_host_issue`)."""
     mem_efficiency: dict = field(default_factory=dict)
     """Bandwidth share of each memory access pattern (:func:`measure_mem_patterns`)."""
     overlap: float | None = None
@@ -220,11 +241,16 @@ def matmul_shares(rates: dict, n: int) -> dict[str, float]:
     return {str(side): round(rate / base, 4) for side, rate in sorted(rates.items()) if rate > 0}
 
 
-def measure_matmul(device, n: int, dtype) -> float:
-    """Achieved TFLOP/s of an n x n matmul (best of a few runs)."""
+def measure_matmul(device, n: int, dtype, device_only: bool = False) -> float:
+    """Achieved TFLOP/s of an n x n matmul (best of a few runs); ``device_only``: the device's
+    time alone (:meth:`_Timer.device_best`), as a matmul inside a step whose host runs ahead."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _Timer(torch.device(device)).best(lambda: a @ b) / 1e12
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    timer = _Timer(torch.device(device))
+    if device_only:
+        return 2 * n**3 / timer.device_best(lambda: torch.mm(a, b, out=out)) / 1e12
+    return 2 * n**3 / timer.best(lambda: a @ b) / 1e12
 
 
 def measure_bandwidth(device, nbytes: int) -> float:
@@ -260,9 +286,13 @@ def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float
 
 
 def measure_launch_us(device, iters: int = 200) -> float:
-    """Microseconds per one-element op issued from Python, best of a few runs."""
+    """Microseconds per one-element op, best of a few runs: the floor of every op. On a GPU the
+    device's time alone (:meth:`_Timer.device_best`): the host's issue is ``host_op_us``, priced
+    apart. On a CPU issued from Python (eager dispatch: the CPU is its own host)."""
     x = torch.zeros(1, device=device)
     timer = _Timer(torch.device(device))
+    if timer.device.type == "cuda":
+        return timer.device_best(lambda: x.add_(1), calls=100) * 1e6
     timer.run(lambda: x.add_(1), 20)
     return min(timer.run(lambda: x.add_(1), iters) for _ in range(3)) * 1e6
 
@@ -282,25 +312,55 @@ def _tiny_training_step(params, x):
     return torch.autograd.grad(h.float().mean(), params)
 
 
-def measure_host_op_us(device) -> float:
-    """Microseconds per node of a traced training step at toy width (:func:`_tiny_training_step`:
-    forward and backward as one graph of aten ops) replayed as a lowered program is, median of
-    five runs of about 50 ms (a shared host's speed wanders: the median is what a step sees): on
-    a GPU, which finishes each toy op sooner than the next is issued, the host's issue time per
-    op (``Profile.host_op_us``)."""
+def _view_chain(x):
+    """Views only (each aliases the last): the host's issue of a view, replayed."""
+    for _ in range(40):
+        x = x.unsqueeze(0).squeeze(0).transpose(0, 1).transpose(0, 1).view(2, -1, x.shape[-1])[0:2].view(x.shape)
+    return x
+
+
+def _replay_us(gm, args, device) -> float:
+    """Microseconds per replay of ``gm``: median of five runs of about 50 ms (a shared host's
+    speed wanders: the median is what a step sees)."""
+    timer = _Timer(torch.device(device))
+    one = timer.run(lambda: gm(*args), 3)
+    iters = max(3, min(1000, int(0.05 / max(one, 1e-6))))
+    runs = sorted(timer.run(lambda: gm(*args), iters) for _ in range(5))
+    return runs[2] * 1e6
+
+
+def measure_host_issue(device) -> tuple[float, float]:
+    """(kernel, view): microseconds the host takes to issue an op that launches a kernel and a
+    view (``Profile.host_op_us``, ``Profile.host_view_us``), in graphs of aten ops replayed as a
+    lowered program is. A chain of views (:func:`_view_chain`) times a view; a training step at
+    toy width (:func:`_tiny_training_step`, forward and backward as one graph), whose ops a GPU
+    finishes sooner than the next is issued, times the rest, less its views. ``getitem`` nodes
+    count as free (:func:`costmodel.ops.host_kind`)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from costmodel.ops import host_kind
+
+    def kinds(gm) -> dict[str, int]:
+        out = {"free": 0, "view": 0, "kernel": 0}
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                out[host_kind(n.target)] += 1
+        return out
+
+    x = torch.randn(8, 16, device=device)
+    chain = make_fx(_view_chain)(x)
+    c = kinds(chain)
+    view_us = _replay_us(chain, (x,), device) / max(1, c["view"] + c["kernel"])
     d = 16
     params = [torch.randn(*shape, device=device, requires_grad=True)
               for shape in ((d, d), (d, d), (d, 2 * d), (d, 2 * d), (2 * d, d), (d,))]
     x = torch.randn(2, 8, d, device=device)
-    gm = make_fx(_tiny_training_step)(params, x)
-    nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    timer = _Timer(torch.device(device))
-    one = timer.run(lambda: gm(params, x), 3)
-    iters = max(3, min(1000, int(0.05 / max(one, 1e-6))))
-    runs = sorted(timer.run(lambda: gm(params, x), iters) for _ in range(5))
-    return runs[2] * 1e6 / nodes
+    step = make_fx(_tiny_training_step)(params, x)
+    k = kinds(step)
+    total = _replay_us(step, (params, x), device)
+    # Noise could leave the kernels less than the views: an op that launches is never cheaper.
+    kernel_us = max(view_us, (total - k["view"] * view_us) / max(1, k["kernel"]))
+    return kernel_us, view_us
 
 
 def _slowest(timer: _Timer, fn, iters: int) -> float:
@@ -387,8 +447,9 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             result.matmul_tflops = measure_matmul(device, cfg.matmul_size, planning)
             result.matmul_side = cfg.matmul_size
             say(f"matmul {cfg.matmul_size}^3: {result.matmul_tflops:.3f} TFLOP/s")
-            result.matmul_sizes = {side: result.matmul_tflops if side == cfg.matmul_size
-                                   else measure_matmul(device, side, planning)
+            # The curve's shares are of rates timed alike, the device's alone: a small matmul's
+            # host issue is the host stream's, priced apart (``host_op_us``).
+            result.matmul_sizes = {side: measure_matmul(device, side, planning, device_only=True)
                                    for side in matmul_sides(cfg.matmul_size, device.type)}
             if result.matmul_sizes:
                 say("matmul rate by side: " + ", ".join(f"{side} {rate:.3f}"
@@ -405,8 +466,9 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             say("bandwidth shares by access pattern: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in result.mem_efficiency.items()))
             if gpu:  # a CPU device is its own host: its ops' times hold their issue
-                result.host_op_us = measure_host_op_us(device)
-                say(f"host: {result.host_op_us:.1f} us to issue each op of a replayed graph")
+                result.host_op_us, result.host_view_us = measure_host_issue(device)
+                say(f"host: {result.host_op_us:.1f} us to issue an op of a replayed graph, "
+                    f"{result.host_view_us:.1f} us a view")
             if dist.get_world_size() > 1:
                 result.overlap = measure_overlap(device, cfg.max_bytes, cfg.matmul_size, planning)
                 say(f"overlap: matmuls beside an all-reduce of {cfg.max_bytes / 2**20:.1f} MiB hid "
@@ -462,6 +524,8 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
         changes["kernel_launch_us"] = result.launch_us
     if result.host_op_us:
         changes["host_op_us"] = result.host_op_us
+    if result.host_view_us is not None:
+        changes["host_view_us"] = result.host_view_us
     if result.mem_efficiency:
         changes["mem_efficiency"] = dict(result.mem_efficiency)
     if result.overlap is not None:

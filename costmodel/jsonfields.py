@@ -3,7 +3,7 @@
 Profiles arrive from files and over the service's API: a wrong type must be reported
 as the field and what was found, not surface later as a ``TypeError`` deep in the cost
 model. Supported annotations: ``str``, ``bool``, ``int``, ``float`` (finite; ints
-accepted), ``dict``, ``tuple`` / ``list`` (any items) and ``list[float]``, and nested
+accepted), ``X | None`` (null allowed), ``dict``, ``tuple`` / ``list`` (any items) and ``list[float]``, and nested
 dataclasses given as objects.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 import typing
 
 from costmodel.errors import CostModelError
@@ -28,6 +29,14 @@ def _is_number(x) -> bool:
 
 def _check(value, hint, where: str):
     origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"jsonfields: unsupported annotation {hint!r} at {where}")
+        return _check(value, rest[0], where)
     if dataclasses.is_dataclass(hint):
         return hint(**fields_of(hint, value, where)) if isinstance(value, dict) else _bad(where, "an object", value)
     if hint is float:

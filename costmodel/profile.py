@@ -74,7 +74,7 @@ class Profile:
     matmul_shares: dict = field(default_factory=dict)
     """Share of the calibrated matmul rate (``tflops(dtype) * compute_efficiency``, measured on
     one square size) that a matmul reaches by its size, by side (a string of an int: the side of
-    the cube of its M x N x K, per batch entry) in ascending order: ``{"128": 0.35, "512": 0.8,
+    the cube of its M x N x K times its batch entries) in ascending order: ``{"128": 0.35, "512": 0.8,
     "1024": 1.0, "2048": 1.05}``. Between sides the share follows log(side) linearly; beyond
     the ends it stays at the end's. A matmul sharded into thin local pieces (tensor parallelism
     on many ranks) runs below the rate of a well-shaped one. Measured by ``autoshard
@@ -88,6 +88,12 @@ class Profile:
     stream). Measured by ``autoshard calibrate`` on GPUs (a toy training step traced and replayed);
     0 models no host stream: a CPU device runs each op on the issuing thread, where
     ``kernel_launch_us`` floors it, and shipped GPU profiles leave it to calibration."""
+    host_view_us: float | None = None
+    """Host time to issue a view op (no kernel: :func:`costmodel.ops.host_kind`), microseconds;
+    None: ``host_op_us``, as any op. Python's dispatch of a view is a third to a half of a
+    kernel's launch, and a lowered program holds two to three views per kernel. Measured by
+    ``autoshard calibrate`` on GPUs (a chain of views traced and replayed); ``host_op_us`` is
+    then the issue of an op that launches a kernel."""
     overlap: float = DEFAULT_OVERLAP
     """Share of the communication that compute running beside it could hide which it does hide:
     1 when a collective and compute share nothing, 0 when they contend for everything (each then
@@ -155,6 +161,10 @@ class Profile:
         if not (isinstance(self.host_op_us, (int, float)) and 0 <= self.host_op_us < float("inf")):
             raise CostModelError(f"profile {self.name!r}: host_op_us must be a finite time >= 0, "
                                  f"found {self.host_op_us!r}")
+        if self.host_view_us is not None and not (
+                isinstance(self.host_view_us, (int, float)) and 0 <= self.host_view_us < float("inf")):
+            raise CostModelError(f"profile {self.name!r}: host_view_us must be a finite time >= 0 or null, "
+                                 f"found {self.host_view_us!r}")
         if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
             raise CostModelError(f"profile {self.name!r}: overlap must be a share in [0, 1], found {self.overlap!r}")
         if isinstance(self.intra_node, dict):
@@ -177,12 +187,14 @@ class Profile:
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
              if k not in ("collectives", "samples", "step_samples", "refinements", "dtype_tflops", "host_op_us",
-                          "mem_efficiency", "matmul_shares")}
+                          "host_view_us", "mem_efficiency", "matmul_shares")}
         # Absent when empty or 0: older profiles keep their JSON form, hence their digest.
         if self.mem_efficiency:
             d["mem_efficiency"] = dict(sorted(self.mem_efficiency.items()))
         if self.host_op_us:
             d["host_op_us"] = self.host_op_us
+        if self.host_view_us is not None:
+            d["host_view_us"] = self.host_view_us
         if self.matmul_shares:
             d["matmul_shares"] = dict(self.matmul_shares)
         if self.dtype_tflops:
@@ -213,6 +225,14 @@ class Profile:
             if x <= x1:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         return pts[-1][1]
+
+    def host_us(self, kind: str) -> float:
+        """Host time to issue an op of this :func:`~costmodel.ops.host_kind`, microseconds."""
+        if kind == "free":
+            return 0.0
+        if kind == "view" and self.host_view_us is not None:
+            return self.host_view_us
+        return self.host_op_us
 
     def tflops(self, dtype: str | None = None) -> float:
         """Dense peak of a matmul in ``dtype`` (a torch dtype name; None: the planning dtype)."""

@@ -100,4 +100,5 @@ def refine_compute(profile: Profile, predicted_us: float, measured_us: float) ->
         peak, efficiency = peak * efficiency, 1.0
     return replace(profile, compute_efficiency=efficiency, peak_tflops=peak, dtype_tflops=by_dtype,
                    mem_bandwidth_gbps=profile.mem_bandwidth_gbps / c, kernel_launch_us=profile.kernel_launch_us * c,
-                   host_op_us=profile.host_op_us * c), c
+                   host_op_us=profile.host_op_us * c,
+                   host_view_us=None if profile.host_view_us is None else profile.host_view_us * c), c

@@ -156,7 +156,14 @@ def test_matmul_rates_of_other_dtypes_go_into_the_profile_as_peaks(monkeypatch):
     assert "host_op_us" not in base.to_json()  # absent when 0: shipped profiles keep their digest
     with pytest.raises(ValueError, match="host_op_us must be a finite time >= 0, found -1"):
         Profile.from_json({**base.to_json(), "host_op_us": -1})
-    assert cal.measure_host_op_us("cpu") > 0
+    kernel_us, view_us = cal.measure_host_issue("cpu")
+    assert kernel_us >= view_us > 0
+    split = cal.build_profile(cal.SweepResult(host_op_us=12.5, host_view_us=4.0), gpu, base, "nccl", 8)
+    assert split.host_us("kernel") == 12.5 and split.host_us("view") == 4.0 and split.host_us("free") == 0
+    assert hosted.host_us("view") == 12.5  # no view figure: a view issues as any op
+    assert Profile.from_json(split.to_json()).host_view_us == 4.0 and "host_view_us" not in hosted.to_json()
+    with pytest.raises(ValueError, match="host_view_us must be a finite time >= 0 or null, found -2"):
+        Profile.from_json({**base.to_json(), "host_view_us": -2})
     shares = cal.measure_mem_patterns("cpu", torch.float32, 256, 128)
     assert set(shares) == {"broadcast", "reduction", "normalize", "strided", "transposed"}
     assert all(0 < v <= 2 for v in shares.values())
@@ -244,7 +251,11 @@ def test_one_gpu_calibrates_compute_and_the_host(tmp_path, monkeypatch):
     run((1,), ("dp",), "nccl", CalibrationConfig(kinds=("all_reduce",), max_bytes=2**16), str(tmp_path / "one.json"),
         nproc=1)
     prof = load_profile(tmp_path / "one.json")
-    assert prof.collectives == () and prof.host_op_us > 0
+    assert prof.collectives == () and prof.host_op_us >= prof.host_view_us > 0
+    # Timed on the device alone (the host's issue is priced apart): a tiny kernel takes less than
+    # the host's issue of one.
+    assert 0 < prof.kernel_launch_us < prof.host_op_us
+    assert prof.matmul_shares and max(prof.matmul_shares.values()) <= 2
     assert 0 < prof.tflops("float32") * prof.compute_efficiency < prof.tflops("bfloat16") * prof.compute_efficiency
 
 
@@ -325,3 +336,26 @@ def test_matmul_rate_by_size_goes_into_the_profile_as_shares(monkeypatch):
                               load_profile("cpu-gloo"), "gloo", 2)
     assert alone.matmul_shares == {}
     assert cal.measure_matmul("cpu", 32, torch.float32) > 0
+
+
+def test_the_views_host_issue_is_timed_on_views_alone():
+    """The chain that times a view's issue holds views only, so no kernel's issue is in it."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import costmodel.calibrate as cal
+    from costmodel.ops import host_kind
+
+    gm = make_fx(cal._view_chain)(torch.randn(8, 16))
+    kinds = [host_kind(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(kinds) >= 200 and set(kinds) == {"view"}
+
+
+def test_device_time_falls_back_to_the_host_clock_off_gpus():
+    import torch
+
+    import costmodel.calibrate as cal
+
+    calls = []
+    seconds = cal._Timer(torch.device("cpu")).device_best(lambda: calls.append(1))
+    assert seconds > 0 and len(calls) == 2 + 9  # best(): two warm-up calls, three runs of three

@@ -208,7 +208,7 @@ def test_a_matmul_is_priced_at_the_rate_of_its_size():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from autoshard.passes import Estimator
-    from autoshard.problem import matmul_operands
+    from autoshard.problem import matmul_operands, matmul_side
 
     # Bandwidth without bound: these small matmuls are priced by their FLOPs alone.
     base = dataclasses.replace(load_profile("h100-sxm"), kernel_launch_us=0.0, mem_bandwidth_gbps=1e9)
@@ -232,10 +232,15 @@ def test_a_matmul_is_priced_at_the_rate_of_its_size():
                            and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                                             torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor)]
     assert (matmul_operands(mm), matmul_operands(addmm), matmul_operands(add)) == ((0, 1), (1, 2), None)
-    # sides 101.6 (128 x 128 x 64) and, per batch entry, 64 (64 x 128 x 32): under the curve's first
+    # sides 101.6 (128 x 128 x 64) and 80.6 (2 x 64 x 128 x 32, batch entries included): under
+    # the curve's first
     for n in (mm, addmm, bmm):
         assert Estimator(curved).compute_us(n) == pytest.approx(Estimator(base).compute_us(n) / 0.25)
     assert Estimator(curved).compute_us(add) == Estimator(base).compute_us(add)
+    # A batched matmul's entries run side by side: 32 heads of 2048 x 2048 x 128 are one cube of
+    # their whole volume, not 32 small ones.
+    assert matmul_side((32, 2048, 2048), (32, 2048, 128)) == pytest.approx((32 * 2048 * 2048 * 128) ** (1 / 3))
+    assert matmul_side((2048, 4096), (4096, 1024)) == pytest.approx((2048 * 4096 * 1024) ** (1 / 3))
 
 
 def test_planner_prices_thin_local_matmuls_at_their_lower_rate(world):

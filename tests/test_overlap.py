@@ -26,7 +26,7 @@ def prefetch_or_recompute():
         node_costs=[[0.0], [100.0], [10.0, 45.0]], node_usages=[[1.0], [1.0], [1.0, 1.0]],
         intervals=[[0, 3], [1, 3], [2, 3]], edges=[[0, 2], [1, 2]],
         edge_costs=[np.array([[50.0, 0.0]]), np.zeros((1, 2))])
-    gp = SimpleNamespace(nodes=[None] * 3, num_originals=3, problem=problem, host_op_us=0.0,
+    gp = SimpleNamespace(nodes=[None] * 3, num_originals=3, problem=problem, issue_us=lambda: [0.0] * 3,
                          edges=[Edge(0, 2, 0, 0), Edge(1, 2, 1, 0)])
     return problem, gp
 

@@ -1,13 +1,18 @@
 """The step simulated on the lowered programs (one compute, one communication stream)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import autoshard
 from autoshard.models import llama
+from autoshard.problem import GraphProblem
 from autoshard.runtime import PlannedProgram
 from autoshard.simulate import simulate_plan, simulate_step
 from autoshard.tracing import trace
+from costmodel import load_profile
+from costmodel.ops import host_kind
 
 
 def test_simulated_step_prices_the_programs_that_run(world):
@@ -130,6 +135,35 @@ def test_host_stream_bounds_a_program_of_small_ops_by_their_issue():
     big = make_fx(lambda a: a @ a)(torch.ones(4096, 4096))
     large = simulate(big, Estimator(dataclasses.replace(base, host_op_us=20.0)))
     assert large.step_us == pytest.approx(large.compute_us + 20.0)  # only the first issue shows
+
+
+def test_the_host_issues_a_view_at_its_own_time_and_a_getitem_free():
+    """``host_view_us``: a view (no kernel) costs the host its own time, any other op
+    ``host_op_us``, a tuple's getitem nothing; both walks, the lowered program's and the planned
+    graph's, charge the same per node."""
+    import dataclasses
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.passes import Estimator
+    from autoshard.simulate import simulate
+
+    def chain(x):
+        for _ in range(50):
+            x = torch.split(x * 1.0001, 4)[0].view(-1)  # a kernel, a split (a view), a getitem, a view
+        return x
+
+    base = load_profile("h100-sxm")
+    gm = make_fx(chain)(torch.ones(8))
+    kinds = [host_kind(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert (kinds.count("kernel"), kinds.count("view")) == (50, 100) and kinds.count("free") >= 50
+    split = dataclasses.replace(base, host_op_us=20.0, host_view_us=5.0)
+    assert simulate(gm, Estimator(split)).step_us == pytest.approx(50 * 20.0 + 100 * 5.0)
+    same = dataclasses.replace(base, host_op_us=20.0)  # no view figure: a view issues as any op
+    assert simulate(gm, Estimator(same)).step_us == pytest.approx(150 * 20.0)
+    gp = SimpleNamespace(nodes=[n for n in gm.graph.nodes], host_op_us=20.0, host_view_us=5.0, _issue=None)
+    issue = GraphProblem.issue_us(gp)
+    assert sum(issue) == pytest.approx(50 * 20.0 + 100 * 5.0) and issue[0] == 0  # the placeholder
 
 
 def test_plan_simulation_waits_for_the_host_where_the_ops_are_small(world):
