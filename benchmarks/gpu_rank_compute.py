@@ -82,9 +82,10 @@ def strip_collectives(gm, int_high: int = 1):
             with g.inserting_before(n):
                 empty = g.call_function(torch.ops.aten.new_empty_strided.default,
                                         (n.args[0], tuple(val.shape), tuple(val.stride())))
+                empty.meta.update(val=val, standin=True)
                 if not val.dtype.is_floating_point and val.dtype != torch.bool:
                     empty = g.call_function(torch.ops.aten.randint_like.low_dtype, (empty, 0, int_high))
-            empty.meta["val"] = val
+                    empty.meta.update(val=val, standin=True)
             n.replace_all_uses_with(empty)
             g.erase_node(n)
     g.eliminate_dead_code()
@@ -314,9 +315,16 @@ def predict(args) -> None:
     if not curve.matmul_shares:
         sys.exit(f"the profile in {args.measured} has no matmul curve to compare")
     flat = dataclasses.replace(curve, matmul_shares={})
-    ests = {"curve": Estimator(curve), "flat": Estimator(flat)}
+    class Priced(Estimator):
+        """The estimator, with the collectives' stand-ins free on the device as on the GPU (an
+        empty tensor; the host still issues them)."""
+
+        def compute_us(self, node):
+            return 0.0 if node.meta.get("standin") else super().compute_us(node)
+
+    ests = {"curve": Priced(curve), "flat": Priced(flat)}
     if curve.host_view_us is not None:  # the host's issue of a view apart from a kernel's, or not
-        ests["one_host"] = Estimator(dataclasses.replace(curve, host_view_us=None))
+        ests["one_host"] = Priced(dataclasses.replace(curve, host_view_us=None))
     print(f"{measured['device']}: matmul shares by side {curve.matmul_shares}", flush=True)
     rows = []
     mm_rows = {}

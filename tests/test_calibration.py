@@ -255,7 +255,9 @@ def test_one_gpu_calibrates_compute_and_the_host(tmp_path, monkeypatch):
     # Timed on the device alone (the host's issue is priced apart): a tiny kernel takes less than
     # the host's issue of one.
     assert 0 < prof.kernel_launch_us < prof.host_op_us
-    assert prof.matmul_shares and max(prof.matmul_shares.values()) <= 2
+    # A grid too small to fill the SMs runs below the calibration side's rate.
+    shares = list(prof.matmul_shares.values())
+    assert shares[0] < 1.0 == prof.matmul_shares["1024"]
     assert 0 < prof.tflops("float32") * prof.compute_efficiency < prof.tflops("bfloat16") * prof.compute_efficiency
 
 
