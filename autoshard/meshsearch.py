@@ -48,7 +48,7 @@ from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError
 from autoshard.options import PlanOptions
 from autoshard.overlap import additive_solve
 from autoshard.planfile import Plan
-from autoshard.simulate import simulate_plan
+from autoshard.simulate import simulate_plan, step_floor
 from costmodel import MeshTopology
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,8 @@ class _Bounded(NamedTuple):
     plan: Plan | None
     """Its plan where a worker made it (a proved memory-free optimum that fits, below every
     such plan known when the shape was submitted), else None."""
+    cheapest: float = 0.0
+    """Its cheapest-strategy bound: every plan's compute is at least this."""
 
 
 class _BoundResult(NamedTuple):
@@ -251,14 +253,13 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
                 # memory-free optimum in about the time the shape's own took; they get that long
                 # (given all of ``seconds``, those that need the exact search doubled the bounding
                 # of LLaMA-8B's 3-D shapes on 64 ranks).
-                # Their predicted steps are bounded from below, as any plan's: a step hides at most
-                # the overlap share of what perfect overlap would (which is no more than its
-                # communication, the additive step less its compute), so S >= (1 - eta) * additive
-                # + eta * compute >= (1 - eta) * bound + eta * cheapest (recomputation adds to both).
-                eta_p = planner.profile.overlap
+                # Their predicted steps are bounded from below by the shape's additive and compute
+                # bounds, as any plan's (simulate.step_floor): one that cannot beat the best plan
+                # found is not solved.
                 spent = time.perf_counter() - started
                 found_hand = planner.hand_written(time_limit=max(1.0, min(seconds, spent)),
-                                                  floor_us=(1 - eta_p) * max(bound, free.lower_bound) + eta_p * bound,
+                                                  additive_floor_us=max(bound, free.lower_bound),
+                                                  compute_floor_us=bound,
                                                   below=plan_below if plan_below > 0 else float("inf"))
                 if found_hand is not None:
                     hand, seed = found_hand
@@ -458,12 +459,13 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             if error is not None:  # e.g. a pin written for another number of axes
                 row.outcome, row.note = "error", error
                 continue
+            cheapest = bound
             if free is not None:
                 bound = bounds[shape] = max(bound, free.lower_bound)
             row.bound_us = bound
             spent.setdefault(len(shape), []).append(seconds)
             entry = _Bounded(free is None, bound, shapes.index(shape), shape, planner, free,
-                             made if hand is None else None)
+                             made if hand is None else None, cheapest)
             if step is not None:
                 known[shape] = (step, made, entry, hand)
                 row.outcome, row.step_us = "planned", round(step, 3)
@@ -497,7 +499,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     # hand-written plan was the best, planned alone gives 4,772.6).
     bounded.sort(key=lambda b: (b.no_free, b.shape not in known, known[b.shape][0] if b.shape in known else b.bound,
                                 b.order))
-    for _, bound, _, shape, planner, free, made in bounded:
+    for _, bound, _, shape, planner, free, made, cheapest in bounded:
         row, started = rows[shape], time.perf_counter()
         # Bounds of the objective the plans optimize: the simulated step, or the additive one.
         objective = [*(p.summary["step_us"] if eta > 0 else additive_solve(p) for p in solved.values()),
@@ -505,6 +507,15 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         best_us = min(objective, default=None)
         if best_us is not None and bound >= best_us:
             _prune(row, shape in known, f"bound {bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms")
+            continue
+        # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
+        # best plan found, by its bounds, has nothing to give (on the additive objective too).
+        found_us = min([*(k[0] for s, k in known.items() if s != shape),
+                        *(p.summary["step_us"] for p in solved.values())], default=float("inf"))
+        floor_us = bound if eta > 0 else step_floor(bound, cheapest, first.profile.overlap)
+        if floor_us >= found_us:
+            _prune(row, shape in known, f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its "
+                   f"bounds) >= {found_us / 1e3:.3f} ms, the best plan found")
             continue
         left = limit - (started - t0)
         if (solved or known) and left < MIN_SOLVE_SECONDS:

@@ -31,7 +31,7 @@ from autoshard.pins import resolve_pins, to_spec
 from autoshard.planfile import RECOMPUTE_MODES, ParamPlacement, Plan
 from autoshard.problem import GraphProblem, build_problem, pin_indices
 from autoshard.recompute import NONE, Recompute, choose, recomputed, with_recompute
-from autoshard.simulate import simulate_plan
+from autoshard.simulate import simulate_plan, step_floor
 from autoshard.tracing import trace
 from autoshard.units import human_bytes
 from autoshard.unroll import trace_unrolled
@@ -351,23 +351,28 @@ class Planner:
                 out["autoshard"] = self._adopt(opts, name, seed)
         return out
 
-    def hand_written(self, time_limit: float, floor_us: float = 0.0, below: float = float("inf"),
-                     **overrides) -> tuple[str, _Seed] | None:
+    def hand_written(self, time_limit: float, additive_floor_us: float = 0.0, compute_floor_us: float = 0.0,
+                     below: float = float("inf"), **overrides) -> tuple[str, _Seed] | None:
         """The hand-written plan of least predicted step that these options allow (``seed_baselines``
         on, no input specs given, its recompute mode the one asked for or ``"auto"``), each solved
         under its pins as a solve seeds with them, in ``time_limit`` seconds for all: (its name, the
         seed; ``seed.plan`` assembles it), or None. Planned alone where memory binds, a shape's plan
         is the least predicted of its solve and these: a mesh search compares shapes by them.
-        ``floor_us``: a lower bound of every plan's predicted step without recomputation; a plan
-        in a recompute mode is predicted at least that plus its recomputed copies' cheapest
-        compute (:meth:`recompute_floor`), and one that cannot be predicted below ``below`` is
-        not solved."""
+        ``additive_floor_us``, ``compute_floor_us``: lower bounds of every plan's additive step and
+        compute without recomputation (a plan in a recompute mode adds its recomputed copies'
+        cheapest compute to both, :meth:`recompute_floor`); a hand-written plan whose predicted
+        step they bound at or above ``below`` (:func:`~autoshard.simulate.step_floor`) is not
+        solved."""
         opts = self._options(overrides)
         if not opts.seed_baselines or opts.input_specs is not None:
             return None
+
+        def floor(mode: str) -> float:
+            extra = self.recompute_floor(mode, opts) if mode != "none" else 0.0
+            return step_floor(additive_floor_us + extra, compute_floor_us + extra, self.profile.overlap)
+
         names = [n for n in baselines_for(self.model) if opts.recompute in ("auto", baseline_recompute(n))
-                 and floor_us + (self.recompute_floor(baseline_recompute(n), opts)
-                                 if baseline_recompute(n) != "none" else 0.0) < below]
+                 and (below == float("inf") or floor(baseline_recompute(n)) < below)]
         seeds = [(name, seed) for name, seed in self._baselines(names, opts, time_limit).items()
                  if isinstance(seed, _Seed)]
         return min(seeds, key=lambda kv: kv[1].step_us, default=None)

@@ -132,6 +132,24 @@ def simulate(gm: fx.GraphModule, est: Estimator) -> Timeline:
     return tl
 
 
+def step_floor(additive_us: float, compute_us: float, share: float) -> float:
+    """A lower bound of the simulated step, at overlap share ``share``, of every plan whose
+    additive step is at least ``additive_us`` and whose compute is at least ``compute_us``.
+
+    A plan of compute ``C`` and communication ``M`` is simulated at ``C + M - share * hidden``
+    (plus the host's idle time), and ``hidden <= min(C, M)``: two streams run no shorter than the
+    longer of them. Over ``C + M >= A`` and ``C >= L`` the least of ``C + M - share * min(C, M)``
+    lies on ``C + M = A`` at ``C = max(L, A / 2)``:
+
+        step >= A - share * min(A / 2, A - L)
+
+    which is ``(1 - share) * A + share * L`` where compute takes at least half of ``A``, and
+    ``(1 - share / 2) * A`` where it may take less (communication can hide no more compute than
+    there is). A recomputing plan: ``A`` and ``L`` both plus the recomputed copies' cheapest
+    compute."""
+    return additive_us - share * min(additive_us / 2, max(0.0, additive_us - compute_us))
+
+
 def simulate_step(program, rank: int, profile: Profile | None = None) -> Timeline:
     """Forward then backward of a :class:`autoshard.runtime.PlannedProgram` for ``rank``, priced
     by ``profile`` (default: the plan's, which the programs were scheduled with) and its overlap

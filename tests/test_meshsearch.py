@@ -252,12 +252,13 @@ class _HandWrittenPlanner(_ScriptedPlanner):
 
     hand = {(8,): 2000.0, (2, 4): 800.0, (4, 2): 300.0, (2, 2, 2): 700.0}
 
-    def hand_written(self, time_limit, floor_us=0.0, below=float("inf")):
+    def hand_written(self, time_limit, additive_floor_us=0.0, compute_floor_us=0.0, below=float("inf")):
         from types import SimpleNamespace
 
-        # While bounding: (1 - 0.9) * bound + 0.9 * cheapest (0 here), a bound of every plan's
-        # predicted step; the chosen one's, assembled at the end, asks with none.
-        assert floor_us == pytest.approx(0.1 * self.bound()) or (floor_us, below) == (0.0, float("inf"))
+        # While bounding: the shape's additive and compute bounds (cheapest: 0 here), which bound
+        # every plan's predicted step; the chosen one's, assembled at the end, asks with none.
+        assert (additive_floor_us, compute_floor_us) == (self.bound(), 0.0) or \
+            (additive_floor_us, below) == (0.0, float("inf"))
         step = self.hand[self.shape]
         plan = SimpleNamespace(summary={"step_us": step, "peak_mem_bytes": 2}, solver={"source": "fsdp"},
                                mesh_shape=list(self.shape))
@@ -290,3 +291,51 @@ def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypat
     assert rows[(2, 2, 2)]["step_us"] == 603.0
     assert rows[(8,)]["outcome"] == "planned" and rows[(8,)]["step_us"] == 2000.0
     assert "not solved: bound 0.908 ms >= best 0.603 ms" in rows[(8,)]["note"]
+
+
+class _FastHandWrittenPlanner(_HandWrittenPlanner):
+    hand = {**_HandWrittenPlanner.hand, (4, 2): 100.0}
+
+
+def test_shapes_whose_bounds_say_no_plan_beats_the_best_found_are_not_solved(world, monkeypatch):
+    """A step hides at most the overlap share of the smaller of its compute and communication
+    (simulate.step_floor): with (4, 2)'s hand-written plan at 100, (2, 2, 2) and (2, 4), bounded
+    at 402 and 502 additive with compute that may be nil, are predicted at least 0.55 x that
+    (eta 0.9): above 100, so neither is solved, though both bound below every additive plan."""
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    world(8)
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), _FastHandWrittenPlanner)
+    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    assert plan.summary["step_us"] == 100.0 and rows[(4, 2)]["outcome"] == "chosen"
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2)]
+    assert "predicted at least 0.221 ms (its bounds) >= 0.100 ms" in rows[(2, 2, 2)]["note"]
+    assert "predicted at least 0.276 ms" in rows[(2, 4)]["note"]
+
+
+def test_step_floor_bounds_every_split_of_compute_and_communication():
+    """step_floor(A, L, eta) <= C + M - eta * min(C, M) for every C >= L, C + M >= A, and some
+    such split meets it."""
+    import numpy as np
+
+    from autoshard.simulate import step_floor
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a, eta = rng.uniform(1, 100), rng.uniform(0, 1)
+        low = rng.uniform(0, a)
+        floor = step_floor(a, low, eta)
+        c = rng.uniform(low, 2 * a, 500)
+        m = np.maximum(a - c, 0) + rng.uniform(0, a, 500) * (rng.random(500) < 0.5)
+        assert np.all(c + m - eta * np.minimum(c, m) >= floor - 1e-9)
+        best_c = max(low, a / 2)
+        assert best_c + (a - best_c) - eta * min(best_c, a - best_c) == pytest.approx(floor)
+    assert step_floor(100.0, 30.0, 0.9) == pytest.approx(55.0)  # compute may be half: (1 - eta / 2) A
+    assert step_floor(100.0, 80.0, 0.9) == pytest.approx(0.1 * 100 + 0.9 * 80)  # at least 80 of it is
