@@ -248,6 +248,25 @@ def _mm_key(mm: dict) -> str:
     return f"{mm['op']} {mm['shapes']} {mm['strides']} {mm['dtype']}"
 
 
+def _device_us_by_op(fn, runs: int = 3) -> dict[str, float]:
+    """Device microseconds per run of ``fn`` by aten op the program calls, from torch.profiler
+    over ``runs`` runs: each top-level op's kernels, those of the ops it calls inside included
+    (a clone's copy is the clone's), as the estimator prices a program's node."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for evt in prof.events():
+        parent = evt.cpu_parent
+        if evt.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
+            us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+            out[evt.name] = out.get(evt.name, 0.0) + us / runs
+    return {k: v for k, v in out.items() if v > 0}
+
+
 class _HostEvent:
     """``torch.cuda.Event``'s two methods on the host clock (``--device cpu``: a dry run of
     ``measure`` where no GPU is)."""
@@ -285,6 +304,8 @@ def measure(args) -> None:
                 continue
             out["programs_s"][f"{key}/{part}"] = s
             print(f"{key}/{part}: {s * 1e3:.3f} ms", flush=True)
+            if cuda and args.ops:
+                out.setdefault("ops_us", {})[f"{key}/{part}"] = _device_us_by_op(fn)
             for mm in p["matmuls"]:
                 matmuls[_mm_key(mm)] = mm
             del fn
@@ -328,6 +349,7 @@ def predict(args) -> None:
     print(f"{measured['device']}: matmul shares by side {curve.matmul_shares}", flush=True)
     rows = []
     mm_rows = {}
+    by_op: dict[str, list[float]] = {}  # aten op -> [predicted, measured] device microseconds
     from autoshard.planfile import Plan
 
     saved = torch.load(args.programs, weights_only=False)["plans"]
@@ -340,6 +362,14 @@ def predict(args) -> None:
             if meas is None:
                 continue
             pred = {k: simulate(gm, e).step_us / 1e6 for k, e in ests.items()}
+            ops = measured.get("ops_us", {}).get(f"{key}/{part}")
+            if ops is not None:
+                for n in gm.graph.nodes:
+                    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+                        op = "aten::" + n.target.__name__.split(".")[0]
+                        by_op.setdefault(op, [0.0, 0.0])[0] += ests["curve"].compute_us(n)
+                for op, us in ops.items():
+                    by_op.setdefault(op, [0.0, 0.0])[1] += us
             rows.append({k: v / meas for k, v in pred.items()})
             print(f"{key + '/' + part:28s} measured {meas * 1e3:8.3f} ms  predicted: "
                   + "  ".join(f"{k} {v * 1e3:8.3f} ({v / meas:5.2f})" for k, v in pred.items()), flush=True)
@@ -352,6 +382,11 @@ def predict(args) -> None:
                     if k in measured["matmuls_s"] and k not in mm_rows:
                         mm_rows[k] = {e: ests[e].compute_us(n) / 1e6 / measured["matmuls_s"][k]
                                       for e in ("curve", "flat")}
+    if by_op:
+        print("device time by aten op over every program (the curve's estimate / torch.profiler's):")
+        for op, (pred, meas) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
+            if meas > 0.002 * sum(m for _, m in by_op.values()):
+                print(f"  {op:40s} measured {meas / 1e3:9.3f} ms  predicted {pred / 1e3:9.3f} ms  ({pred / meas:5.2f})")
     print("matmuls alone, the device's time (predicted / measured):")
     for k, r in sorted(mm_rows.items(), key=lambda kv: measured["matmuls_s"][kv[0]]):
         print(f"  {k:80s} {measured['matmuls_s'][k] * 1e6:9.1f} us  curve {r['curve']:5.2f}  flat {r['flat']:5.2f}")
@@ -371,6 +406,8 @@ def main() -> None:
     ap.add_argument("--programs", default="rank_programs.pt", help="measure: the programs file export wrote")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="measure: cpu is a dry run")
+    ap.add_argument("--ops", action="store_true", help="measure: each program's device time by aten op too "
+                    "(torch.profiler), which predict sets against the estimator's")
     ap.add_argument("--json", default=None, help="measure: write the measured figures here")
     ap.add_argument("--measured", default=None, help="predict: the file measure wrote")
     args = ap.parse_args()
