@@ -184,6 +184,9 @@ def node_dtype(node: fx.Node) -> str | None:
 
 #: Ops that normalize along a dim (a reduction, then an elementwise pass), by name.
 _NORMALIZING = ("softmax", "norm")
+#: Ops that lay their inputs side by side: each input read once, though smaller than the output
+#: (not a broadcast: on an H200 `cat` ran at 2.1x the speed the broadcast share priced it at).
+_CONCATENATING = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
 
 
 def memory_pattern(node: fx.Node) -> str | None:
@@ -191,7 +194,8 @@ def memory_pattern(node: fx.Node) -> str | None:
     (softmax or a norm, forward or backward), ``reduction`` (an output smaller than an input),
     ``transposed`` (an operand of more than one element whose last dim is not contiguous),
     ``strided`` (one not contiguous whose last dim is), ``broadcast`` (an operand of more than
-    one element but fewer than the output); None: a contiguous elementwise op or copy."""
+    one element but fewer than the output, re-read; not a concatenation's); None: a contiguous
+    elementwise op or copy."""
     out = node.meta.get("val")
     outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
     ins = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
@@ -206,7 +210,7 @@ def memory_pattern(node: fx.Node) -> str | None:
         return "transposed"
     if any(v.numel() > 1 and not v.is_contiguous() for v in ins):
         return "strided"
-    if any(1 < v.numel() < numel for v in ins):
+    if node.target not in _CONCATENATING and any(1 < v.numel() < numel for v in ins):
         return "broadcast"
     return None
 

@@ -109,12 +109,13 @@ def test_memory_bound_ops_are_priced_at_their_access_patterns_bandwidth():
 
     def step(x, w, y):
         return (x + y, x * w, x.sum(-1), torch.softmax(x, -1), x.t().contiguous(),
-                x.view(256, 8, 64).transpose(0, 1).contiguous(), x * 2.0)
+                x.view(256, 8, 64).transpose(0, 1).contiguous(), x * 2.0, torch.cat([x, y], -1))
 
     gm = make_fx(step, tracing_mode="fake")(torch.ones(256, 512), torch.ones(512), torch.ones(256, 512))
     ops = [n for n in gm.graph.nodes if n.op == "call_function" and not getattr(n.target, "is_view", False)]
+    # A concatenation reads each input once: a copy, though each is smaller than the output.
     assert [memory_pattern(n) for n in ops] == [None, "broadcast", "reduction", "normalize", "transposed",
-                                                "strided", None]
+                                                "strided", None, None]
     base = load_profile("h100-sxm")
     shares = {"broadcast": 0.5, "reduction": 0.8, "normalize": 0.4, "strided": 0.6, "transposed": 0.25}
     slow = dataclasses.replace(base, mem_efficiency=shares, kernel_launch_us=0.0)
