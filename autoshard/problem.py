@@ -184,6 +184,10 @@ def node_dtype(node: fx.Node) -> str | None:
 
 #: Ops that normalize along a dim (a reduction, then an elementwise pass), by name.
 _NORMALIZING = ("softmax", "norm")
+#: Reductions, by name: one that keeps its input's last dim reads across rows (``outer_reduction``).
+_REDUCING = ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "prod", "norm", "logsumexp", "any", "all")
+#: Ops that accumulate rows at indices (an embedding's gradient), by name.
+_SCATTERING = ("embedding_dense_backward", "index_add", "scatter_add", "index_put")
 #: Ops that lay their inputs side by side: each input read once, though smaller than the output
 #: (not a broadcast: on an H200 `cat` ran at 2.1x the speed the broadcast share priced it at).
 _CONCATENATING = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
@@ -191,7 +195,9 @@ _CONCATENATING = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
 
 def memory_pattern(node: fx.Node) -> str | None:
     """The access pattern of a memory-bound op (``Profile.mem_efficiency``): ``normalize``
-    (softmax or a norm, forward or backward), ``reduction`` (an output smaller than an input),
+    (softmax or a norm, forward or backward), ``scatter`` (rows accumulated at indices),
+    ``outer_reduction`` (a reduction that keeps its input's last dim), ``reduction`` (any other
+    output smaller than an input),
     ``transposed`` (an operand of more than one element whose last dim is not contiguous),
     ``strided`` (one not contiguous whose last dim is), ``broadcast`` (an operand of more than
     one element but fewer than the output, re-read; not a concatenation's); None: a contiguous
@@ -203,8 +209,15 @@ def memory_pattern(node: fx.Node) -> str | None:
         return None
     if any(k in str(node.target) for k in _NORMALIZING):
         return "normalize"
+    name = str(node.target).split(".")[1] if str(node.target).startswith("aten.") else str(node.target)
+    if any(k in name for k in _SCATTERING):
+        return "scatter"
     numel = max(o.numel() for o in outs)
-    if numel < max(v.numel() for v in ins):
+    big = max(ins, key=lambda v: v.numel())
+    if numel < big.numel():
+        out = max(outs, key=lambda o: o.numel())
+        if name in _REDUCING and big.dim() > 1 and out.dim() and out.shape[-1] == big.shape[-1] > 1:
+            return "outer_reduction"
         return "reduction"
     if any(v.numel() > 1 and v.dim() and v.shape[-1] > 1 and v.stride()[-1] != 1 for v in ins):
         return "transposed"

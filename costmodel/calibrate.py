@@ -264,9 +264,11 @@ def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float
     """The bandwidth each access pattern of ``Profile.mem_efficiency`` reaches (bytes read and
     written per second, as the planner counts them) as a share of a contiguous copy's in
     ``dtype``, on a ``rows`` x ``cols`` tensor, best of a few runs: ``broadcast`` a multiply by
-    a row of ``cols``, ``reduction`` a sum over the last dim, ``normalize`` a softmax over it,
-    ``strided`` a permute that keeps the last dim (attention heads: rows x (cols/64) x 64 to
-    (cols/64) x rows x 64) made contiguous, ``transposed`` a transpose made contiguous."""
+    a row of ``cols``, ``reduction`` a sum over the last dim, ``outer_reduction`` a sum over the
+    first, ``normalize`` a softmax over the last, ``strided`` a permute that keeps the last dim
+    (attention heads: rows x (cols/64) x 64 to (cols/64) x rows x 64) made contiguous,
+    ``transposed`` a transpose made contiguous, ``scatter`` an embedding's gradient (the rows
+    accumulated into an eighth as many at random indices)."""
     x = torch.randn(rows, cols, device=device, dtype=dtype)
     w = torch.randn(cols, device=device, dtype=dtype)
     out, out_t = torch.empty_like(x), torch.empty(cols, rows, device=device, dtype=dtype)
@@ -277,8 +279,13 @@ def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float
 
     size = x.numel() * x.element_size()
     copy = rate(lambda: out.copy_(x), 2 * size)
+    table = max(1, rows // 8)
+    idx = torch.randint(0, table, (rows,), device=device)
     rates = {"broadcast": rate(lambda: torch.mul(x, w, out=out), 2 * size),
              "reduction": rate(lambda: x.sum(-1), size + size // cols),
+             "outer_reduction": rate(lambda: x.sum(0), size + size // rows),
+             "scatter": rate(lambda: torch.ops.aten.embedding_dense_backward(x, idx, table, -1, False),
+                             size + idx.numel() * idx.element_size() + table * cols * x.element_size()),
              "normalize": rate(lambda: torch.softmax(x, -1), 2 * size),
              "strided": rate(lambda: out.view(-1, rows, 64).copy_(x.view(rows, -1, 64).transpose(0, 1)), 2 * size),
              "transposed": rate(lambda: out_t.copy_(x.t()), 2 * size)}

@@ -29,7 +29,10 @@ from costmodel.links import LinkModel
 
 PROFILE_VERSION = 2
 #: Access patterns of memory-bound ops that reach less than a copy's bandwidth (``Profile.mem_efficiency``).
-MEMORY_PATTERNS = ("broadcast", "reduction", "normalize", "strided", "transposed")
+MEMORY_PATTERNS = ("broadcast", "reduction", "outer_reduction", "normalize", "strided", "transposed", "scatter")
+#: A pattern a profile does not measure is priced as the one it refines, where that one is measured
+#: (a profile calibrated before ``outer_reduction`` existed prices those as reductions).
+PATTERN_FALLBACK = {"outer_reduction": "reduction"}
 #: ``Profile.overlap`` where a profile does not give it (profiles written before it existed).
 DEFAULT_OVERLAP = 0.9
 
@@ -65,11 +68,13 @@ class Profile:
     """Share of ``mem_bandwidth_gbps`` that a memory-bound op reaches, by its access pattern
     (:data:`MEMORY_PATTERNS`, :func:`autoshard.problem.memory_pattern`): ``broadcast`` (an
     operand smaller than the output, re-read: norms' weights, rotary tables, biases),
-    ``reduction`` (an output smaller than an input: sums, means), ``normalize`` (softmax and
-    norms: a reduction and an elementwise pass), ``strided`` (an operand not contiguous whose
-    last dim is: attention heads permuted), ``transposed`` (an operand whose last dim is not
-    contiguous: a transpose made contiguous). A pattern not named, a contiguous elementwise op
-    and a copy reach the whole bandwidth. Measured by ``autoshard calibrate``; on an H100 in
+    ``reduction`` (an output smaller than an input: sums, means), ``outer_reduction`` (a
+    reduction that keeps the last dim: sums over the batch, as bias and norm-weight gradients
+    are; else priced as ``reduction``), ``normalize`` (softmax and norms: a reduction and an
+    elementwise pass), ``strided`` (an operand not contiguous whose last dim is: attention heads
+    permuted), ``transposed`` (an operand whose last dim is not contiguous: a transpose made
+    contiguous), ``scatter`` (rows accumulated at indices: an embedding's gradient, index_add).
+    A pattern not named, a contiguous elementwise op and a copy reach the whole bandwidth. Measured by ``autoshard calibrate``; on an H100 in
     bf16 about 0.54 (broadcast), 0.45 (softmax), 0.19 (transposed)."""
     matmul_shares: dict = field(default_factory=dict)
     """Share of the calibrated matmul rate (``tflops(dtype) * compute_efficiency``, measured on
@@ -210,7 +215,12 @@ class Profile:
 
     def bandwidth_gbps(self, pattern: str | None = None) -> float:
         """Memory bandwidth a memory-bound op of this access pattern reaches (None: a copy's)."""
-        return self.mem_bandwidth_gbps * self.mem_efficiency.get(pattern, 1.0) if pattern else self.mem_bandwidth_gbps
+        if not pattern:
+            return self.mem_bandwidth_gbps
+        share = self.mem_efficiency.get(pattern)
+        if share is None:
+            share = self.mem_efficiency.get(PATTERN_FALLBACK.get(pattern), 1.0)
+        return self.mem_bandwidth_gbps * share
 
     def matmul_share(self, side: float | None) -> float:
         """The share of the calibrated rate a matmul of this side reaches (``matmul_shares``;

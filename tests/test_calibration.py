@@ -165,7 +165,8 @@ def test_matmul_rates_of_other_dtypes_go_into_the_profile_as_peaks(monkeypatch):
     with pytest.raises(ValueError, match="host_view_us must be a finite time >= 0 or null, found -2"):
         Profile.from_json({**base.to_json(), "host_view_us": -2})
     shares = cal.measure_mem_patterns("cpu", torch.float32, 256, 128)
-    assert set(shares) == {"broadcast", "reduction", "normalize", "strided", "transposed"}
+    assert set(shares) == {"broadcast", "reduction", "outer_reduction", "normalize", "strided", "transposed",
+                           "scatter"}
     assert all(0 < v <= 2 for v in shares.values())
     patterned = cal.build_profile(cal.SweepResult(mem_efficiency=shares), gpu, base, "nccl", 8)
     assert patterned.bandwidth_gbps("strided") == pytest.approx(base.mem_bandwidth_gbps * shares["strided"])

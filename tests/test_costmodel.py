@@ -107,17 +107,21 @@ def test_memory_bound_ops_are_priced_at_their_access_patterns_bandwidth():
     from autoshard.passes import Estimator
     from autoshard.problem import memory_pattern
 
-    def step(x, w, y):
+    def step(x, w, y, idx):
         return (x + y, x * w, x.sum(-1), torch.softmax(x, -1), x.t().contiguous(),
-                x.view(256, 8, 64).transpose(0, 1).contiguous(), x * 2.0, torch.cat([x, y], -1))
+                x.view(256, 8, 64).transpose(0, 1).contiguous(), x * 2.0, torch.cat([x, y], -1), x.sum(0),
+                torch.ops.aten.embedding_dense_backward(x, idx, 64, -1, False))
 
-    gm = make_fx(step, tracing_mode="fake")(torch.ones(256, 512), torch.ones(512), torch.ones(256, 512))
+    gm = make_fx(step, tracing_mode="fake")(torch.ones(256, 512), torch.ones(512), torch.ones(256, 512),
+                                            torch.zeros(256, dtype=torch.long))
     ops = [n for n in gm.graph.nodes if n.op == "call_function" and not getattr(n.target, "is_view", False)]
-    # A concatenation reads each input once: a copy, though each is smaller than the output.
+    # A concatenation reads each input once: a copy, though each is smaller than the output. A
+    # sum over rows keeps the last dim: an outer reduction. An embedding's gradient scatters.
     assert [memory_pattern(n) for n in ops] == [None, "broadcast", "reduction", "normalize", "transposed",
-                                                "strided", None, None]
+                                                "strided", None, None, "outer_reduction", "scatter"]
     base = load_profile("h100-sxm")
-    shares = {"broadcast": 0.5, "reduction": 0.8, "normalize": 0.4, "strided": 0.6, "transposed": 0.25}
+    shares = {"broadcast": 0.5, "reduction": 0.8, "normalize": 0.4, "strided": 0.6, "transposed": 0.25,
+              "outer_reduction": 0.3, "scatter": 0.2}
     slow = dataclasses.replace(base, mem_efficiency=shares, kernel_launch_us=0.0)
     fast = dataclasses.replace(base, kernel_launch_us=0.0)
     for n in ops:
@@ -125,6 +129,10 @@ def test_memory_bound_ops_are_priced_at_their_access_patterns_bandwidth():
         assert ratio == pytest.approx(1 / shares.get(memory_pattern(n), 1.0))
     with pytest.raises(ValueError, match="mem_efficiency must map access patterns"):
         dataclasses.replace(base, mem_efficiency={"diagonal": 0.5})
+    # A profile calibrated before outer reductions were measured prices them as reductions.
+    older = dataclasses.replace(base, mem_efficiency={"reduction": 0.8})
+    assert older.bandwidth_gbps("outer_reduction") == older.bandwidth_gbps("reduction") < base.mem_bandwidth_gbps
+    assert older.bandwidth_gbps("scatter") == base.mem_bandwidth_gbps  # no fallback: a copy's
 
 
 def test_planned_ops_of_equal_shapes_keep_their_own_access_patterns(world):
