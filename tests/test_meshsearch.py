@@ -265,23 +265,29 @@ class _HandWrittenPlanner(_ScriptedPlanner):
         return "fsdp", SimpleNamespace(step_us=step, plan=plan)
 
 
-def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypatch):
-    """Planned alone where memory binds, a shape's plan is the least predicted of its solve and
-    its hand-written plans, which may overlap far more than the additive bound says: the search
-    times them while bounding, and one predicted faster than every solve is the answer, its
-    shape's row planned though its bound pruned its solve."""
+def _search_scripted(monkeypatch, planner):
+    """A search of 8 ranks by ``planner`` (a :class:`_HandWrittenPlanner`) on its own clock, in
+    one process: the plan and its table's rows by shape."""
     from types import SimpleNamespace
 
     import autoshard.meshsearch as ms
     from autoshard.options import PlanOptions
 
-    world(8)
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
     monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), _HandWrittenPlanner)
-    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), planner)
+    return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+
+
+def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypatch):
+    """Planned alone where memory binds, a shape's plan is the least predicted of its solve and
+    its hand-written plans, which may overlap far more than the additive bound says: the search
+    times them while bounding, and one predicted faster than every solve is the answer, its
+    shape's row planned though its bound pruned its solve."""
+    world(8)
+    plan, rows = _search_scripted(monkeypatch, _HandWrittenPlanner)
     assert plan.summary["step_us"] == 300.0 and rows[(4, 2)]["outcome"] == "chosen"
     assert rows[(4, 2)]["bound_us"] == 504.0 and "hand-written fsdp" in rows[(4, 2)]["note"]
     # Solved best hand-written plan first (its solve starts from it), while bounded below the best
@@ -302,18 +308,8 @@ def test_shapes_whose_bounds_say_no_plan_beats_the_best_found_are_not_solved(wor
     (simulate.step_floor): with (4, 2)'s hand-written plan at 100, (2, 2, 2) and (2, 4), bounded
     at 402 and 502 additive with compute that may be nil, are predicted at least 0.55 x that
     (eta 0.9): above 100, so neither is solved, though both bound below every additive plan."""
-    from types import SimpleNamespace
-
-    import autoshard.meshsearch as ms
-    from autoshard.options import PlanOptions
-
     world(8)
-    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
-    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
-    _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), _FastHandWrittenPlanner)
-    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    plan, rows = _search_scripted(monkeypatch, _FastHandWrittenPlanner)
     assert plan.summary["step_us"] == 100.0 and rows[(4, 2)]["outcome"] == "chosen"
     assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2)]
     assert "predicted at least 0.221 ms (its bounds) >= 0.100 ms" in rows[(2, 2, 2)]["note"]
