@@ -291,7 +291,8 @@ def measure(args) -> None:
         return torch.cuda.Event(enable_timing=True) if cuda else _HostEvent()
 
     exported = torch.load(args.programs, weights_only=False)["programs"]
-    out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "programs_s": {}, "matmuls_s": {}}
+    out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "programs_s": {}, "matmuls_s": {}}
     matmuls = {}
     for key, parts in exported.items():
         for part, p in parts.items():

@@ -74,8 +74,9 @@ class Profile:
     elementwise pass), ``strided`` (an operand not contiguous whose last dim is: attention heads
     permuted), ``transposed`` (an operand whose last dim is not contiguous: a transpose made
     contiguous), ``scatter`` (rows accumulated at indices: an embedding's gradient, index_add).
-    A pattern not named, a contiguous elementwise op and a copy reach the whole bandwidth. Measured by ``autoshard calibrate``; on an H100 in
-    bf16 about 0.54 (broadcast), 0.45 (softmax), 0.19 (transposed)."""
+    A pattern not named, a contiguous elementwise op and a copy reach the whole bandwidth.
+    Measured by ``autoshard calibrate``; on an H100 in bf16 about 0.54 (broadcast), 0.45
+    (softmax), 0.19 (transposed); on an H200 0.54 (outer reduction), 0.09 (scatter)."""
     matmul_shares: dict = field(default_factory=dict)
     """Share of the calibrated matmul rate (``tflops(dtype) * compute_efficiency``, measured on
     one square size) that a matmul reaches by its size, by side (a string of an int: the side of
