@@ -312,9 +312,9 @@ def measure(args) -> None:
             del fn
             if cuda:
                 torch.cuda.empty_cache()
-    from costmodel.calibrate import _Timer
+    from costmodel.calibrate import Timer
 
-    timer = _Timer(device)
+    timer = Timer(device)
     for k, mm in matmuls.items():
         # The device's time alone (a CUDA graph of 20 calls replayed), as calibration times the
         # matmul curve: the host's issue of each op is priced apart.

@@ -100,7 +100,10 @@ def message_elems(kind: str, nbytes: int, n: int, itemsize: int) -> int:
 
 
 @dataclass
-class _Timer:
+class Timer:
+    """Seconds per call of a function on ``device``: CUDA events on GPUs, the host clock
+    elsewhere (benchmarks time with it as calibration does)."""
+
     device: torch.device
 
     def run(self, fn, iters: int) -> float:
@@ -243,11 +246,11 @@ def matmul_shares(rates: dict, n: int) -> dict[str, float]:
 
 def measure_matmul(device, n: int, dtype, device_only: bool = False) -> float:
     """Achieved TFLOP/s of an n x n matmul (best of a few runs); ``device_only``: the device's
-    time alone (:meth:`_Timer.device_best`), as a matmul inside a step whose host runs ahead."""
+    time alone (:meth:`Timer.device_best`), as a matmul inside a step whose host runs ahead."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    timer = _Timer(torch.device(device))
+    timer = Timer(torch.device(device))
     if device_only:
         return 2 * n**3 / timer.device_best(lambda: torch.mm(a, b, out=out)) / 1e12
     return 2 * n**3 / timer.best(lambda: a @ b) / 1e12
@@ -257,7 +260,7 @@ def measure_bandwidth(device, nbytes: int) -> float:
     """Achieved GB/s of an ``nbytes`` copy (its bytes read and written), best of a few runs."""
     src = torch.ones(max(1, nbytes // 4), device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _Timer(torch.device(device)).best(lambda: dst.copy_(src)) / 1e9
+    return 2 * src.numel() * 4 / Timer(torch.device(device)).best(lambda: dst.copy_(src)) / 1e9
 
 
 def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float]:
@@ -272,7 +275,7 @@ def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float
     x = torch.randn(rows, cols, device=device, dtype=dtype)
     w = torch.randn(cols, device=device, dtype=dtype)
     out, out_t = torch.empty_like(x), torch.empty(cols, rows, device=device, dtype=dtype)
-    timer = _Timer(torch.device(device))
+    timer = Timer(torch.device(device))
 
     def rate(fn, nbytes: int) -> float:
         return nbytes / timer.best(fn)
@@ -294,10 +297,10 @@ def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float
 
 def measure_launch_us(device, iters: int = 200) -> float:
     """Microseconds per one-element op, best of a few runs: the floor of every op. On a GPU the
-    device's time alone (:meth:`_Timer.device_best`): the host's issue is ``host_op_us``, priced
+    device's time alone (:meth:`Timer.device_best`): the host's issue is ``host_op_us``, priced
     apart. On a CPU issued from Python (eager dispatch: the CPU is its own host)."""
     x = torch.zeros(1, device=device)
-    timer = _Timer(torch.device(device))
+    timer = Timer(torch.device(device))
     if timer.device.type == "cuda":
         return timer.device_best(lambda: x.add_(1), calls=100) * 1e6
     timer.run(lambda: x.add_(1), 20)
@@ -319,7 +322,7 @@ def _tiny_training_step(params, x):
     return torch.autograd.grad(h.float().mean(), params)
 
 
-def _view_chain(x):
+def view_chain(x):
     """Views only (each aliases the last): the host's issue of a view, replayed."""
     for _ in range(40):
         x = x.unsqueeze(0).squeeze(0).transpose(0, 1).transpose(0, 1).view(2, -1, x.shape[-1])[0:2].view(x.shape)
@@ -329,7 +332,7 @@ def _view_chain(x):
 def _replay_us(gm, args, device) -> float:
     """Microseconds per replay of ``gm``: median of five runs of about 50 ms (a shared host's
     speed wanders: the median is what a step sees)."""
-    timer = _Timer(torch.device(device))
+    timer = Timer(torch.device(device))
     one = timer.run(lambda: gm(*args), 3)
     iters = max(3, min(1000, int(0.05 / max(one, 1e-6))))
     runs = sorted(timer.run(lambda: gm(*args), iters) for _ in range(5))
@@ -339,7 +342,7 @@ def _replay_us(gm, args, device) -> float:
 def measure_host_issue(device) -> tuple[float, float]:
     """(kernel, view): microseconds the host takes to issue an op that launches a kernel and a
     view (``Profile.host_op_us``, ``Profile.host_view_us``), in graphs of aten ops replayed as a
-    lowered program is. A chain of views (:func:`_view_chain`) times a view; a training step at
+    lowered program is. A chain of views (:func:`view_chain`) times a view; a training step at
     toy width (:func:`_tiny_training_step`, forward and backward as one graph), whose ops a GPU
     finishes sooner than the next is issued, times the rest, less its views. ``getitem`` nodes
     count as free (:func:`costmodel.ops.host_kind`)."""
@@ -355,7 +358,7 @@ def measure_host_issue(device) -> tuple[float, float]:
         return out
 
     x = torch.randn(8, 16, device=device)
-    chain = make_fx(_view_chain)(x)
+    chain = make_fx(view_chain)(x)
     c = kinds(chain)
     view_us = _replay_us(chain, (x,), device) / max(1, c["view"] + c["kernel"])
     d = 16
@@ -370,7 +373,7 @@ def measure_host_issue(device) -> tuple[float, float]:
     return kernel_us, view_us
 
 
-def _slowest(timer: _Timer, fn, iters: int) -> float:
+def _slowest(timer: Timer, fn, iters: int) -> float:
     """Seconds per call of ``fn`` on the slowest rank, every rank starting together."""
     world = dist.group.WORLD
     dist.barrier(group=world)
@@ -395,7 +398,7 @@ def measure_overlap(device, nbytes: int, matmul_n: int, dtype, repeats: int = 3)
     measured best), timed alone and together on every rank at once; the slowest rank's times,
     median over ``repeats``."""
     world = dist.group.WORLD
-    timer = _Timer(device)
+    timer = Timer(device)
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
     a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
     b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
@@ -434,7 +437,7 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
         else torch.device("cpu")
     dtype = torch.float32
     itemsize = 4
-    timer = _Timer(device)
+    timer = Timer(device)
     from costmodel._torch_compat import flattened_group
 
     groups = groups_of(names, cfg.flattened)

@@ -349,7 +349,7 @@ def test_the_views_host_issue_is_timed_on_views_alone():
     import costmodel.calibrate as cal
     from costmodel.ops import host_kind
 
-    gm = make_fx(cal._view_chain)(torch.randn(8, 16))
+    gm = make_fx(cal.view_chain)(torch.randn(8, 16))
     kinds = [host_kind(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert len(kinds) >= 200 and set(kinds) == {"view"}
 
@@ -360,5 +360,5 @@ def test_device_time_falls_back_to_the_host_clock_off_gpus():
     import costmodel.calibrate as cal
 
     calls = []
-    seconds = cal._Timer(torch.device("cpu")).device_best(lambda: calls.append(1))
+    seconds = cal.Timer(torch.device("cpu")).device_best(lambda: calls.append(1))
     assert seconds > 0 and len(calls) == 2 + 9  # best(): two warm-up calls, three runs of three
