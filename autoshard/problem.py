@@ -185,7 +185,7 @@ def node_dtype(node: fx.Node) -> str | None:
 #: Ops that normalize along a dim (a reduction, then an elementwise pass), by name.
 _NORMALIZING = ("softmax", "norm")
 #: Reductions, by name: one that keeps its input's last dim reads across rows (``outer_reduction``).
-_REDUCING = ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "prod", "norm", "logsumexp", "any", "all")
+_REDUCING = ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "prod", "logsumexp", "any", "all")
 #: Ops that accumulate rows at indices (an embedding's gradient), by name.
 _SCATTERING = ("embedding_dense_backward", "index_add", "scatter_add", "index_put")
 #: Ops that lay their inputs side by side: each input read once, though smaller than the output

@@ -199,8 +199,8 @@ class SweepResult:
     mem_bandwidth_gbps: float | None = None
     """Achieved bandwidth of a large copy (bytes read + written per second / 1e9)."""
     launch_us: float | None = None
-    """Time per tiny op issued from Python: the floor of every op (kernel launch on a GPU, eager
-    dispatch on a CPU)."""
+    """Time per tiny op: the floor of every op (on a GPU its kernel's time on the device, the
+    host's issue apart; on a CPU eager dispatch, issued from Python)."""
     host_op_us: float | None = None
     """GPUs: host time per op that launches a kernel, in a replayed graph (:func:`measure_host_issue`)."""
     host_view_us: float | None = None
