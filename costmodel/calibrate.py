@@ -538,6 +538,8 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
         changes["host_op_us"] = result.host_op_us
     if result.host_view_us is not None:
         changes["host_view_us"] = result.host_view_us
+    if mesh.device_type == "cpu":  # DTensor gathers in place of an all_to_all there
+        changes["all_to_all_by_gather"] = True
     if result.mem_efficiency:
         changes["mem_efficiency"] = dict(result.mem_efficiency)
     if result.overlap is not None:

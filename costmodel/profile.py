@@ -94,6 +94,12 @@ class Profile:
     stream). Measured by ``autoshard calibrate`` on GPUs (a toy training step traced and replayed);
     0 models no host stream: a CPU device runs each op on the issuing thread, where
     ``kernel_launch_us`` floors it, and shipped GPU profiles leave it to calibration."""
+    all_to_all_by_gather: bool = False
+    """Whether the executor runs an all_to_all as an all_gather of each rank's whole shard and a
+    chunk of the result, and is priced so: DTensor does on a CPU mesh (its functional
+    collectives have no gloo all_to_all), where a gloo step of GPT-2 on (2, 2) measured four
+    all_gathers of 3 MiB in place of the planned all_to_alls. Set by ``autoshard calibrate`` on
+    CPU meshes."""
     host_view_us: float | None = None
     """Host time to issue a view op (no kernel: :func:`costmodel.ops.host_kind`), microseconds;
     None: ``host_op_us``, as any op. Python's dispatch of a view is a third to a half of a
@@ -193,7 +199,7 @@ class Profile:
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
              if k not in ("collectives", "samples", "step_samples", "refinements", "dtype_tflops", "host_op_us",
-                          "host_view_us", "mem_efficiency", "matmul_shares")}
+                          "host_view_us", "mem_efficiency", "matmul_shares", "all_to_all_by_gather")}
         # Absent when empty or 0: older profiles keep their JSON form, hence their digest.
         if self.mem_efficiency:
             d["mem_efficiency"] = dict(sorted(self.mem_efficiency.items()))
@@ -201,6 +207,8 @@ class Profile:
             d["host_op_us"] = self.host_op_us
         if self.host_view_us is not None:
             d["host_view_us"] = self.host_view_us
+        if self.all_to_all_by_gather:
+            d["all_to_all_by_gather"] = True
         if self.matmul_shares:
             d["matmul_shares"] = dict(self.matmul_shares)
         if self.dtype_tflops:
@@ -265,6 +273,9 @@ class Profile:
         """``bytes -> microseconds`` for ``kind`` on a group of ``group_size`` ranks (see module doc)."""
         if group_size <= 1:
             return lambda b: 0.0
+        if kind == "all_to_all" and self.all_to_all_by_gather:
+            gather = self.collective_predictor("all_gather", group_size, intra_node)
+            return lambda b: gather(b * group_size)  # every rank's whole input, gathered
         exact = [f for f in self.collectives
                  if f.kind == kind and f.intra_node == intra_node and f.group_size == group_size]
         if exact:

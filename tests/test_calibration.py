@@ -175,6 +175,9 @@ def test_matmul_rates_of_other_dtypes_go_into_the_profile_as_peaks(monkeypatch):
     prof = cal.build_profile(cal.SweepResult(matmul_tflops=0.2, other_tflops={"bfloat16": 0.05}), cpu,
                              load_profile("cpu-gloo"), "gloo", 2)
     assert (prof.tflops("float32"), prof.tflops("bfloat16"), prof.compute_efficiency) == (0.2, 0.05, 1.0)
+    # DTensor gathers in place of an all_to_all on CPU meshes: a CPU calibration says so, a GPU one not.
+    assert prof.all_to_all_by_gather and not patterned.all_to_all_by_gather
+    assert Profile.from_json(prof.to_json()).all_to_all_by_gather and "all_to_all_by_gather" not in base.to_json()
 
 
 def test_a_mesh_of_one_rank_calibrates_compute_and_times_no_collective(tmp_path, monkeypatch, caplog):

@@ -218,3 +218,27 @@ def test_bad_input():
     assert [s.kind for s in plan.steps] == ["all_reduce", "partition"]
     with pytest.raises(RedistributeError, match="mixes partial kinds"):
         planner.plan(Spec.parse("RR"), Spec.parse("P(max)P(sum)"), (4, 4), 4)
+
+
+def test_a_cpu_mesh_runs_all_to_all_as_a_gather_and_cpu_profiles_price_it_so(world):
+    """DTensor moves a shard between dims on a CPU mesh (outside LocalTensorMode) by gathering
+    every rank's whole shard and keeping a chunk: an all_gather of group-size times the
+    all_to_all's bytes. A profile calibrated on CPUs says so (``all_to_all_by_gather``) and prices
+    it as that gather; GPU profiles price the all_to_all's own fit. Should torch's fallback go,
+    this fails and the flag should go with it."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    x = DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0)], run_check=False)
+    with CommDebugMode() as comm:
+        x.redistribute(mesh, [Shard(1)])
+    names = [str(op) for op, n in comm.get_comm_counts().items() if n]
+    assert any("all_gather" in n for n in names) and not any("all_to_all" in n or "alltoall" in n for n in names)
+    cpu = load_profile("cpu-gloo")
+    assert cpu.all_to_all_by_gather and not PROFILE.all_to_all_by_gather
+    for nbytes in (2**10, 2**20):
+        assert cpu.collective_predictor("all_to_all", 4, True)(nbytes) == \
+            cpu.collective_predictor("all_gather", 4, True)(4 * nbytes)
+    assert PROFILE.collective_predictor("all_to_all", 4, True)(2**20) < \
+        PROFILE.collective_predictor("all_gather", 4, True)(4 * 2**20)
