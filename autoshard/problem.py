@@ -78,19 +78,16 @@ class GraphProblem:
     imbalance: dict = field(default_factory=dict)
     """``{"factor": f, "expert_matmuls": n}`` where the graph has expert matmuls
     (:mod:`autoshard.imbalance`); empty otherwise."""
-    host_op_us: float = 0.0
-    """Host time to issue each node that launches a kernel (the profile's ``host_op_us``):
-    :mod:`autoshard.simulate`'s host stream."""
-    host_view_us: float | None = None
-    """Host time to issue a view (the profile's ``host_view_us``; None: ``host_op_us``)."""
+    host_by_kind: dict = field(default_factory=dict)
+    """Host time to issue a node by its :func:`~costmodel.ops.host_kind` (the profile's
+    :meth:`~costmodel.Profile.host_us`): :mod:`autoshard.simulate`'s host stream; empty: none."""
     _issue: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def issue_us(self) -> list[float]:
-        """Host time to issue each node, by index (0 for placeholders and getitems)."""
+        """Host time to issue each node, by index (0 for placeholders)."""
         if self._issue is None:
-            cost = {"free": 0.0, "kernel": self.host_op_us,
-                    "view": self.host_op_us if self.host_view_us is None else self.host_view_us}
-            self._issue = [cost[host_kind(n.target)] if n.op == "call_function" else 0.0 for n in self.nodes]
+            self._issue = [self.host_by_kind.get(host_kind(n.target), 0.0) if n.op == "call_function" else 0.0
+                           for n in self.nodes]
         return self._issue
 
     @property
@@ -521,7 +518,7 @@ def build_problem(
     return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index,
                         dict(en.stats.rule_errors), flop_failures,
                         imbalance={"factor": load_imbalance, "expert_matmuls": len(experts)} if experts else {},
-                        host_op_us=profile.host_op_us, host_view_us=profile.host_view_us)
+                        host_by_kind={k: profile.host_us(k) for k in ("free", "view", "kernel")})
 
 
 def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,

@@ -3,9 +3,10 @@ tensor-parallel or data-parallel rank runs (thin matmuls included), where ``gpu_
 checks only whole models on a mesh of one.
 
     python benchmarks/gpu_rank_compute.py export --out progs.pt        # where the planner runs
-    python benchmarks/gpu_rank_compute.py measure --programs progs.pt --profile P.json \\
+    python benchmarks/gpu_rank_compute.py measure --programs progs.pt [--ops] \\
         --json measured.json                                             # on the GPU node
-    python benchmarks/gpu_rank_compute.py predict --programs progs.pt --measured measured.json
+    python benchmarks/gpu_rank_compute.py predict --programs progs.pt --measured measured.json \\
+        --profile calibrated.json           # the GPU calibrated in the same run (gpu_fidelity.py measure)
 
 ``export`` plans each model on a fake mesh (ours and the hand-written plans, as
 ``Planner.compare`` gives them), lowers rank 0's forward and backward programs (local aten ops
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -50,7 +52,6 @@ MODELS = {
 PLANS = ("autoshard", "ddp", "fsdp", "tp", "fsdp_tp")
 #: Dtype of every model (the planner prices bf16 at the profile's bf16 rate).
 DTYPE = torch.bfloat16
-_MATMULS = ("mm.default", "bmm.default", "addmm.default")
 
 
 def _collective_targets():
@@ -103,14 +104,19 @@ def _inputs_meta(gm) -> list[dict]:
     return out
 
 
+def _matmul(n) -> dict | None:
+    """Node ``n`` as a matmul to time alone (op, operand shapes and strides, dtype), or None."""
+    from autoshard.problem import matmul_operands
+
+    if n.op != "call_function" or matmul_operands(n) is None:
+        return None
+    args = [a.meta["val"] for a in n.args if hasattr(a, "meta")]
+    return {"op": n.target.__name__.split(".")[0], "shapes": [list(a.shape) for a in args],
+            "strides": [list(a.stride()) for a in args], "dtype": str(args[-1].dtype).split(".")[-1]}
+
+
 def _matmuls(gm) -> list[dict]:
-    found = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and any(str(n.target).endswith(m) for m in _MATMULS):
-            args = [a.meta["val"] for a in n.args if hasattr(a, "meta")]
-            found.append({"op": str(n.target).split(".")[-2], "shapes": [list(a.shape) for a in args],
-                          "strides": [list(a.stride()) for a in args], "dtype": str(args[-1].dtype).split(".")[-1]})
-    return found
+    return [mm for mm in map(_matmul, gm.graph.nodes) if mm is not None]
 
 
 def _model(name: str):
@@ -180,10 +186,7 @@ def export(args) -> None:
 def _int_high(name: str) -> int:
     """Token ids below this index every rank's piece of the vocabulary."""
     cfg, _, _, shape, _ = MODELS[name]
-    ranks = 1
-    for d in shape:
-        ranks *= d
-    return cfg["vocab_size"] // ranks
+    return cfg["vocab_size"] // math.prod(shape)
 
 
 def _program(part: dict, device):
@@ -230,18 +233,13 @@ def _timed(fn, steps: int, warmup: int, sync, event) -> float:
     return statistics.median(times)
 
 
-def _matmul_fn(mm: dict, device, repeat: int):
-    """``repeat`` calls of the matmul ``mm`` describes."""
+def _matmul_fn(mm: dict, device):
+    """A call of the matmul ``mm`` describes, on operands made here."""
     gen = torch.Generator(device=device).manual_seed(0)
     args = [_filled({"shape": s, "stride": st, "dtype": mm["dtype"]}, device, gen, 1)
             for s, st in zip(mm["shapes"], mm["strides"])]
     op = getattr(torch.ops.aten, mm["op"]).default
-
-    def run():
-        for _ in range(repeat):
-            op(*args)
-
-    return run
+    return lambda: op(*args)
 
 
 def _mm_key(mm: dict) -> str:
@@ -318,7 +316,7 @@ def measure(args) -> None:
     for k, mm in matmuls.items():
         # The device's time alone (a CUDA graph of 20 calls replayed), as calibration times the
         # matmul curve: the host's issue of each op is priced apart.
-        out["matmuls_s"][k] = timer.device_best(_matmul_fn(mm, device, 1))
+        out["matmuls_s"][k] = timer.device_best(_matmul_fn(mm, device))
         print(f"{k}: {out['matmuls_s'][k] * 1e6:.1f} us", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
@@ -375,11 +373,9 @@ def predict(args) -> None:
             print(f"{key + '/' + part:28s} measured {meas * 1e3:8.3f} ms  predicted: "
                   + "  ".join(f"{k} {v * 1e3:8.3f} ({v / meas:5.2f})" for k, v in pred.items()), flush=True)
             for n in gm.graph.nodes:
-                if n.op == "call_function" and any(str(n.target).endswith(m) for m in _MATMULS):
-                    args_ = [a.meta["val"] for a in n.args if hasattr(a, "meta")]
-                    k = _mm_key({"op": str(n.target).split(".")[-2], "shapes": [list(a.shape) for a in args_],
-                                 "strides": [list(a.stride()) for a in args_],
-                                 "dtype": str(args_[-1].dtype).split(".")[-1]})
+                mm = _matmul(n)
+                if mm is not None:
+                    k = _mm_key(mm)
                     if k in measured["matmuls_s"] and k not in mm_rows:
                         mm_rows[k] = {e: ests[e].compute_us(n) / 1e6 / measured["matmuls_s"][k]
                                       for e in ("curve", "flat")}

@@ -244,16 +244,14 @@ def matmul_shares(rates: dict, n: int) -> dict[str, float]:
     return {str(side): round(rate / base, 4) for side, rate in sorted(rates.items()) if rate > 0}
 
 
-def measure_matmul(device, n: int, dtype, device_only: bool = False) -> float:
-    """Achieved TFLOP/s of an n x n matmul (best of a few runs); ``device_only``: the device's
-    time alone (:meth:`Timer.device_best`), as a matmul inside a step whose host runs ahead."""
+def measure_matmul(device, n: int, dtype) -> float:
+    """Achieved TFLOP/s of an n x n matmul, best of a few runs, the device's time alone
+    (:meth:`Timer.device_best`): inside a step the host runs ahead, and its issue of each op is
+    the host stream's, priced apart."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    timer = Timer(torch.device(device))
-    if device_only:
-        return 2 * n**3 / timer.device_best(lambda: torch.mm(a, b, out=out)) / 1e12
-    return 2 * n**3 / timer.best(lambda: a @ b) / 1e12
+    return 2 * n**3 / Timer(torch.device(device)).device_best(lambda: torch.mm(a, b, out=out)) / 1e12
 
 
 def measure_bandwidth(device, nbytes: int) -> float:
@@ -457,17 +455,17 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             # The device's time alone: an op's issue is the host stream's, priced apart
             # (``host_op_us``). Timed from the host, an H200's 1024^3 bf16 matmul ran at 140
             # TFLOP/s, its issue; on the device at 390.
-            result.matmul_tflops = measure_matmul(device, cfg.matmul_size, planning, device_only=True)
+            result.matmul_tflops = measure_matmul(device, cfg.matmul_size, planning)
             result.matmul_side = cfg.matmul_size
             say(f"matmul {cfg.matmul_size}^3: {result.matmul_tflops:.3f} TFLOP/s")
             result.matmul_sizes = {side: result.matmul_tflops if side == cfg.matmul_size
-                                   else measure_matmul(device, side, planning, device_only=True)
+                                   else measure_matmul(device, side, planning)
                                    for side in matmul_sides(cfg.matmul_size, device.type)}
             if result.matmul_sizes:
                 say("matmul rate by side: " + ", ".join(f"{side} {rate:.3f}"
                                                         for side, rate in result.matmul_sizes.items()) + " TFLOP/s")
             name = str(other).removeprefix("torch.")
-            result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other, device_only=True)
+            result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other)
             say(f"matmul {cfg.matmul_size}^3 in {name}: {result.other_tflops[name]:.3f} TFLOP/s")
             # Every rank at once, as in a step: on shared CPU cores the contention is the point.
             result.mem_bandwidth_gbps = measure_bandwidth(device, (512 if device.type == "cuda" else 32) * 2**20)

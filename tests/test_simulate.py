@@ -161,7 +161,8 @@ def test_the_host_issues_a_view_at_its_own_time_and_a_getitem_free():
     assert simulate(gm, Estimator(split)).step_us == pytest.approx(50 * 20.0 + 100 * 5.0)
     same = dataclasses.replace(base, host_op_us=20.0)  # no view figure: a view issues as any op
     assert simulate(gm, Estimator(same)).step_us == pytest.approx(150 * 20.0)
-    gp = SimpleNamespace(nodes=[n for n in gm.graph.nodes], host_op_us=20.0, host_view_us=5.0, _issue=None)
+    gp = SimpleNamespace(nodes=[n for n in gm.graph.nodes], _issue=None,
+                         host_by_kind={k: split.host_us(k) for k in ("free", "view", "kernel")})
     issue = GraphProblem.issue_us(gp)
     assert sum(issue) == pytest.approx(50 * 20.0 + 100 * 5.0) and issue[0] == 0  # the placeholder
 
