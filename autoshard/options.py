@@ -13,7 +13,7 @@ from solver import BACKENDS
 
 #: Fields fixed once the model is traced and its problem built (a new Planner changes them).
 TRACE_FIELDS = ("profile", "compute_dtype", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers",
-                "load_imbalance")
+                "load_imbalance", "bucket_mb")
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
                 "overlap_objective", "export_problem")
@@ -100,6 +100,12 @@ class PlanOptions:
     predicted step (``summary["step_us"]``) is the simulation either way, by the profile's
     overlap share."""
 
+    bucket_mb: float = 25.0
+    """The executor's bucket cap the predicted step assumes (``parallelize(bucket_mb=...)``, whose
+    default this is): independent collectives of one kind and group that run one after another
+    are merged into one of up to this many MiB (:mod:`autoshard.buckets`), one latency each.
+    0: every redistribute's collectives run as planned, one by one."""
+
     loss_fn: Callable | None = None
     """Maps the model's output to a scalar loss (default: the output's mean, or the model's own
     loss where it returns one)."""
@@ -133,6 +139,9 @@ class PlanOptions:
         if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 1.0 <= f < float("inf")):
             raise ConfigError(f"load_imbalance: expected the busiest rank's load over the mean, a finite "
                               f"number >= 1.0, found {f!r}")
+        if not (isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
+                and 0 <= self.bucket_mb < float("inf")):
+            raise ConfigError(f"bucket_mb: expected MiB >= 0 (0: no buckets), found {self.bucket_mb!r}")
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute: expected one of {RECOMPUTE}, found {self.recompute!r}")
         if self.pins is not None and not isinstance(self.pins, Mapping):

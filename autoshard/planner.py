@@ -31,7 +31,7 @@ from autoshard.pins import resolve_pins, to_spec
 from autoshard.planfile import RECOMPUTE_MODES, ParamPlacement, Plan
 from autoshard.problem import GraphProblem, build_problem, pin_indices
 from autoshard.recompute import NONE, Recompute, choose, recomputed, with_recompute
-from autoshard.simulate import simulate_plan, step_floor
+from autoshard.simulate import problem_buckets, simulate_plan, step_floor
 from autoshard.tracing import trace
 from autoshard.units import human_bytes
 from autoshard.unroll import trace_unrolled
@@ -151,7 +151,7 @@ class Planner:
         t1 = time.perf_counter()
         # The budget only sets the problem's usage limit: each solve replaces it.
         self.built = gp = build_problem(tg, mesh, self.profile, self._budget(opts), tie_layers=opts.tie_layers,
-                                            load_imbalance=float(opts.load_imbalance))
+                                            load_imbalance=float(opts.load_imbalance), bucket_mb=opts.bucket_mb)
         self.phases["build_s"] = time.perf_counter() - t1
         st = gp.problem.stats()
         log.info(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
@@ -574,7 +574,8 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
     total = float(sol.cost)
     comm_total = max(0.0, total - compute)  # edges plus the loss reduction (input loading is negligible)
     shapes = {fqn: list(p.shape) for fqn, p in list(model.named_parameters()) + list(model.named_buffers())}
-    tl = simulate_plan(gp, choice, prof.overlap)
+    buckets = problem_buckets(gp, choice)
+    tl = simulate_plan(gp, choice, prof.overlap, buckets)
     summary = {
         "step_us": round(tl.step_us, 3),
         "additive_us": round(total, 3),
@@ -595,6 +596,9 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
         summary["load_imbalance"] = dict(gp.imbalance)
     summary["simulated"] = {"step_us": round(tl.step_us, 3), "exposed_comm_us": round(max(0.0, tl.exposed_us), 3),
                             "comm_us": round(tl.comm_us, 3), "overlap_share": prof.overlap}
+    if buckets is not None:
+        summary["simulated"].update(bucket_mb=gp.bucket_mb, buckets=len(buckets.members),
+                                    bucketed=sum(len(m) for m in buckets.members), bucket_saved_us=round(buckets.saved_us, 3))
     if tl.idle_us > 0:
         summary["simulated"]["host_idle_us"] = round(tl.idle_us, 3)
     summary["overlap"] = {k: v for k, v in overlap.items() if k != "simulated_us"}

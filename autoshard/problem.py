@@ -81,6 +81,14 @@ class GraphProblem:
     host_by_kind: dict = field(default_factory=dict)
     """Host time to issue a node by its :func:`~costmodel.ops.host_kind` (the profile's
     :meth:`~costmodel.Profile.host_us`): :mod:`autoshard.simulate`'s host stream; empty: none."""
+    topo: MeshTopology | None = None
+    """The mesh's link classes, where the problem was built for one: with ``profile``, what a
+    redistribute's steps are (:func:`costmodel.plan_steps`)."""
+    profile: Profile | None = None
+    """The profile the problem was costed with."""
+    bucket_mb: float = 0.0
+    """The executor's bucket cap the plan's simulation assumes (:mod:`autoshard.buckets`); 0:
+    none."""
     _issue: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def issue_us(self) -> list[float]:
@@ -386,6 +394,7 @@ def build_problem(
     tie_layers: bool = True,
     partial_inputs: bool | None = None,
     load_imbalance: float = 1.0,
+    bucket_mb: float = 0.0,
 ) -> GraphProblem:
     """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``; ``load_imbalance``
     scales expert-parallel work (:mod:`autoshard.imbalance`)."""
@@ -518,7 +527,8 @@ def build_problem(
     return GraphProblem(problem, nodes, strategies, edges, compute, dict(en.stats.fallback_ops), index,
                         dict(en.stats.rule_errors), flop_failures,
                         imbalance={"factor": load_imbalance, "expert_matmuls": len(experts)} if experts else {},
-                        host_by_kind={k: profile.host_us(k) for k in ("free", "view", "kernel")})
+                        host_by_kind={k: profile.host_us(k) for k in ("free", "view", "kernel")},
+                        topo=topo, profile=profile, bucket_mb=float(bucket_mb))
 
 
 def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,

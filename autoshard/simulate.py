@@ -49,13 +49,16 @@ objective is solved with (:mod:`autoshard.overlap`).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.fx as fx
 
+from autoshard.buckets import Buckets, plan_buckets
 from autoshard.passes import KIND, Estimator
+from autoshard.tracing import node_phase
 from costmodel.profile import Profile
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -160,7 +163,7 @@ def simulate_step(program, rank: int, profile: Profile | None = None) -> Timelin
     return tl.overlapped(profile.overlap)
 
 
-def _order(gp) -> list[int]:
+def run_order(gp) -> list[int]:
     """The planned graph's nodes in the order they run: originals in graph order, a recomputed
     copy just before the first node that reads it (its chain of copies before that)."""
     readers: dict[int, list[int]] = {}
@@ -177,7 +180,48 @@ def _order(gp) -> list[int]:
     return sorted(range(len(gp.nodes)), key=keys.__getitem__)
 
 
-def simulate_plan(gp, choice, overlap: float = 1.0) -> Timeline:
+def _bucket_order(gp, order: list[int], buckets: Buckets) -> list[int] | None:
+    """``order`` with every consumer of a bucketed redistribute after the producers of every
+    bucket on its way (the executor's bucket waits for its last input), otherwise as close to
+    ``order`` as the data allows; None where buckets wait on each other in a cycle."""
+    n = len(gp.nodes)
+    pos = {v: i for i, v in enumerate(order)}
+    succ: dict[int, list[int]] = {}
+    indeg = [0] * (n + len(buckets.members))
+
+    def link(a: int, b: int) -> None:
+        succ.setdefault(a, []).append(b)
+        indeg[b] += 1
+
+    for e in gp.edges:
+        if e.arg >= 0:
+            link(e.producer, e.consumer)
+    for b, members in enumerate(buckets.members):  # bucket b: node n + b
+        for k, i in members:
+            link(gp.edges[k].producer, n + b)
+            for _, earlier in buckets.chains[k][:i]:
+                if earlier >= 0:
+                    link(n + earlier, n + b)
+    for k, chain in buckets.chains.items():
+        if gp.edges[k].arg >= 0:
+            for _, b in chain:
+                if b >= 0:
+                    link(n + b, gp.edges[k].consumer)
+    heap = [(pos[v], v) for v in order if indeg[v] == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, v = heapq.heappop(heap)
+        if v < n:
+            out.append(v)
+        for w in succ.get(v, ()):
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                heapq.heappush(heap, (-1 if w >= n else pos[w], w))
+    return out if len(out) == n else None
+
+
+def simulate_plan(gp, choice, overlap: float = 1.0, buckets: Buckets | None = None) -> Timeline:
     """The planned step on a compute and a communication stream, in planned-graph order, with
     ``overlap`` of the hidden communication hidden (:meth:`Timeline.overlapped`).
 
@@ -185,8 +229,22 @@ def simulate_plan(gp, choice, overlap: float = 1.0) -> Timeline:
     producer has finished (a parameter's: at the start, i.e. prefetched) and the communication
     stream is free; a gradient's move to its parameter's spec runs beside the rest of the
     backward and only ends the step. Node times are the problem's own costs (compute, plus the
-    loss's reduction), edge times its edge costs."""
-    return _walk(gp, choice, None).overlapped(overlap)
+    loss's reduction), edge times its edge costs.
+
+    ``buckets`` (:func:`autoshard.buckets.plan_buckets`): redistributes the executor merges. A
+    bucket is one collective, issued once its members' producers have all run (a backward
+    bucket not before the backward starts), read by each member's consumer; its readers run
+    after its last producer. Default: the buckets of the problem's ``bucket_mb``."""
+    if buckets is None:
+        buckets = problem_buckets(gp, choice)
+    return _walk(gp, choice, None, buckets).overlapped(overlap)
+
+
+def problem_buckets(gp, choice) -> Buckets | None:
+    """The executor's buckets of ``choice`` at the problem's ``bucket_mb`` (None without one)."""
+    if gp.bucket_mb <= 0 or gp.topo is None:
+        return None
+    return plan_buckets(gp, choice, run_order(gp), gp.topo, gp.profile, gp.bucket_mb)
 
 
 def plan_slack(gp, choice) -> np.ndarray:
@@ -200,7 +258,7 @@ def plan_slack(gp, choice) -> np.ndarray:
     return slack
 
 
-def _walk(gp, choice, slack: np.ndarray | None) -> Timeline:
+def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None) -> Timeline:
     """:func:`simulate_plan` hiding perfectly; each edge's slack written into ``slack``."""
     costs, mats = gp.problem.node_costs, gp.problem.edge_costs
     into: dict[int, list[int]] = {}
@@ -212,39 +270,118 @@ def _walk(gp, choice, slack: np.ndarray | None) -> Timeline:
     done: dict[int, float] = {}
     grad_starts: list[tuple[int, float]] = []
     tl = Timeline()
-    order = _order(gp)
+    order = run_order(gp)
+    chains = buckets.chains if buckets else {}
+    if chains:
+        reordered = _bucket_order(gp, order, buckets)
+        if reordered is None:  # buckets that wait on each other: priced as planned, one by one
+            chains = {}
+        else:
+            order = reordered
+    chained_from: dict[int, list[int]] = {}
+    for k in chains:
+        chained_from.setdefault(gp.edges[k].producer, []).append(k)
+    ready_at = [0.0] * len(buckets.members) if chains else []
+    remaining = [len(m) for m in buckets.members] if chains else []
+    arrival: dict[int, float] = {}
+    waiting: list[int] = []  # buckets of the backward program, ready before it starts
+    later: list[tuple[int, float]] = []  # edges of the backward program, their inputs made before it starts
+    in_backward = False
     last = order[-1] if order else -1
+
+    def advance(k: int, i: int, t: float) -> None:
+        """Edge ``k``'s collectives from its ``i``-th on, the one before done at ``t``: alone
+        ones issued now, a bucketed one waits for the rest of its bucket."""
+        nonlocal t_comm
+        chain = chains[k]
+        while i < len(chain):
+            us, b = chain[i]
+            if b >= 0:
+                ready_at[b] = max(ready_at[b], t)
+                remaining[b] -= 1
+                if remaining[b] == 0:
+                    if buckets.backward[b] and not in_backward:
+                        waiting.append(b)
+                    else:
+                        fire(b, ready_at[b])
+                return
+            t = t_comm = max(t, t_comm) + us
+            tl.comm_us += us
+            tl.collectives += 1
+            i += 1
+        arrival[k] = t + buckets.own_us[k]
+        tl.comm_us += buckets.own_us[k]
+        if gp.edges[k].arg < 0:  # a gradient's move ends the step at the latest
+            t_comm = max(t_comm, arrival[k])
+
+    def fire(b: int, at: float) -> None:
+        nonlocal t_comm
+        end = t_comm = max(at, t_comm) + buckets.us[b]
+        tl.comm_us += buckets.us[b]
+        tl.collectives += 1
+        for k, i in buckets.members[b]:
+            advance(k, i + 1, end)
+
     for v in order:
+        if chains and not in_backward and (v in gp.copy_of or node_phase(gp.nodes[v]) == "backward"):
+            in_backward = True
+            for k, t in later:
+                advance(k, 0, max(t, t_compute))
+            for b in waiting:
+                fire(b, max(ready_at[b], t_compute))
+            waiting.clear()
         t_host += host[v]
-        ready = t_compute
+        arrived = 0.0  # when v's inputs are all there
         for k in into.get(v, []):
             e = gp.edges[k]
+            if k in chains:
+                arrived = max(arrived, arrival[k])
+                continue
             start = max(done.get(e.producer, t_compute), t_comm)
             if slack is not None:
                 slack[k] = max(0.0, t_compute - start)
             us = float(mats[k][choice[e.producer], choice[v]])
             if us <= 0:
+                arrived = max(arrived, done.get(e.producer, 0.0))
                 continue
             t_comm = start + us
-            ready = max(ready, t_comm)
+            arrived = max(arrived, t_comm)
             tl.comm_us += us
             tl.collectives += 1
-        tl.exposed_us += ready - t_compute
         us = float(costs[v][choice[v]])
-        if t_host > ready and (us > 0 or v == last):
-            tl.idle_us += t_host - ready
-            ready = t_host
-        t_compute = done[v] = ready + us
-        tl.compute_us += us
+        if us <= 0 and v != last:
+            # A view runs nowhere: it is there when its inputs are, and only its readers wait
+            # (the overlap scheduler waits for a collective just before the first op that
+            # computes on it).
+            end = done[v] = max(arrived, t_compute)
+        else:
+            ready = max(t_compute, arrived)
+            tl.exposed_us += ready - t_compute
+            if t_host > ready:
+                tl.idle_us += t_host - ready
+                ready = t_host
+            end = t_compute = done[v] = ready + us
+            tl.compute_us += us
         for k in grads_from.get(v, []):
+            if k in chains:
+                continue
             e = gp.edges[k]
-            start = max(t_compute, t_comm)
+            start = max(end, t_comm)
             grad_starts.append((k, start))
             us = float(mats[k][choice[v], choice[e.consumer]])
             if us > 0:
                 t_comm = start + us
                 tl.comm_us += us
                 tl.collectives += 1
+        for k in chained_from.get(v, ()):
+            if k in buckets.backward_edges and not in_backward:
+                later.append((k, end))
+            else:
+                advance(k, 0, end)
+    for k, t in later:  # a graph with no backward node
+        advance(k, 0, max(t, t_compute))
+    for b in waiting:
+        fire(b, max(ready_at[b], t_compute))
     if slack is not None:
         for k, start in grad_starts:  # a gradient's move is waited for when the compute ends
             slack[k] = max(0.0, t_compute - start)

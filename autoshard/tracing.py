@@ -70,7 +70,7 @@ class TracedGraph:
 
     def phase(self, node: fx.Node) -> str | None:
         """``forward`` (the model), ``loss`` (``loss_fn``) or ``backward`` for a traced op."""
-        return _phase(node)
+        return node_phase(node)
 
     def loss_seed(self) -> fx.Node | None:
         """The node autograd seeded the backward with: ``ones_like(loss)``, the loss's gradient."""
@@ -105,11 +105,13 @@ def _drop_hook_residue(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
 
 
 def _loss_seed(loss_node: fx.Node) -> fx.Node | None:
-    seeds = [u for u in loss_node.users if u.target is torch.ops.aten.ones_like.default and _phase(u) == "backward"]
+    seeds = [u for u in loss_node.users if u.target is torch.ops.aten.ones_like.default and node_phase(u) == "backward"]
     return seeds[0] if len(seeds) == 1 else None
 
 
-def _phase(node: fx.Node) -> str | None:
+def node_phase(node: fx.Node) -> str | None:
+    """``forward`` (the model), ``loss`` (``loss_fn``) or ``backward``: the phase of the step
+    that created a traced op (None for placeholders)."""
     custom = node.meta.get("custom")
     return custom.get(PHASE) if isinstance(custom, dict) else None
 
@@ -126,11 +128,11 @@ def _loss_free_names(gm: fx.GraphModule, output_grads) -> None:
     import re
 
     nodes = list(gm.graph.nodes)
-    loss_part = {n for n in nodes if _phase(n) == "loss"}
+    loss_part = {n for n in nodes if node_phase(n) == "loss"}
     stack = list(output_grads)
     while stack:
         n = stack.pop()
-        if n in loss_part or _phase(n) != "backward":
+        if n in loss_part or node_phase(n) != "backward":
             continue
         loss_part.add(n)
         stack.extend(n.all_input_nodes)

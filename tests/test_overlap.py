@@ -26,7 +26,7 @@ def prefetch_or_recompute():
         node_costs=[[0.0], [100.0], [10.0, 45.0]], node_usages=[[1.0], [1.0], [1.0, 1.0]],
         intervals=[[0, 3], [1, 3], [2, 3]], edges=[[0, 2], [1, 2]],
         edge_costs=[np.array([[50.0, 0.0]]), np.zeros((1, 2))])
-    gp = SimpleNamespace(nodes=[None] * 3, num_originals=3, problem=problem, issue_us=lambda: [0.0] * 3,
+    gp = SimpleNamespace(nodes=[None] * 3, num_originals=3, problem=problem, issue_us=lambda: [0.0] * 3, bucket_mb=0.0,
                          edges=[Edge(0, 2, 0, 0), Edge(1, 2, 1, 0)])
     return problem, gp
 
@@ -77,9 +77,10 @@ def test_rounds_off_or_no_time_keep_the_additive_plan_unless_a_candidate_is_fast
 
 
 def test_overlap_aware_plan_is_predicted_no_slower_than_the_additive_or_hand_written_ones(world):
-    """A small LLaMA on (2, 2) with the measured gloo profile: the rounds find a plan whose
-    simulated step is lower than the additive plan's, and no hand-written plan (each with its
-    own rounds) is predicted faster."""
+    """A small LLaMA on (2, 2) with the measured gloo profile: the rounds keep the plan of least
+    simulated step they find, never above the additive plan's, and no hand-written plan (each with its
+    own rounds) is predicted faster than the plan ``compare`` gives (one may be: it is then
+    ours)."""
     world(4)
     torch.manual_seed(0)
     model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128)
@@ -88,12 +89,16 @@ def test_overlap_aware_plan_is_predicted_no_slower_than_the_additive_or_hand_wri
     planner = autoshard.Planner(model, inputs, mesh, profile="cpu-gloo", time_limit=20, overlap_objective=True)
     additive = planner.solve(overlap_objective=False)
     assert additive.summary["overlap"]["stopped"] == "rounds off"
+    solved = planner.solve()
+    rounds = solved.summary["overlap"]["rounds"]
+    assert len(rounds) >= 2
+    assert additive_solve(solved) == pytest.approx(additive.summary["additive_us"])
+    # The plan kept is the least simulated of the rounds, none above the additive plan's.
+    assert solved.summary["step_us"] == pytest.approx(min(r["simulated_us"] for r in rounds), abs=1e-3)
+    assert solved.summary["step_us"] <= additive.summary["step_us"] + 1e-3
     table = planner.compare()
     ours = table["autoshard"]
-    rounds = ours.summary["overlap"]["rounds"]
-    assert len(rounds) >= 2
-    assert additive_solve(ours) == pytest.approx(additive.summary["additive_us"])
-    assert ours.summary["step_us"] < additive.summary["step_us"]
+    assert ours.summary["step_us"] <= solved.summary["step_us"]
     for name, other in table.items():
         if not isinstance(other, str):
             assert ours.summary["step_us"] <= other.summary["step_us"] * (1 + 1e-9), name

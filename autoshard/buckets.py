@@ -1,0 +1,192 @@
+"""The executor's collective buckets, found on the planned graph.
+
+A lowered program's collectives are merged by Inductor's bucketing passes
+(:func:`autoshard.passes.optimize`, ``bucket_mb``): in the program's order, each kind's
+collectives (all_reduce, all_gather, reduce_scatter) are split into runs of consecutive ones
+with one key (group, dtype and, for reductions, the reduce op); within a run, buckets fill
+greedily up to the cap, and a collective that depends on the bucket being filled stays out of
+it. A bucket is one collective at its members' total bytes: one latency instead of one each,
+which on gloo (about a millisecond each) is most of a small model's communication.
+
+:func:`plan_buckets` applies the same rules to a plan's redistributes in planned-graph order
+(:func:`autoshard.simulate.run_order` gives it), with a redistribute's collectives where the
+lowered program puts them: before its consumer, in the consumer's program (forward or
+backward); the gradients' moves to their parameters' specs at the end of the backward, in the
+parameters' order (the program's outputs), where the runs are long.
+Each collective of a redistribute of several (all_reduce over ``dp`` then over ``tp``) is a
+candidate of its own kind's run; the later ones depend on the earlier ones.
+
+"Depends on the bucket": an earlier collective of the same redistribute is a member, or the
+redistribute's producer is reachable in the planned graph from the consumer of a member (a gradient's move has no reader in the step). The search for that only
+walks nodes up to the producer's position in the order (a topological order: every path to a
+node runs through earlier ones), so it is linear per bucket.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from autoshard.tracing import node_phase
+from costmodel import MeshTopology, plan_steps
+from costmodel.profile import Profile
+from costmodel.spec import partial_op
+
+_BUCKETED = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass
+class Buckets:
+    """Collectives of a plan's redistributes merged into buckets of one collective each."""
+
+    members: list[list[tuple[int, int]]] = field(default_factory=list)
+    """Per bucket, its members in program order: (planned edge, index of the collective in that
+    edge's redistribute)."""
+    us: list[float] = field(default_factory=list)
+    """Per bucket, the time of its one collective (the profile's fit at the members' bytes)."""
+    backward: list[bool] = field(default_factory=list)
+    """Per bucket, whether it runs in the backward program."""
+    chains: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+    """Per edge with a collective in a bucket, its redistribute's collectives in order: (own
+    time, bucket or -1 where it runs alone)."""
+    backward_edges: set[int] = field(default_factory=set)
+    """The edges of ``chains`` whose collectives run in the backward program."""
+    own_us: dict[int, float] = field(default_factory=dict)
+    """Per edge of ``chains``, the rest of its redistribute's time (local steps), after its last
+    collective."""
+    saved_us: float = 0.0
+    """The members' own collective times less the buckets': what bucketing saves."""
+
+    def __bool__(self) -> bool:
+        return bool(self.members)
+
+
+class _Reach:
+    """Nodes reachable from a set of sources, explored only as far as queries need (see the
+    module doc): ``pos`` is a topological position, ``succ`` the planned graph's readers."""
+
+    def __init__(self, succ: dict[int, list[int]], pos: list[int]):
+        self.succ, self.pos = succ, pos
+        self.seen: set[int] = set()
+        self.heap: list[tuple[int, int]] = []
+
+    def add(self, v: int) -> None:
+        if v not in self.seen:
+            heapq.heappush(self.heap, (self.pos[v], v))
+
+    def reaches(self, v: int) -> bool:
+        target = self.pos[v]
+        while self.heap and self.heap[0][0] <= target:
+            _, n = heapq.heappop(self.heap)
+            if n in self.seen:
+                continue
+            self.seen.add(n)
+            for s in self.succ.get(n, ()):
+                if s not in self.seen:
+                    heapq.heappush(self.heap, (self.pos[s], s))
+        return v in self.seen
+
+
+def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Profile, cap_mb: float) -> Buckets:
+    """The buckets the executor makes of ``choice``'s redistributes (module doc), ``cap_mb`` MiB
+    each at most; none where ``cap_mb`` is 0."""
+    out = Buckets()
+    if cap_mb <= 0:
+        return out
+    mats = gp.problem.edge_costs
+    pos = [0] * len(gp.nodes)
+    for i, v in enumerate(order):
+        pos[v] = i
+    into: dict[int, list[int]] = {}
+    grads_from: dict[int, list[int]] = {}
+    succ: dict[int, list[int]] = {}
+    for k, e in enumerate(gp.edges):
+        if e.arg < 0:
+            grads_from.setdefault(e.producer, []).append(k)
+        else:
+            into.setdefault(e.consumer, []).append(k)
+            succ.setdefault(e.producer, []).append(e.consumer)
+    # Per kind, its collectives in program order: (edge, index in the edge's, key, bytes).
+    runs: dict[str, list[tuple[int, int, tuple, int]]] = {k: [] for k in _BUCKETED}
+    steps_of: dict[int, list] = {}
+
+    def visit(k: int, backward: bool) -> None:
+        e = gp.edges[k]
+        u, v = e.producer, e.consumer
+        if mats[k][choice[u], choice[v]] <= 0:
+            return
+        src = gp.strategies[u][choice[u]].outs[e.out]
+        dst = gp.strategies[v][choice[v]].ins[e.arg] if e.arg >= 0 else gp.strategies[v][choice[v]].outs[0]
+        t = gp.nodes[u].meta["val"]
+        t = t[e.out] if isinstance(t, (tuple, list)) else t
+        steps_of[k] = steps = plan_steps(src, dst, tuple(t.shape), t.element_size(), topo, profile)
+        if backward:
+            out.backward_edges.add(k)
+        for i, s in enumerate(steps):
+            # A kind the passes do not merge (all_to_all) is not in runs: it breaks none.
+            if s.kind in runs:
+                op = partial_op(s.src.placements[s.axes[0]]) if s.kind != "all_gather" else None
+                runs[s.kind].append((k, i, (backward, s.axes, t.dtype, op), int(s.nbytes)))
+
+    for v in order:
+        backward = v in gp.copy_of or node_phase(gp.nodes[v]) == "backward"
+        for k in into.get(v, ()):
+            visit(k, backward)
+    # The backward program delivers the gradients last, in the parameters' order.
+    for k in sorted((k for ks in grads_from.values() for k in ks), key=lambda k: (pos[gp.edges[k].consumer], k)):
+        visit(k, True)
+
+    cap = int(cap_mb * 2**20)
+    for kind, seq in runs.items():
+        start = 0
+        while start < len(seq):
+            end = start
+            while end + 1 < len(seq) and seq[end + 1][2] == seq[start][2]:
+                end += 1
+            if end > start:
+                _fill(gp, seq[start:end + 1], cap, kind, topo, profile, succ, pos, out)
+            start = end + 1
+    bucket_of = {m: b for b, members in enumerate(out.members) for m in members}
+    out.backward_edges &= {k for k, _ in bucket_of}
+    for k in sorted({k for members in out.members for k, _ in members}):
+        e = gp.edges[k]
+        steps = steps_of[k]
+        out.chains[k] = [(float(s.us), bucket_of.get((k, i), -1)) for i, s in enumerate(steps)]
+        out.own_us[k] = max(0.0, float(mats[k][choice[e.producer], choice[e.consumer]]) - sum(s.us for s in steps))
+    for b, members in enumerate(out.members):
+        out.saved_us += sum(steps_of[k][i].us for k, i in members) - out.us[b]
+    return out
+
+
+def _fill(gp, run, cap: int, kind: str, topo: MeshTopology, profile: Profile, succ, pos, out: Buckets) -> None:
+    """Greedy buckets of one run of same-key collectives, as Inductor fills them."""
+    axes = run[0][2][1]
+    group = 1
+    for a in axes:
+        group *= topo.shape[a]
+    predict = profile.collective_predictor(kind, group, topo.group_is_intra_node(axes))
+    backward = bool(run[0][2][0])
+
+    def close(bucket: list[tuple[int, int]], nbytes: int) -> None:
+        if len(bucket) > 1:
+            out.members.append(bucket)
+            out.us.append(float(predict(nbytes)))
+            out.backward.append(backward)
+
+    bucket: list[tuple[int, int]] = []
+    edges: set[int] = set()
+    size = 0
+    reach = _Reach(succ, pos)
+    for k, i, _, nbytes in run:
+        e = gp.edges[k]
+        if bucket and (k in edges or reach.reaches(e.producer)):
+            continue  # it follows a member's collective or reads a member's consumer: it stays alone
+        if bucket and size + nbytes > cap:
+            close(bucket, size)
+            bucket, edges, size, reach = [], set(), 0, _Reach(succ, pos)
+        bucket.append((k, i))
+        edges.add(k)
+        size += nbytes
+        if e.arg >= 0:  # a gradient's move has no reader in the step
+            reach.add(e.consumer)
+    close(bucket, size)
