@@ -12,14 +12,19 @@ which on gloo (about a millisecond each) is most of a small model's communicatio
 (:func:`autoshard.simulate.run_order` gives it), with a redistribute's collectives where the
 lowered program puts them: before its consumer, in the consumer's program (forward or
 backward); the gradients' moves to their parameters' specs at the end of the backward, in the
-parameters' order (the program's outputs), where the runs are long.
-Each collective of a redistribute of several (all_reduce over ``dp`` then over ``tp``) is a
-candidate of its own kind's run; the later ones depend on the earlier ones.
+parameters' order (the program's outputs), where the runs are long. Each collective of a
+redistribute of several (all_reduce over ``dp`` then over ``tp``) is a candidate of its own
+kind's run; the later ones depend on the earlier ones.
 
 "Depends on the bucket": an earlier collective of the same redistribute is a member, or the
-redistribute's producer is reachable in the planned graph from the consumer of a member (a gradient's move has no reader in the step). The search for that only
-walks nodes up to the producer's position in the order (a topological order: every path to a
-node runs through earlier ones), so it is linear per bucket.
+redistribute's producer is reachable in the planned graph from the consumer of a member (a
+gradient's move has no reader in the step). The search for that only walks nodes up to the
+producer's position in the order (a topological order: every path to a node runs through
+earlier ones), so it is linear per bucket.
+
+How the walk prices a bucket (:func:`autoshard.simulate.simulate_plan`): its collective is
+issued once every member's input is there (the overlap scheduler starts it as early as that),
+a backward bucket not before the backward starts; each member's consumer waits for it.
 """
 
 from __future__ import annotations

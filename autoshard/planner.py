@@ -598,7 +598,8 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
                             "comm_us": round(tl.comm_us, 3), "overlap_share": prof.overlap}
     if buckets is not None:
         summary["simulated"].update(bucket_mb=gp.bucket_mb, buckets=len(buckets.members),
-                                    bucketed=sum(len(m) for m in buckets.members), bucket_saved_us=round(buckets.saved_us, 3))
+                                    bucketed=sum(len(m) for m in buckets.members),
+                                    bucket_saved_us=round(buckets.saved_us, 3))
     if tl.idle_us > 0:
         summary["simulated"]["host_idle_us"] = round(tl.idle_us, 3)
     summary["overlap"] = {k: v for k, v in overlap.items() if k != "simulated_us"}
