@@ -240,11 +240,24 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
                 upper = free.cost
             if free is not None and free.proved and free.fits:
                 # The shape's plan alone: the search compares shapes by its predicted step, which
-                # need not follow the additive objective the bound and the pruning are on.
+                # need not follow the additive objective the bound and the pruning are on. Planned
+                # alone, that is the least predicted of the optimum and the hand-written plans
+                # (Planner.solve weighs them), those the bounds leave a chance (step_floor).
                 step = simulate_plan(planner.built, free.choice, planner.profile.overlap).step_us
                 peak = free.peak_usage
+                spent = time.perf_counter() - started
+                found_hand = planner.hand_written(time_limit=max(1.0, min(seconds, spent)),
+                                                  additive_floor_us=max(bound, free.lower_bound),
+                                                  compute_floor_us=bound,
+                                                  below=min(step, plan_below if plan_below > 0 else float("inf"))) \
+                    if hasattr(planner, "hand_written") else None
+                if found_hand is not None and found_hand[1].step_us < step - 1e-3:
+                    hand, seed = found_hand
+                    step = seed.step_us
                 if step < plan_below:
-                    plan = planner.solve(time_limit=max(1.0, seconds))  # the memory-free optimum, assembled
+                    # The optimum or the hand-written plan, assembled (the seeds are cached).
+                    plan = planner.solve(time_limit=max(1.0, seconds))
+                    peak = plan.summary["peak_mem_bytes"]
             elif free is not None and hasattr(planner, "hand_written"):
                 # Memory binds: planned alone, the shape's plan is the least predicted of its solve
                 # and its hand-written plans, which may hide far more communication than the
@@ -465,14 +478,17 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             row.bound_us = bound
             spent.setdefault(len(shape), []).append(seconds)
             entry = _Bounded(free is None, bound, shapes.index(shape), shape, planner, free,
-                             made if hand is None else None, cheapest)
+                             made if hand is None or (free is not None and free.proved and free.fits) else None,
+                             cheapest)
+            fits = free is not None and free.proved and free.fits
             if step is not None:
                 known[shape] = (step, made, entry, hand)
                 row.outcome, row.step_us = "planned", round(step, 3)
                 row.peak_mem_bytes = None if peak is None else int(peak)
                 row.note = "its memory-free optimum (proved, fits): its plan" if hand is None else \
-                    f"hand-written {hand}, its best (memory binds)"
-            if step is None or hand is not None:  # a plan of it may still beat its hand-written one
+                    f"hand-written {hand}: its plan (predicted faster than its memory-free optimum, which fits)" \
+                    if fits else f"hand-written {hand}, its best (memory binds)"
+            if step is None or (hand is not None and not fits):  # a plan of it may beat its hand-written one
                 bounded.append(entry)
             log.info(f"mesh {'x'.join(map(str, shape))}: bound {bound / 1e3:.3f} ms"
                      + (f"; its plan (the memory-free optimum, fits) at {step / 1e3:.3f} ms predicted"
@@ -555,14 +571,14 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         if made is None:
             planner = _planner_of(best, b.planner, b.free, make_planner, model, example_inputs, options, first)
             left = max(1.0, limit - (started - t0))
-            if hand is None:
-                made = planner.solve(time_limit=left)
+            if hand is None or (b.free is not None and b.free.proved and b.free.fits):
+                made = planner.solve(time_limit=left)  # with the hand-written plan where it is faster
             else:
                 name, seed = planner.hand_written(time_limit=left)
                 made = _hand_written_plan(name, seed)
         solved[best] = made
         rows[best].step_us, rows[best].peak_mem_bytes = made.summary["step_us"], made.summary["peak_mem_bytes"]
-        if hand is not None:
+        if hand is not None and not (b.free is not None and b.free.proved and b.free.fits):
             rows[best].note = f"hand-written {hand} (memory binds): predicted faster than every plan solved"
         rows[best].seconds += time.perf_counter() - started
     table = [rows[s] for s in shapes]

@@ -2,8 +2,11 @@
 
 Two walks share the model: :func:`simulate` over a rank's lowered program (after torch's
 bucketing and overlap passes: the program that runs), and :func:`simulate_plan` over the
-planned graph itself, any size, at plan time (no buckets: one collective per planned
-redistribute, each issued as soon as its data is ready).
+planned graph itself, any size, at plan time: the executor's buckets found on the planned graph
+(:mod:`autoshard.buckets`, one collective each), every other redistribute issued as soon as its
+data is ready, and a view (an op of no compute) there when its inputs are, so that only its
+readers wait (the overlap scheduler waits for a collective just before the first op that
+computes on it; a gradient's transpose waiting for its reduction held the whole backward).
 
 The plan's own prediction adds every op's compute and every redistribute's time. The program
 that runs is different: torch's bucketing merged collectives (one latency per bucket), and the

@@ -20,6 +20,7 @@ import math
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -244,21 +245,41 @@ def matmul_shares(rates: dict, n: int) -> dict[str, float]:
     return {str(side): round(rate / base, 4) for side, rate in sorted(rates.items()) if rate > 0}
 
 
-def measure_matmul(device, n: int, dtype) -> float:
+def measure_matmul(device, n: int, dtype, lockstep: bool = False) -> float:
     """Achieved TFLOP/s of an n x n matmul, best of a few runs, the device's time alone
     (:meth:`Timer.device_best`): inside a step the host runs ahead, and its issue of each op is
-    the host stream's, priced apart."""
+    the host stream's, priced apart. ``lockstep``: every rank times it at once, the slowest
+    rank's (:func:`lockstep_seconds`), as ranks sharing CPU cores compute in a step."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / Timer(torch.device(device)).device_best(lambda: torch.mm(a, b, out=out)) / 1e12
+    timer = Timer(torch.device(device))
+    fn = lambda: torch.mm(a, b, out=out)  # noqa: E731
+    return 2 * n**3 / (lockstep_seconds(timer, fn) if lockstep else timer.device_best(fn)) / 1e12
 
 
-def measure_bandwidth(device, nbytes: int) -> float:
-    """Achieved GB/s of an ``nbytes`` copy (its bytes read and written), best of a few runs."""
+def measure_bandwidth(device, nbytes: int, lockstep: bool = False) -> float:
+    """Achieved GB/s of an ``nbytes`` copy (its bytes read and written), best of a few runs
+    (``lockstep``: :func:`lockstep_seconds`)."""
     src = torch.ones(max(1, nbytes // 4), device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / Timer(torch.device(device)).best(lambda: dst.copy_(src)) / 1e9
+    timer = Timer(torch.device(device))
+    fn = lambda: dst.copy_(src)  # noqa: E731
+    return 2 * src.numel() * 4 / (lockstep_seconds(timer, fn) if lockstep else timer.best(fn)) / 1e9
+
+
+def lockstep_seconds(timer: Timer, fn, seconds: float = 0.3, runs: int = 3) -> float:
+    """Seconds per call with every rank calling ``fn`` at once: the slowest rank's, median of
+    ``runs`` runs of about ``seconds`` each. Ranks that share CPU cores contend in a step as they
+    do here; the best of a few runs on each rank alone (what :meth:`Timer.best` gives) catches
+    moments when the others were idle: on 4 gloo ranks over 2 cores the calibrated float32
+    matmul rate varied 2x between runs (0.052-0.104 TFLOP/s) and steps measured 1.3-1.8x the
+    compute it priced."""
+    timer.run(fn, 2)
+    one = torch.tensor([timer.run(fn, 1)], dtype=torch.float64, device=timer.device)
+    dist.all_reduce(one, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    iters = max(1, min(1000, int(seconds / max(float(one.item()), 1e-7))))
+    return statistics.median(_slowest(timer, fn, iters) for _ in range(runs))
 
 
 def measure_mem_patterns(device, dtype, rows: int, cols: int) -> dict[str, float]:
@@ -455,20 +476,22 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             # The device's time alone: an op's issue is the host stream's, priced apart
             # (``host_op_us``). Timed from the host, an H200's 1024^3 bf16 matmul ran at 140
             # TFLOP/s, its issue; on the device at 390.
-            result.matmul_tflops = measure_matmul(device, cfg.matmul_size, planning)
+            # Ranks that share the host's cores (a CPU mesh) contend in a step: timed all at once.
+            lockstep = not gpu and dist.get_world_size() > 1
+            result.matmul_tflops = measure_matmul(device, cfg.matmul_size, planning, lockstep)
             result.matmul_side = cfg.matmul_size
             say(f"matmul {cfg.matmul_size}^3: {result.matmul_tflops:.3f} TFLOP/s")
             result.matmul_sizes = {side: result.matmul_tflops if side == cfg.matmul_size
-                                   else measure_matmul(device, side, planning)
+                                   else measure_matmul(device, side, planning, lockstep)
                                    for side in matmul_sides(cfg.matmul_size, device.type)}
             if result.matmul_sizes:
                 say("matmul rate by side: " + ", ".join(f"{side} {rate:.3f}"
                                                         for side, rate in result.matmul_sizes.items()) + " TFLOP/s")
             name = str(other).removeprefix("torch.")
-            result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other)
+            result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other, lockstep)
             say(f"matmul {cfg.matmul_size}^3 in {name}: {result.other_tflops[name]:.3f} TFLOP/s")
             # Every rank at once, as in a step: on shared CPU cores the contention is the point.
-            result.mem_bandwidth_gbps = measure_bandwidth(device, (512 if device.type == "cuda" else 32) * 2**20)
+            result.mem_bandwidth_gbps = measure_bandwidth(device, (512 if gpu else 32) * 2**20, lockstep)
             result.launch_us = measure_launch_us(device)
             say(f"copy bandwidth {result.mem_bandwidth_gbps:.1f} GB/s, {result.launch_us:.1f} us per op")
             result.mem_efficiency = measure_mem_patterns(device, planning, 8192 if gpu else 2048,

@@ -365,3 +365,30 @@ def test_device_time_falls_back_to_the_host_clock_off_gpus():
     calls = []
     seconds = cal.Timer(torch.device("cpu")).device_best(lambda: calls.append(1))
     assert seconds > 0 and len(calls) == 2 + 9  # best(): two warm-up calls, three runs of three
+
+
+def test_lockstep_timing_is_the_slowest_ranks_median(monkeypatch):
+    """Ranks that share cores time compute all at once and take the slowest rank's time, median
+    of the runs: here another rank takes twice as long, so every rank reads twice its own time,
+    where the best of its own runs would read its own."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import costmodel.calibrate as cal
+
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+
+    def slower_peer(t, op=None, group=None):  # the MAX over this rank and a peer twice as slow
+        t.mul_(2.0)
+
+    monkeypatch.setattr(dist, "all_reduce", slower_peer)
+    timer = cal.Timer(torch.device("cpu"))
+
+    def fn():
+        time.sleep(0.002)
+
+    alone = timer.best(fn)
+    together = cal.lockstep_seconds(timer, fn, seconds=0.02)
+    assert 1.6 * alone < together < 3.0 * alone

@@ -247,6 +247,49 @@ def test_shapes_whose_plan_the_bounding_found_are_chosen_by_predicted_step(world
     assert [shape for shape, _ in _FittingPlanner.solves] == [(4, 2)]
 
 
+class _FittingHandPlanner(_FittingPlanner):
+    """As :class:`_FittingPlanner`, and (2, 4)'s hand-written plan is predicted at 400, below
+    its memory-free optimum's 470 and (4, 2)'s 430: planned alone, (2, 4)'s plan is that one."""
+
+    hand = {(2, 4): 400.0}
+
+    def hand_written(self, time_limit, additive_floor_us=0.0, compute_floor_us=0.0, below=float("inf")):
+        from types import SimpleNamespace
+
+        step = self.hand.get(self.shape)
+        if step is None or step >= below:
+            return None
+        return "fsdp", SimpleNamespace(step_us=step)
+
+    def solve(self, time_limit):
+        plan = super().solve(time_limit)
+        if self.shape in self.hand:  # Planner.solve adopts the faster hand-written plan
+            plan.summary["step_us"] = self.hand[self.shape]
+        return plan
+
+
+def test_a_fitting_shapes_hand_written_plan_predicted_faster_is_its_plan(world, monkeypatch):
+    """Planned alone, a shape whose memory-free optimum fits gets the hand-written plan where one
+    is predicted faster (``Planner.solve`` weighs them): the search weighs them too, so its
+    answer is no slower than any shape planned alone."""
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    world(8)
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _FittingPlanner.clock[0]))
+    monkeypatch.setattr(ms, "simulate_plan",
+                        lambda built, choice, eta: SimpleNamespace(step_us=_FittingPlanner.simulated[choice]))
+    _FittingPlanner.clock[0], _FittingPlanner.solves = 0.0, []
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), _FittingHandPlanner)
+    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    assert plan.summary["step_us"] == 400.0 and rows[(2, 4)]["outcome"] == "chosen"
+    assert "hand-written fsdp: its plan" in rows[(2, 4)]["note"]
+    assert rows[(4, 2)]["step_us"] == 430.0
+
+
 class _HandWrittenPlanner(_ScriptedPlanner):
     """Memory binds every shape; each shape's best hand-written plan is predicted at ``hand``."""
 
