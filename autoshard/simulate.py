@@ -152,7 +152,9 @@ def step_floor(additive_us: float, compute_us: float, share: float) -> float:
     which is ``(1 - share) * A + share * L`` where compute takes at least half of ``A``, and
     ``(1 - share / 2) * A`` where it may take less (communication can hide no more compute than
     there is). A recomputing plan: ``A`` and ``L`` both plus the recomputed copies' cheapest
-    compute."""
+    compute. Of the step without buckets: the executor's buckets take a latency off each
+    collective they merge, which ``A`` (a bound of the additive objective, one latency per
+    collective) does not see."""
     return additive_us - share * min(additive_us / 2, max(0.0, additive_us - compute_us))
 
 
