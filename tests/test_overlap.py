@@ -87,9 +87,10 @@ def test_overlap_aware_plan_is_predicted_no_slower_than_the_additive_or_hand_wri
     inputs = (torch.randint(0, 2048, (16, 128)),)
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
     planner = autoshard.Planner(model, inputs, mesh, profile="cpu-gloo", time_limit=20, overlap_objective=True)
-    additive = planner.solve(overlap_objective=False)
+    # The solves' own plans (a hand-written plan predicted faster would be the plan).
+    additive = planner.solve(overlap_objective=False, seed_baselines=False)
     assert additive.summary["overlap"]["stopped"] == "rounds off"
-    solved = planner.solve()
+    solved = planner.solve(seed_baselines=False)
     rounds = solved.summary["overlap"]["rounds"]
     assert len(rounds) >= 2
     assert additive_solve(solved) == pytest.approx(additive.summary["additive_us"])
