@@ -222,10 +222,9 @@ class _FittingPlanner(_ScriptedPlanner):
                                solver={"status": "optimal", "bound": self.additive[self.shape]})
 
 
-def test_shapes_whose_plan_the_bounding_found_are_chosen_by_predicted_step(world, monkeypatch):
-    """A proved memory-free optimum that fits is the shape's plan alone; shapes are compared by
-    its predicted (simulated) step, not pruned by the additive objective the bounds are on: (4, 2)
-    costs more than (2, 4) additively, yet is predicted faster, and is the answer."""
+def _search_fitting(world, monkeypatch, planner_cls):
+    """A search of 8 ranks with ``planner_cls`` (a :class:`_FittingPlanner`): the plan and its
+    table by shape."""
     from types import SimpleNamespace
 
     import autoshard.meshsearch as ms
@@ -237,8 +236,15 @@ def test_shapes_whose_plan_the_bounding_found_are_chosen_by_predicted_step(world
     monkeypatch.setattr(ms, "simulate_plan",
                         lambda built, choice, eta: SimpleNamespace(step_us=_FittingPlanner.simulated[choice]))
     _FittingPlanner.clock[0], _FittingPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), _FittingPlanner)
-    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), planner_cls)
+    return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+
+
+def test_shapes_whose_plan_the_bounding_found_are_chosen_by_predicted_step(world, monkeypatch):
+    """A proved memory-free optimum that fits is the shape's plan alone; shapes are compared by
+    its predicted (simulated) step, not pruned by the additive objective the bounds are on: (4, 2)
+    costs more than (2, 4) additively, yet is predicted faster, and is the answer."""
+    plan, rows = _search_fitting(world, monkeypatch, _FittingPlanner)
     assert plan.summary["step_us"] == 430.0 and rows[(4, 2)]["outcome"] == "chosen"
     assert {s: r["outcome"] for s, r in rows.items() if s != (4, 2)} == {(8,): "planned", (2, 4): "planned",
                                                                          (2, 2, 2): "planned"}
@@ -272,19 +278,7 @@ def test_a_fitting_shapes_hand_written_plan_predicted_faster_is_its_plan(world, 
     """Planned alone, a shape whose memory-free optimum fits gets the hand-written plan where one
     is predicted faster (``Planner.solve`` weighs them): the search weighs them too, so its
     answer is no slower than any shape planned alone."""
-    from types import SimpleNamespace
-
-    import autoshard.meshsearch as ms
-    from autoshard.options import PlanOptions
-
-    world(8)
-    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
-    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _FittingPlanner.clock[0]))
-    monkeypatch.setattr(ms, "simulate_plan",
-                        lambda built, choice, eta: SimpleNamespace(step_us=_FittingPlanner.simulated[choice]))
-    _FittingPlanner.clock[0], _FittingPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), _FittingHandPlanner)
-    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    plan, rows = _search_fitting(world, monkeypatch, _FittingHandPlanner)
     assert plan.summary["step_us"] == 400.0 and rows[(2, 4)]["outcome"] == "chosen"
     assert "hand-written fsdp: its plan" in rows[(2, 4)]["note"]
     assert rows[(4, 2)]["step_us"] == 430.0
