@@ -255,26 +255,31 @@ class Planner:
         if opts.export_problem is not None:
             solver.save_iopddl(self.problem(**_solve_fields(opts)), opts.export_problem)
             log.info(f"wrote the solver problem to {opts.export_problem}")
+        started = time.perf_counter()
         if opts.recompute != "auto":
             result = self._solve_mode(opts, opts.time_limit)
         elif not self.traced.layer_groups or self._budget(opts) is None:  # nothing to trade memory for
             result = self._solve_mode(opts.replace(recompute="none"), opts.time_limit)
         else:
             result = self._solve_auto(opts)
-        self._plans[key] = result = self._or_hand_written(opts, result)
+        left = opts.time_limit - (time.perf_counter() - started)
+        self._plans[key] = result = self._or_hand_written(opts, result, max(1.0, min(BASELINES_SHARE * opts.time_limit,
+                                                                                      left)))
         return result[0]
 
-    def _or_hand_written(self, opts: PlanOptions, result: tuple[Plan, object]) -> tuple[Plan, object]:
+    def _or_hand_written(self, opts: PlanOptions, result: tuple[Plan, object],
+                         seconds: float) -> tuple[Plan, object]:
         """``result``, or the hand-written plan predicted faster where the solve did not weigh
         them: its cheap stages proved the additive optimum, which the simulated step need not
-        follow (LLaMA-8B on (8, 8): FSDP 387.9 ms against the additive optimum's 490.4)."""
+        follow (LLaMA-8B on (8, 8): FSDP 387.9 ms against the additive optimum's 490.4). In
+        ``seconds`` for all of them: what the solve left of ``time_limit``, at most the share the
+        seeds of a solve get, at least a second."""
         plan = result[0]
         if "seeds" in plan.solver or not opts.seed_baselines or opts.input_specs is not None:
             return result
         # Each is solved: the bounds of the additive step bound no step the buckets price (a TP
         # plan's collectives, merged, cost a fraction of its additive communication on gloo).
-        found = self.hand_written(BASELINES_SHARE * opts.time_limit,
-                                  **{f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"})
+        found = self.hand_written(seconds, **{f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"})
         if found is None or found[1].step_us >= plan.summary["step_us"] - 1e-3:
             return result
         name, seed = found
