@@ -277,9 +277,13 @@ class Planner:
         plan = result[0]
         if "seeds" in plan.solver or not opts.seed_baselines or opts.input_specs is not None:
             return result
-        # Each is solved: the bounds of the additive step bound no step the buckets price (a TP
-        # plan's collectives, merged, cost a fraction of its additive communication on gloo).
-        found = self.hand_written(seconds, **{f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"})
+        # Bounded by compute alone: the bounds of the additive step bound no step the buckets
+        # price (a TP plan's collectives, merged, cost a fraction of its additive communication on
+        # gloo), while every step holds its compute (a recomputing plan: its copies' too).
+        compute = self.cheapest_bound(**_solve_fields(opts.replace(recompute="none")))
+        found = self.hand_written(seconds, additive_floor_us=compute, compute_floor_us=compute,
+                                  below=plan.summary["step_us"],
+                                  **{f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"})
         if found is None or found[1].step_us >= plan.summary["step_us"] - 1e-3:
             return result
         name, seed = found
@@ -384,8 +388,8 @@ class Planner:
         ``additive_floor_us``, ``compute_floor_us``: lower bounds of every plan's additive step and
         compute without recomputation (a plan in a recompute mode adds its recomputed copies'
         cheapest compute to both, :meth:`recompute_floor`); a hand-written plan whose predicted
-        step they bound at or above ``below`` (:func:`~autoshard.simulate.step_floor`) is not
-        solved."""
+        step they bound at or above ``below``, or above the best of those solved before it
+        (:func:`~autoshard.simulate.step_floor`), is not solved."""
         opts = self._options(overrides)
         if not opts.seed_baselines or opts.input_specs is not None:
             return None
@@ -394,11 +398,18 @@ class Planner:
             extra = self.recompute_floor(mode, opts) if mode != "none" else 0.0
             return step_floor(additive_floor_us + extra, compute_floor_us + extra, self.profile.overlap)
 
-        names = [n for n in baselines_for(self.model) if opts.recompute in ("auto", baseline_recompute(n))
-                 and (below == float("inf") or floor(baseline_recompute(n)) < below)]
-        seeds = [(name, seed) for name, seed in self._baselines(names, opts, time_limit).items()
-                 if isinstance(seed, _Seed)]
-        return min(seeds, key=lambda kv: kv[1].step_us, default=None)
+        names = [n for n in baselines_for(self.model) if opts.recompute in ("auto", baseline_recompute(n))]
+        end = time.perf_counter() + time_limit
+        best: tuple[str, _Seed] | None = None
+        for k, name in enumerate(names):
+            bar = min(below, best[1].step_us if best is not None else float("inf"))
+            if bar < float("inf") and floor(baseline_recompute(name)) >= bar:
+                continue
+            share = max(1.0, (end - time.perf_counter()) / (len(names) - k))
+            seed = self._baselines([name], opts, share)[name]
+            if isinstance(seed, _Seed) and (best is None or seed.step_us < best[1].step_us):
+                best = (name, seed)
+        return best
 
     def _adopt(self, opts: PlanOptions, name: str, seed: _Seed) -> Plan:
         """Hand-written plan ``name`` as the plan of ``opts`` (it is predicted faster than the
