@@ -260,3 +260,26 @@ def test_a_hand_written_plan_predicted_faster_than_the_proved_optimum_is_the_pla
     assert plan.solver["source"].startswith("baseline ") and "predicted faster" in plan.solver["source"]
     assert plan.summary["step_us"] < own.summary["step_us"]
     assert plan.summary["additive_us"] > own.summary["additive_us"]  # the additive objective says otherwise
+
+
+def test_hand_written_plans_whose_floor_reaches_the_best_found_are_not_solved(world, monkeypatch):
+    """Every step holds its compute, and a recomputing plan its recomputed copies' too: bounded
+    by compute alone, FSDP+TP with full recomputation cannot beat the best hand-written plan
+    solved before it, and is not solved; bounded by nothing, it is."""
+    world(4)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128)
+    inputs = (torch.randint(0, 2048, (16, 128)),)
+    planner = autoshard.Planner(model, inputs, autoshard.fake_mesh((2, 2), ("dp", "tp")), profile="h100-sxm",
+                                time_limit=10, memory_budget=None)
+    solved = []
+    solve_them = planner._baselines
+    monkeypatch.setattr(planner, "_baselines", lambda names, opts, seconds: (solved.extend(names),
+                                                                              solve_them(names, opts, seconds))[1])
+    compute = planner.cheapest_bound()
+    name, seed = planner.hand_written(10.0, additive_floor_us=compute, compute_floor_us=compute)
+    assert compute + planner.recompute_floor("full") >= seed.step_us  # the premise: its floor is above
+    assert "fsdp_tp_ac" not in solved and name in solved
+    solved.clear()
+    planner.hand_written(10.0)
+    assert "fsdp_tp_ac" in solved
