@@ -109,6 +109,8 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_comput
     p.add_argument("--load-imbalance", type=float, default=1.0, metavar="F",
                    help="mixture of experts: the busiest expert-parallel rank's load over the mean (default 1.0, "
                         "exact for capacity-based dispatch)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MIB",
+                   help="the executor's bucket cap the predicted step prices (parallelize's bucket_mb; 0: none)")
     p.add_argument("--overlap-objective", action="store_true",
                    help="the objective follows the step simulated with overlap: re-weigh each redistribute by the "
                         "compute that hides it and solve again (overlap_objective=True); the predicted step is "
@@ -154,7 +156,8 @@ def _run_plan(model, inputs, args) -> int:
                                 memory_budget=args.memory_budget if args.memory_budget else "auto",
                                 time_limit=args.time_limit, pins=pins or None, export_problem=args.export_problem,
                                 recompute=args.recompute, load_imbalance=args.load_imbalance,
-                                overlap_objective=args.overlap_objective, compute_dtype=_compute_dtype(args))
+                                overlap_objective=args.overlap_objective, compute_dtype=_compute_dtype(args),
+                                bucket_mb=args.bucket_mb)
     plan = planner.solve()
     print(plan.describe())
     if args.compare:
@@ -187,7 +190,7 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
                           memory_budget=args.memory_budget if args.memory_budget else "auto",
                           time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,
                           load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective,
-                          compute_dtype=_compute_dtype(args))
+                          compute_dtype=_compute_dtype(args), bucket_mb=args.bucket_mb)
     print(plan.describe())
     print("\n".join(mesh_search_table(plan)))
     print(f"planned in {time.perf_counter() - t0:.1f} s")

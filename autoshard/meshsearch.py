@@ -238,7 +238,7 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
             free = planner.memory_free(time_limit=seconds)
             if free is not None and free.fits:
                 upper = free.cost
-            if free is not None and free.proved and free.fits:
+            if _fits(free):
                 # The shape's plan alone: the search compares shapes by its predicted step, which
                 # need not follow the additive objective the bound and the pruning are on. Planned
                 # alone, that is the least predicted of the optimum and the hand-written plans
@@ -284,6 +284,12 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
         return _BoundResult(shape, None, None, time.perf_counter() - started, str(exc), None, None)
     return _BoundResult(shape, bound, free, time.perf_counter() - started, None, planner, plan, upper, step, peak,
                         hand)
+
+
+def _fits(free) -> bool:
+    """Whether a memory-free optimum is proved and fits the budget: then it, or a hand-written
+    plan predicted faster, is the shape's plan alone."""
+    return free is not None and free.proved and free.fits
 
 
 def _hand_written_plan(name: str, seed) -> Plan:
@@ -477,10 +483,9 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 bound = bounds[shape] = max(bound, free.lower_bound)
             row.bound_us = bound
             spent.setdefault(len(shape), []).append(seconds)
+            fits = _fits(free)
             entry = _Bounded(free is None, bound, shapes.index(shape), shape, planner, free,
-                             made if hand is None or (free is not None and free.proved and free.fits) else None,
-                             cheapest)
-            fits = free is not None and free.proved and free.fits
+                             made if hand is None or fits else None, cheapest)
             if step is not None:
                 known[shape] = (step, made, entry, hand)
                 row.outcome, row.step_us = "planned", round(step, 3)
@@ -572,14 +577,14 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         if made is None:
             planner = _planner_of(best, b.planner, b.free, make_planner, model, example_inputs, options, first)
             left = max(1.0, limit - (started - t0))
-            if hand is None or (b.free is not None and b.free.proved and b.free.fits):
+            if hand is None or _fits(b.free):
                 made = planner.solve(time_limit=left)  # with the hand-written plan where it is faster
             else:
                 name, seed = planner.hand_written(time_limit=left)
                 made = _hand_written_plan(name, seed)
         solved[best] = made
         rows[best].step_us, rows[best].peak_mem_bytes = made.summary["step_us"], made.summary["peak_mem_bytes"]
-        if hand is not None and not (b.free is not None and b.free.proved and b.free.fits):
+        if hand is not None and not _fits(b.free):
             rows[best].note = f"hand-written {hand} (memory binds): predicted faster than every plan solved"
         rows[best].seconds += time.perf_counter() - started
     table = [rows[s] for s in shapes]

@@ -95,6 +95,13 @@ def test_plan_then_lower_a_factory_model(world, tmp_path, monkeypatch, capsys):
     plan = tmp_path / "plan.json"
     assert main(["plan", "mymodels:make", "--mesh", "dp=4", "--profile", str(tmp_path / "slow.json"),
                  "-o", str(plan)]) == 0
+    # The predicted step prices the executor's buckets (parallelize's 25 MiB), or none with 0.
+    unbucketed = tmp_path / "plan0.json"
+    assert main(["plan", "mymodels:make", "--mesh", "dp=4", "--profile", str(tmp_path / "slow.json"),
+                 "--bucket-mb", "0", "-o", str(unbucketed)]) == 0
+    with_buckets, without = (json.loads(f.read_text())["summary"] for f in (plan, unbucketed))
+    assert with_buckets["simulated"]["bucket_mb"] == 25.0 and "bucket_mb" not in without["simulated"]
+    assert with_buckets["step_us"] <= without["step_us"]
     capsys.readouterr()
     out = tmp_path / "programs"
     assert main(["lower", "mymodels:make", "--plan", str(plan), "--rank", "3", "-o", str(out)]) == 0
