@@ -30,6 +30,7 @@ a backward bucket not before the backward starts; each member's consumer waits f
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from autoshard.tracing import node_phase
@@ -61,9 +62,6 @@ class Buckets:
     collective."""
     saved_us: float = 0.0
     """The members' own collective times less the buckets': what bucketing saves."""
-
-    def __bool__(self) -> bool:
-        return bool(self.members)
 
 
 class _Reach:
@@ -166,9 +164,7 @@ def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Prof
 def _fill(gp, run, cap: int, kind: str, topo: MeshTopology, profile: Profile, succ, pos, out: Buckets) -> None:
     """Greedy buckets of one run of same-key collectives, as Inductor fills them."""
     axes = run[0][2][1]
-    group = 1
-    for a in axes:
-        group *= topo.shape[a]
+    group = math.prod(topo.shape[a] for a in axes)
     predict = profile.collective_predictor(kind, group, topo.group_is_intra_node(axes))
     backward = bool(run[0][2][0])
 

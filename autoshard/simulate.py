@@ -240,16 +240,18 @@ def simulate_plan(gp, choice, overlap: float = 1.0, buckets: Buckets | None = No
     bucket is one collective, issued once its members' producers have all run (a backward
     bucket not before the backward starts), read by each member's consumer; its readers run
     after its last producer. Default: the buckets of the problem's ``bucket_mb``."""
+    order = run_order(gp)
     if buckets is None:
-        buckets = problem_buckets(gp, choice)
-    return _walk(gp, choice, None, buckets).overlapped(overlap)
+        buckets = problem_buckets(gp, choice, order)
+    return _walk(gp, choice, None, buckets, order).overlapped(overlap)
 
 
-def problem_buckets(gp, choice) -> Buckets | None:
-    """The executor's buckets of ``choice`` at the problem's ``bucket_mb`` (None without one)."""
+def problem_buckets(gp, choice, order: list[int] | None = None) -> Buckets | None:
+    """The executor's buckets of ``choice`` at the problem's ``bucket_mb`` (None without one);
+    ``order``: :func:`run_order`'s, where the caller has it."""
     if gp.bucket_mb <= 0 or gp.topo is None:
         return None
-    return plan_buckets(gp, choice, run_order(gp), gp.topo, gp.profile, gp.bucket_mb)
+    return plan_buckets(gp, choice, run_order(gp) if order is None else order, gp.topo, gp.profile, gp.bucket_mb)
 
 
 def plan_slack(gp, choice) -> np.ndarray:
@@ -263,8 +265,10 @@ def plan_slack(gp, choice) -> np.ndarray:
     return slack
 
 
-def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None) -> Timeline:
-    """:func:`simulate_plan` hiding perfectly; each edge's slack written into ``slack``."""
+def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None,
+          order: list[int] | None = None) -> Timeline:
+    """:func:`simulate_plan` hiding perfectly; each edge's slack written into ``slack``;
+    ``order``: :func:`run_order`'s, where the caller has it."""
     costs, mats = gp.problem.node_costs, gp.problem.edge_costs
     into: dict[int, list[int]] = {}
     grads_from: dict[int, list[int]] = {}
@@ -275,8 +279,8 @@ def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None) 
     done: dict[int, float] = {}
     grad_starts: list[tuple[int, float]] = []
     tl = Timeline()
-    order = run_order(gp)
-    chains = buckets.chains if buckets else {}
+    order = run_order(gp) if order is None else order
+    chains = buckets.chains if buckets is not None else {}
     if chains:
         reordered = _bucket_order(gp, order, buckets)
         if reordered is None:  # buckets that wait on each other: priced as planned, one by one
