@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard._torch_compat import from_placements, is_persistent_buffer, quiet_tracing
 from autoshard.errors import ConfigError, MeshError, PlanError
+from autoshard.gcpause import fewer_gc_passes
 from autoshard.mesh import axis_names_of, check_mesh, several_processes
 from autoshard.planfile import Plan
 from autoshard.runtime import StepFunction
@@ -132,6 +133,7 @@ class _PlannedForward:
         return torch.utils._pytree.tree_unflatten(leaves, program.tg.output_tree)
 
 
+@fewer_gc_passes()
 def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_dict: dict | None = None,
                 loss_fn=None, profile=None, bucket_mb: float = 25.0, overlap: bool = True,
                 compute_loss: bool = False, compile: bool | str = False) -> nn.Module:
@@ -224,6 +226,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
     return model
 
 
+@fewer_gc_passes()
 def auto_parallel(model: nn.Module, example_inputs, mesh, *, compute_loss: bool = False, bucket_mb: float = 25.0,
                   overlap: bool = True, compile: bool | str = False, options=None, **plan_options) -> nn.Module:
     """Plan ``model`` for ``mesh`` and parallelize it with that plan: one call.

@@ -23,6 +23,7 @@ import torch
 import solver
 from autoshard.baselines import baseline_pins, baseline_recompute, baselines_for
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
+from autoshard.gcpause import fewer_gc_passes
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
 from autoshard.overlap import MAX_ROUNDS, additive_solve, relaxed
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 #: The least time :func:`plan` leaves the solve (or ``time_limit`` where smaller) when tracing
 #: and building took it all (the memory-free optimum and its repair take about this on LLaMA-70B).
 MIN_SOLVE_SECONDS = 5.0
+#: What :func:`plan` keeps of ``time_limit`` for the work after the solve's deadline (simulating
+#: and assembling its answer), as a share of the problem's build time: both walk every node
+#: once (measured at 0.1-0.35 of the build on LLaMA-3 8B to 405B).
+ASSEMBLY_OF_BUILD = 0.5
 #: Share of ``time_limit`` for all the hand-written plans together when ``seed_baselines`` is on
 #: (solved only when the solve's cheap stages prove nothing); the solve has the rest.
 BASELINES_SHARE = 0.25
@@ -51,6 +56,7 @@ BASELINES_SHARE = 0.25
 ROUND_GAP = 1e-3
 
 
+@fewer_gc_passes()
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *, ranks: int | None = None,
          options: PlanOptions | None = None, **overrides) -> Plan:
     """Choose a spec for every node of ``model``'s training step on ``mesh``.
@@ -76,11 +82,14 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *
     t0 = time.perf_counter()
     planner = Planner(model, example_inputs, mesh, options=options, **overrides)
     # time_limit bounds the call: the solve gets what tracing and building left (LLaMA-405B:
-    # 6.4 s of them, on top of a 60 s solve, made a 60 s plan take 66 s).
+    # 6.4 s of them, on top of a 60 s solve, made a 60 s plan take 66 s), less what simulating
+    # and assembling its answer will take after its deadline (1.1 s more at 405B).
     limit = planner.options.time_limit
-    return planner.solve(time_limit=max(min(MIN_SOLVE_SECONDS, limit), limit - (time.perf_counter() - t0)))
+    left = limit - (time.perf_counter() - t0) - ASSEMBLY_OF_BUILD * planner.phases.get("build_s", 0.0)
+    return planner.solve(time_limit=max(min(MIN_SOLVE_SECONDS, limit), left))
 
 
+@fewer_gc_passes()
 def compare(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *,
             baselines: Sequence[str] | None = None, options: PlanOptions | None = None,
             **overrides) -> dict[str, Plan | str]:
@@ -119,6 +128,7 @@ class Planner:
     trace of the same model, inputs and trace options, reused on this mesh.
     """
 
+    @fewer_gc_passes()
     def __init__(self, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *,
                  options: PlanOptions | None = None, traced=None, **overrides):
         self.options = opts = resolve(options, overrides)
@@ -179,6 +189,7 @@ class Planner:
                               f"(a solve may change {list(SOLVE_FIELDS)})")
         return self.options.replace(**overrides)
 
+    @fewer_gc_passes()
     def problem(self, **overrides) -> solver.Problem:
         """The solver's problem with these options' pins, input specs and memory budget applied."""
         opts = self._options(overrides)
@@ -217,6 +228,7 @@ class Planner:
         return float(sum(np.min(problem.node_costs[v][problem.allowed(v)], initial=np.inf)
                          for v in range(problem.num_nodes)))
 
+    @fewer_gc_passes()
     def overlap_free(self, time_limit: float = 60.0, **overrides) -> solver.MemoryFree | None:
         """The optimum with memory ignored, nothing recomputed and every edge cost scaled by
         ``1 - eta`` (the profile's overlap share): its ``lower_bound`` bounds every plan's
@@ -228,6 +240,7 @@ class Planner:
         problem = relaxed(self.problem(**_solve_fields(opts)), self.profile.overlap)
         return solver.memory_free(problem, time_limit)
 
+    @fewer_gc_passes()
     def memory_free(self, time_limit: float = 60.0, found: solver.MemoryFree | None = None,
                     **overrides) -> solver.MemoryFree | None:
         """The optimum with memory ignored and nothing recomputed (:func:`solver.memory_free`),
@@ -242,6 +255,7 @@ class Planner:
             self._free[_problem_key(opts)] = free
         return free
 
+    @fewer_gc_passes()
     def solve(self, **overrides) -> Plan:
         """The plan under these options (:data:`~autoshard.options.SOLVE_FIELDS` may differ
         from the planner's): one solve, whose long searches start, where ``seed_baselines`` is
@@ -353,6 +367,7 @@ class Planner:
                                          for name, s in seeds.items()}
         return result
 
+    @fewer_gc_passes()
     def compare(self, baselines: Sequence[str] | None = None, **overrides) -> dict[str, Plan | str]:
         """Our plan and each hand-written baseline (default: every one that applies to the model,
         :func:`~autoshard.baselines.baselines_for`), costed alike.
@@ -378,6 +393,7 @@ class Planner:
                 out["autoshard"] = self._adopt(opts, name, seed)
         return out
 
+    @fewer_gc_passes()
     def hand_written(self, time_limit: float, additive_floor_us: float = 0.0, compute_floor_us: float = 0.0,
                      below: float = float("inf"), **overrides) -> tuple[str, _Seed] | None:
         """The hand-written plan of least predicted step that these options allow (``seed_baselines``
