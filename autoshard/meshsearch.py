@@ -216,11 +216,14 @@ class _BoundResult(NamedTuple):
     """The hand-written plan's name where ``step`` is one's."""
 
 
-def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, plan_below: float = -1.0) -> _BoundResult:
+def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, plan_below: float = -1.0,
+                 best_us: float = float("inf")) -> _BoundResult:
     """One shape bounded, its planner built by ``make(shape)`` unless given. Where the
     memory-free optimum is proved, fits and costs less than ``plan_below``, it is the shape's
     plan, assembled here (a worker's planner is not kept: without the plan, the search would
-    build the shape again to make it: 2.7 s of LLaMA-8B's search on 512 ranks)."""
+    build the shape again to make it: 2.7 s of LLaMA-8B's search on 512 ranks). ``best_us``: the
+    least predicted step of the plans known of other shapes; a hand-written plan whose floor
+    reaches it is not solved (:meth:`Planner.hand_written`)."""
     started = time.perf_counter()
     plan = upper = step = peak = hand = None
     try:
@@ -246,8 +249,14 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
                 # buckets price, and under their pins they are proved in about the optimum's time).
                 step = simulate_plan(planner.built, free.choice, planner.profile.overlap).step_us
                 peak = free.peak_usage
+                # Bounded by compute alone (what every step holds, buckets or not; a recomputing
+                # plan's copies too): one that cannot beat this shape's optimum or the best plan
+                # known of any shape is not solved (at 8B on 512 ranks, FSDP+TP+AC's compute
+                # floor lies above the best plan: 1 s of each 3-D shape's bounding).
                 spent = time.perf_counter() - started
-                found_hand = planner.hand_written(time_limit=max(1.0, min(seconds, spent))) \
+                found_hand = planner.hand_written(time_limit=max(1.0, min(seconds, spent)), additive_floor_us=bound,
+                                                  compute_floor_us=bound,
+                                                  below=min(step, best_us)) \
                     if hasattr(planner, "hand_written") else None
                 if found_hand is not None and found_hand[1].step_us < step - 1e-3:
                     hand, seed = found_hand
@@ -273,7 +282,7 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
                 found_hand = planner.hand_written(time_limit=max(1.0, min(seconds, spent)),
                                                   additive_floor_us=max(bound, free.lower_bound),
                                                   compute_floor_us=bound,
-                                                  below=plan_below if plan_below > 0 else float("inf"))
+                                                  below=best_us)
                 if found_hand is not None:
                     hand, seed = found_hand
                     step = seed.step_us
@@ -309,7 +318,7 @@ def _bound_share(planner) -> float:
 
 def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) -> _BoundResult:
     # The planner stays in the worker.
-    return _bound_shape(shape, seconds, _WORK["make"], plan_below=plan_below)._replace(planner=None)
+    return _bound_shape(shape, seconds, _WORK["make"], plan_below=plan_below, best_us=plan_below)._replace(planner=None)
 
 
 class _Bounding:
@@ -334,13 +343,15 @@ class _Bounding:
         return len(self.running) < self.workers
 
     def submit(self, shape: tuple[int, ...], seconds: float, plan_below: float) -> None:
-        """Bound ``shape`` in at most ``seconds``; a worker also makes its plan where its
-        memory-free optimum fits below ``plan_below`` (here, its planner is kept instead)."""
+        """Bound ``shape`` in at most ``seconds``, ``plan_below`` the best plan known (its
+        hand-written plans that cannot beat it are not solved); a worker also makes its plan where
+        it is below that (here, its planner is kept instead)."""
         self.running.add(shape)
         if self.pool is None or len(shape) == 1:
             # The 1-D shape's planner exists (it traced the model); without workers, every one
             # is built here and kept for the solves.
-            self.done.append(_bound_shape(shape, seconds, self.make, self.first if len(shape) == 1 else None))
+            self.done.append(_bound_shape(shape, seconds, self.make, self.first if len(shape) == 1 else None,
+                                          best_us=plan_below))
         else:
             self.pool.apply_async(_bound_in_worker, (shape, seconds, plan_below), callback=self.results.put,
                                   error_callback=self.results.put)

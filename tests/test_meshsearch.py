@@ -258,10 +258,15 @@ class _FittingHandPlanner(_FittingPlanner):
     its memory-free optimum's 470 and (4, 2)'s 430: planned alone, (2, 4)'s plan is that one."""
 
     hand = {(2, 4): 400.0}
+    asked: list = []
+
+    def cheapest_bound(self):
+        return 10.0 * len(self.shape)
 
     def hand_written(self, time_limit, additive_floor_us=0.0, compute_floor_us=0.0, below=float("inf")):
         from types import SimpleNamespace
 
+        self.asked.append((self.shape, additive_floor_us, compute_floor_us, below))
         step = self.hand.get(self.shape)
         if step is None or step >= below:
             return None
@@ -278,10 +283,16 @@ def test_a_fitting_shapes_hand_written_plan_predicted_faster_is_its_plan(world, 
     """Planned alone, a shape whose memory-free optimum fits gets the hand-written plan where one
     is predicted faster (``Planner.solve`` weighs them): the search weighs them too, so its
     answer is no slower than any shape planned alone."""
+    _FittingHandPlanner.asked = []
     plan, rows = _search_fitting(world, monkeypatch, _FittingHandPlanner)
     assert plan.summary["step_us"] == 400.0 and rows[(2, 4)]["outcome"] == "chosen"
     assert "hand-written fsdp: its plan" in rows[(2, 4)]["note"]
     assert rows[(4, 2)]["step_us"] == 430.0
+    # Bounded by the shape's compute alone (an additive bound does not bound a step the buckets
+    # price), below the least of its optimum's step and the best plan of every shape bounded
+    # before it: 880 for (8,), then (2, 4)'s hand-written 400.
+    assert _FittingHandPlanner.asked[:4] == [((8,), 10.0, 10.0, 880.0), ((2, 4), 20.0, 20.0, 470.0),
+                                             ((4, 2), 20.0, 20.0, 400.0), ((2, 2, 2), 30.0, 30.0, 400.0)]
 
 
 class _HandWrittenPlanner(_ScriptedPlanner):
