@@ -465,7 +465,7 @@ class Planner:
                 log.info(f"baseline {name}: infeasible, as its recompute mode is without its pins")
             elif cached is None or (cached[1] < share and not cached[2]):
                 try:
-                    seed = self._solve_once(seed_opts, share, lazy=True)
+                    seed = self._solve_once(seed_opts, share, lazy=True, hints=self._known_choices())
                 except AutoshardError as exc:  # breaks the budget, or its specs do not fit this model
                     # The solver may give up on a budget within its time without proving it infeasible.
                     self._seeds[key] = (str(exc), share, not isinstance(exc, MemoryBudgetError))
@@ -476,15 +476,28 @@ class Planner:
             out[name] = self._seeds[key][0]
         return out
 
-    def _solve_once(self, opts: PlanOptions, time_limit: float, starts=(), late_starts=None, lazy: bool = False):
+    def _known_choices(self) -> list[tuple[str, np.ndarray]]:
+        """The plans found so far on this planner, in any mode and under any pins (the solves',
+        the memory-free optima, the hand-written plans): starts that bound a hand-written plan's
+        search (one 20% above its optimum halves toulbar2's time)."""
+        found = [("solve", choice) for _, choice in self._plans.values()]
+        found += [("memory-free optimum", free.choice) for free in self._free.values()]
+        found += [("hand-written plan", seed[0].choice) for seed in self._seeds.values() if isinstance(seed[0], _Seed)]
+        return found
+
+    def _solve_once(self, opts: PlanOptions, time_limit: float, starts=(), late_starts=None, lazy: bool = False,
+                    hints=()):
         """(plan, the solver's choice per problem node): one solve under ``opts`` (``starts`` and
         ``late_starts``: choices made in any recompute mode, see :func:`solver.solve`). With
-        ``lazy``, a :class:`_Seed` whose plan is assembled when first asked for."""
+        ``lazy``, a :class:`_Seed` whose plan is assembled when first asked for. ``hints``: more
+        starts, made under other options (the solver moves them onto this problem's pins), that
+        only bound the search: never a plan of these options themselves."""
         problem = self.problem(**_solve_fields(opts))
         rc, gp = self.variant(opts.recompute)
         t1 = time.perf_counter()
         budget = self._budget(opts)
         starts = [(name, _project(choice, gp)) for name, choice in starts]
+        hints = [(name, _project(choice, gp)) for name, choice in hints]
         # The mode is always named: a budget that only recomputation meets is not "infeasible
         # for this model" (a baseline without recomputation was said to be, beside our plan
         # that fit it).
@@ -500,7 +513,7 @@ class Planner:
             if free is not None:  # proved optimal where memory cannot bind: no start beats it
                 sol = free.solution(opts.backend)
             else:
-                sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts,
+                sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts + hints,
                                    late_starts=None if late_starts is None else late)
         except solver.InfeasibleError as exc:
             err = MemoryBudgetError(

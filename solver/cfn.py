@@ -152,8 +152,12 @@ def _table(x: np.ndarray, scale: float) -> np.ndarray:
     return np.where(x < FORBIDDEN, np.minimum(np.round(x * scale), TOP), TOP)
 
 
-def solve_pairwise(problem: Problem, seconds: float, scale: float = 1000.0) -> tuple[np.ndarray | None, bool, float]:
+def solve_pairwise(problem: Problem, seconds: float, scale: float = 1000.0,
+                   upper: float | None = None) -> tuple[np.ndarray | None, bool, float]:
     """toulbar2 on the problem's costs alone (memory ignored): (choice, proved optimal, slack).
+    With ``upper``, the cost of a known choice, only choices at most as costly are searched:
+    choice None then, with proved True, says that none is cheaper (the known one is optimal
+    within ``slack``).
 
     ``slack`` bounds how far rounding can have moved the optimum (the sum over cost
     tables of their largest rounding error): the true optimum is at least the
@@ -178,8 +182,8 @@ def solve_pairwise(problem: Problem, seconds: float, scale: float = 1000.0) -> t
     costs = [linear[v][allowed[v]] for v in range(n)]
     tables = {key: m[np.ix_(allowed[key[0]], allowed[key[1]])] for key, m in pairs.items()}
     slack = sum(_rounding_error(x, scale) for x in [*costs, *tables.values()])
-    picked, optimal, gap = solve_tables(costs, tables, seconds, scale)
+    picked, optimal, gap = solve_tables(costs, tables, seconds, scale, upper=upper)
     if picked is None:
-        return None, False, slack
+        return None, optimal, max(slack, gap) if optimal else slack
     slack = max(slack, gap) if not optimal else slack
     return np.array([allowed[v][i] for v, i in enumerate(picked)], dtype=np.int64), optimal, slack

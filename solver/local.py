@@ -88,3 +88,21 @@ class Memory:
     def move(self, group, old: int, new: int) -> None:
         for v in group:
             self.total[self.a[v]:self.b[v]] += self.problem.node_usages[v][new] - self.problem.node_usages[v][old]
+
+
+def onto_allowed(problem: Problem, choice: np.ndarray) -> tuple[np.ndarray, int]:
+    """``choice`` with every tie group that takes a strategy the problem does not allow (a pin,
+    a strategy ruled out), or whose members disagree, moved to its cheapest allowed strategy
+    given its neighbours' choices, in group order: (that choice, how many groups moved). A
+    plan made for another problem of the same graph (without these pins) becomes one of this
+    problem's, as close to it as a greedy pass gets."""
+    adj = Adjacency(problem)
+    choice = np.asarray(choice, dtype=np.int64).copy()
+    moved = 0
+    for g in tie_groups(problem):
+        if len({int(choice[v]) for v in g}) == 1 and all(problem.allowed(v)[choice[v]] for v in g):
+            continue
+        cost = sum(local_cost(problem, adj, choice, v) for v in g)
+        choice[g] = int(np.argmin(cost))
+        moved += 1
+    return choice, moved

@@ -283,3 +283,36 @@ def test_hand_written_plans_whose_floor_reaches_the_best_found_are_not_solved(wo
     solved.clear()
     planner.hand_written(10.0)
     assert "fsdp_tp_ac" in solved
+
+
+def test_hand_written_plans_start_from_the_plans_found_and_end_where_they_would_alone(world, monkeypatch):
+    """Each hand-written plan's solve is given the plans found before it (the solve's, the other
+    hand-written ones), moved onto its pins, as bounds of its search: the plans come out the
+    same as solved with none."""
+    import solver
+
+    world(4)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=344, vocab_size=512, max_seq_len=64)
+    inputs = (torch.randint(0, 512, (16, 64)),)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    given = []
+    real = solver.solve
+
+    def spy(problem, *args, starts=(), **kwargs):
+        given.append([name for name, _ in starts])
+        return real(problem, *args, starts=starts, **kwargs)
+
+    monkeypatch.setattr(solver, "solve", spy)
+    steps = {}
+    for hints in (True, False):
+        planner = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
+        if not hints:
+            monkeypatch.setattr(planner, "_known_choices", lambda: [])
+        planner.solve(seed_baselines=False)
+        given.clear()
+        steps[hints] = {name: seed.step_us for name, seed in planner._baselines(["ddp", "fsdp", "tp"],
+                                                                                  planner.options, 30).items()}
+        if hints:
+            assert given[0] == ["solve"] and given[2] == ["solve", "hand-written plan", "hand-written plan"]
+    assert steps[True] == pytest.approx(steps[False], rel=1e-9)

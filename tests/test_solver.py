@@ -599,3 +599,59 @@ def test_a_repair_within_the_gap_of_the_memory_free_optimum_is_the_answer():
     assert loose.lower_bound == pytest.approx(free.cost) and loose.cost >= best - 1e-9
     tight = solve(p, time_limit=10)
     assert tight.cost == pytest.approx(best) and tight.lower_bound <= best + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_starts_made_without_the_pins_bound_the_memory_free_search(seed):
+    """A start that breaks the problem's pins or ties (a plan made without them) is moved onto
+    the allowed strategies and bounds toulbar2's search from above: the answer is the same
+    proved optimum as without it, whether the start lies above it or is it (nothing is found
+    below, and the start comes back proved)."""
+    from solver.local import onto_allowed
+
+    rng = np.random.default_rng(100 + seed)
+    p = random_problem(rng, n=7, limit=False, ties=seed % 2 == 0, pins=True, forbid=seed % 3 == 0)
+    exact = brute_force(p)
+    if exact is None:
+        return
+    v, i = next(iter(p.pins.items()))
+    start = np.array([int(rng.integers(p.num_strategies(w))) for w in range(p.num_nodes)])
+    if p.num_strategies(v) > 1:
+        start[v] = (i + 1) % p.num_strategies(v)  # breaks the pin
+    moved, count = onto_allowed(p, start)
+    assert moved[v] == i and count >= (1 if p.num_strategies(v) > 1 else 0)
+    assert all(len({int(moved[w]) for w in g}) == 1 for g in p.ties)
+    optimum = solve(p, time_limit=10).choice
+    for given in (start, optimum):
+        sol = solve(p, time_limit=10, starts=[("elsewhere", given)])
+        assert sol.status == "optimal" and sol.cost == pytest.approx(exact, abs=1e-6)
+        assert sol.lower_bound == pytest.approx(exact, abs=1e-4)
+        assert evaluate(p, sol.choice).feasible
+
+
+def test_the_starts_bound_reaches_toulbar2_and_a_start_nothing_beats_is_the_answer(monkeypatch):
+    """The least start's cost is toulbar2's upper bound (on the tie quotient); where toulbar2
+    finds nothing below it, the start is the memory-free stage's answer: proved optimal when the
+    bounds proved that nothing is cheaper, else unproved and bounding nothing."""
+    import importlib
+
+    solve_module = importlib.import_module("solver.solve")
+    rng = np.random.default_rng(7)
+    p = random_problem(rng, n=7, limit=False)
+    exact = brute_force(p)
+    optimum = solve(p, time_limit=10).choice
+    uppers = []
+    real = solver.cfn.solve_pairwise
+
+    def spy(q, seconds, scale=1000.0, upper=None):
+        uppers.append(upper)
+        return real(q, seconds, scale, upper=upper)
+
+    monkeypatch.setattr(solver.cfn, "solve_pairwise", spy)
+    choice, ev, bound, proved = solve_module._pairwise_first(p, 0.0, at_least=10.0, upper=(exact, optimum))
+    assert uppers == [pytest.approx(exact)] and proved
+    assert ev.cost == pytest.approx(exact) and bound == pytest.approx(exact, abs=1e-2)
+    for said, want in ((True, pytest.approx(exact - 0.25)), (False, -np.inf)):
+        monkeypatch.setattr(solver.cfn, "solve_pairwise", lambda q, seconds, upper=None: (None, said, 0.25))
+        choice, ev, bound, proved = solve_module._pairwise_first(p, 0.0, at_least=10.0, upper=(exact, optimum))
+        assert np.array_equal(choice, optimum) and proved == said and bound == want
