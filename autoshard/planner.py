@@ -483,7 +483,11 @@ class Planner:
         found = [("solve", choice) for _, choice in self._plans.values()]
         found += [("memory-free optimum", free.choice) for free in self._free.values()]
         found += [("hand-written plan", seed[0].choice) for seed in self._seeds.values() if isinstance(seed[0], _Seed)]
-        return found
+        # Once each: an adopted hand-written plan is also a solve's, a proved optimum often both.
+        once: dict[bytes, tuple[str, np.ndarray]] = {}
+        for name, choice in found:
+            once.setdefault(np.asarray(choice).tobytes(), (name, choice))
+        return list(once.values())
 
     def _solve_once(self, opts: PlanOptions, time_limit: float, starts=(), late_starts=None, lazy: bool = False,
                     hints=()):

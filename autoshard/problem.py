@@ -90,6 +90,7 @@ class GraphProblem:
     """The executor's bucket cap the plan's simulation assumes (:mod:`autoshard.buckets`); 0:
     none."""
     _issue: list | None = field(default=None, init=False, repr=False, compare=False)
+    _order: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def issue_us(self) -> list[float]:
         """Host time to issue each node, by index (0 for placeholders)."""
@@ -97,6 +98,25 @@ class GraphProblem:
             self._issue = [self.host_by_kind.get(host_kind(n.target), 0.0) if n.op == "call_function" else 0.0
                            for n in self.nodes]
         return self._issue
+
+    def run_order(self) -> list[int]:
+        """The nodes in the order they run: originals in graph order, a recomputed copy just
+        before the first node that reads it (its chain of copies before that). Computed once:
+        every simulation of a plan walks it."""
+        if self._order is None:
+            readers: dict[int, list[int]] = {}
+            for e in self.edges:
+                if e.arg >= 0:
+                    readers.setdefault(e.producer, []).append(e.consumer)
+            n_orig = self.num_originals
+            keys = [float(v) for v in range(len(self.nodes))]
+            # Copies follow every original, each after the copies it reads (they are appended in
+            # graph order): from the last one back, every reader's key is known.
+            eps = 1e-6 / len(self.nodes)
+            for v in range(len(self.nodes) - 1, n_orig - 1, -1):
+                keys[v] = min((keys[c] for c in readers.get(v, [])), default=float(n_orig)) - eps * (1 + v - n_orig)
+            self._order = sorted(range(len(self.nodes)), key=keys.__getitem__)
+        return self._order
 
     @property
     def num_originals(self) -> int:

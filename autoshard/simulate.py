@@ -169,20 +169,9 @@ def simulate_step(program, rank: int, profile: Profile | None = None) -> Timelin
 
 
 def run_order(gp) -> list[int]:
-    """The planned graph's nodes in the order they run: originals in graph order, a recomputed
-    copy just before the first node that reads it (its chain of copies before that)."""
-    readers: dict[int, list[int]] = {}
-    for e in gp.edges:
-        if e.arg >= 0:
-            readers.setdefault(e.producer, []).append(e.consumer)
-    n_orig = gp.num_originals
-    keys = [float(v) for v in range(len(gp.nodes))]
-    # Copies follow every original, each after the copies it reads (they are appended in graph
-    # order): from the last one back, every reader's key is known.
-    eps = 1e-6 / len(gp.nodes)
-    for v in range(len(gp.nodes) - 1, n_orig - 1, -1):
-        keys[v] = min((keys[c] for c in readers.get(v, [])), default=float(n_orig)) - eps * (1 + v - n_orig)
-    return sorted(range(len(gp.nodes)), key=keys.__getitem__)
+    """The planned graph's nodes in the order they run (:meth:`GraphProblem.run_order
+    <autoshard.problem.GraphProblem.run_order>`)."""
+    return gp.run_order()
 
 
 def _bucket_order(gp, order: list[int], buckets: Buckets) -> list[int] | None:
@@ -240,18 +229,16 @@ def simulate_plan(gp, choice, overlap: float = 1.0, buckets: Buckets | None = No
     bucket is one collective, issued once its members' producers have all run (a backward
     bucket not before the backward starts), read by each member's consumer; its readers run
     after its last producer. Default: the buckets of the problem's ``bucket_mb``."""
-    order = run_order(gp)
     if buckets is None:
-        buckets = problem_buckets(gp, choice, order)
-    return _walk(gp, choice, None, buckets, order).overlapped(overlap)
+        buckets = problem_buckets(gp, choice)
+    return _walk(gp, choice, None, buckets).overlapped(overlap)
 
 
-def problem_buckets(gp, choice, order: list[int] | None = None) -> Buckets | None:
-    """The executor's buckets of ``choice`` at the problem's ``bucket_mb`` (None without one);
-    ``order``: :func:`run_order`'s, where the caller has it."""
+def problem_buckets(gp, choice) -> Buckets | None:
+    """The executor's buckets of ``choice`` at the problem's ``bucket_mb`` (None without one)."""
     if gp.bucket_mb <= 0 or gp.topo is None:
         return None
-    return plan_buckets(gp, choice, run_order(gp) if order is None else order, gp.topo, gp.profile, gp.bucket_mb)
+    return plan_buckets(gp, choice, run_order(gp), gp.topo, gp.profile, gp.bucket_mb)
 
 
 def plan_slack(gp, choice) -> np.ndarray:
@@ -265,10 +252,8 @@ def plan_slack(gp, choice) -> np.ndarray:
     return slack
 
 
-def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None,
-          order: list[int] | None = None) -> Timeline:
-    """:func:`simulate_plan` hiding perfectly; each edge's slack written into ``slack``;
-    ``order``: :func:`run_order`'s, where the caller has it."""
+def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None) -> Timeline:
+    """:func:`simulate_plan` hiding perfectly; each edge's slack written into ``slack``."""
     costs, mats = gp.problem.node_costs, gp.problem.edge_costs
     into: dict[int, list[int]] = {}
     grads_from: dict[int, list[int]] = {}
@@ -279,7 +264,7 @@ def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None,
     done: dict[int, float] = {}
     grad_starts: list[tuple[int, float]] = []
     tl = Timeline()
-    order = run_order(gp) if order is None else order
+    order = run_order(gp)
     chains = buckets.chains if buckets is not None else {}
     if chains:
         reordered = _bucket_order(gp, order, buckets)

@@ -90,18 +90,19 @@ class Memory:
             self.total[self.a[v]:self.b[v]] += self.problem.node_usages[v][new] - self.problem.node_usages[v][old]
 
 
-def onto_allowed(problem: Problem, choice: np.ndarray) -> tuple[np.ndarray, int]:
+def onto_allowed(problem: Problem, choice: np.ndarray, adj: Adjacency | None = None) -> tuple[np.ndarray, int]:
     """``choice`` with every tie group that takes a strategy the problem does not allow (a pin,
     a strategy ruled out), or whose members disagree, moved to its cheapest allowed strategy
     given its neighbours' choices, in group order: (that choice, how many groups moved). A
     plan made for another problem of the same graph (without these pins) becomes one of this
-    problem's, as close to it as a greedy pass gets."""
-    adj = Adjacency(problem)
+    problem's, as close to it as a greedy pass gets. ``adj``: the problem's, where the caller
+    has it (else built where a group moves)."""
     choice = np.asarray(choice, dtype=np.int64).copy()
     moved = 0
     for g in tie_groups(problem):
         if len({int(choice[v]) for v in g}) == 1 and all(problem.allowed(v)[choice[v]] for v in g):
             continue
+        adj = adj if adj is not None else Adjacency(problem)
         cost = sum(local_cost(problem, adj, choice, v) for v in g)
         choice[g] = int(np.argmin(cost))
         moved += 1

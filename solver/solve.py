@@ -19,7 +19,7 @@ from solver.exact import build_exact
 from solver.exact import finish as exact_answer
 from solver.exact_child import ExactChild, combine, search_again
 from solver.lns_child import LnsChild
-from solver.local import onto_allowed
+from solver.local import Adjacency, onto_allowed
 from solver.memrows import RowsTooLarge
 from solver.milp_child import MilpChild
 from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
@@ -457,6 +457,8 @@ def _heuristic_start(run: _Run) -> None:
 
 
 def _offer_starts(run: _Run, starts) -> None:
+    starts = list(starts)
+    adj = Adjacency(run.problem) if starts else None  # once for every start moved onto the allowed strategies
     for name, choice in starts:
         choice = np.asarray(choice, dtype=np.int64)
         if choice.shape != (run.problem.num_nodes,):
@@ -464,7 +466,7 @@ def _offer_starts(run: _Run, starts) -> None:
                              f"found shape {choice.shape}")
         # A plan made without this problem's pins (another hand-written plan, the optimum
         # without them) is a start too, moved onto the strategies it allows.
-        choice, moved = onto_allowed(run.problem, choice)
+        choice, moved = onto_allowed(run.problem, choice, adj)
         ev = evaluate(run.problem, choice)
         run.inc.offer(choice, f"start:{name}", ev)
         if ev.cost < FORBIDDEN and (run.free_upper is None or ev.cost < run.free_upper[0]):

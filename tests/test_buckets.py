@@ -34,7 +34,7 @@ def _graph(nodes, strategies, edges, costs):
     return SimpleNamespace(
         nodes=[_node(*n) for n in nodes], strategies=[[SimpleNamespace(outs=o, ins=i)] for o, i in strategies],
         edges=[Edge(c, a, p, 0) for c, a, p in edges], problem=problem, copy_of={}, num_originals=len(nodes),
-        issue_us=lambda: [0.0] * len(nodes), bucket_mb=0.0, topo=None)
+        issue_us=lambda: [0.0] * len(nodes), run_order=lambda: list(range(len(nodes))), bucket_mb=0.0, topo=None)
 
 
 def _gathers():

@@ -27,7 +27,7 @@ def prefetch_or_recompute():
         intervals=[[0, 3], [1, 3], [2, 3]], edges=[[0, 2], [1, 2]],
         edge_costs=[np.array([[50.0, 0.0]]), np.zeros((1, 2))])
     gp = SimpleNamespace(nodes=[None] * 3, num_originals=3, problem=problem, issue_us=lambda: [0.0] * 3, bucket_mb=0.0,
-                         edges=[Edge(0, 2, 0, 0), Edge(1, 2, 1, 0)])
+                         run_order=lambda: [0, 1, 2], edges=[Edge(0, 2, 0, 0), Edge(1, 2, 1, 0)])
     return problem, gp
 
 
