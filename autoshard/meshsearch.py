@@ -44,6 +44,8 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError
 from autoshard.options import PlanOptions
 from autoshard.overlap import additive_solve
@@ -187,6 +189,8 @@ class _Bounded(NamedTuple):
     such plan known when the shape was submitted), else None."""
     cheapest: float = 0.0
     """Its cheapest-strategy bound: every plan's compute is at least this."""
+    hints: tuple = ()
+    """Plans its worker found (:attr:`_BoundResult.hints`)."""
 
 
 class _BoundResult(NamedTuple):
@@ -214,6 +218,9 @@ class _BoundResult(NamedTuple):
     """That plan's peak memory (bytes), where known (a hand-written plan's once assembled)."""
     hand: str | None = None
     """The hand-written plan's name where ``step`` is one's."""
+    hints: tuple = ()
+    """The plans its planner found (:meth:`Planner.known_choices`), where it may be solved later:
+    the solve's starts (:meth:`Planner.hint`) once a worker's shape is built again here."""
 
 
 def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, plan_below: float = -1.0,
@@ -317,8 +324,10 @@ def _bound_share(planner) -> float:
 
 
 def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) -> _BoundResult:
-    # The planner stays in the worker.
-    return _bound_shape(shape, seconds, _WORK["make"], plan_below=plan_below, best_us=plan_below)._replace(planner=None)
+    # The planner stays in the worker; what it found goes back as the starts of the shape's solve.
+    res = _bound_shape(shape, seconds, _WORK["make"], plan_below=plan_below, best_us=plan_below)
+    found = res.planner.known_choices() if hasattr(res.planner, "known_choices") else ()
+    return res._replace(planner=None, hints=tuple((name, np.asarray(choice, dtype=np.int32)) for name, choice in found))
 
 
 class _Bounding:
@@ -399,9 +408,10 @@ def _prune(row: ShapeResult, planned: bool, why: str) -> None:
         row.outcome, row.note = "pruned", why
 
 
-def _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first):
+def _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first, hints=()):
     """The shape's planner: the one that bounded it here, or (bounded in a worker process) built
-    again, given the memory-free answer its worker found instead of searching again."""
+    again, given the memory-free answer its worker found instead of searching again, and the plans
+    it found as the starts of its solves."""
     from autoshard.mesh import fake_mesh
 
     if planner is not None:
@@ -410,6 +420,8 @@ def _planner_of(shape, planner, free, make_planner, model, example_inputs, optio
                            traced=first.traced)
     if free is not None and _bound_share(planner) <= 0:  # the additive optimum
         planner.memory_free(found=free)
+    if hints:
+        planner.hint(hints)
     return planner
 
 
@@ -483,7 +495,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)), best_known())
             if not jobs.running:
                 continue
-            shape, bound, free, seconds, error, planner, made, found, step, peak, hand = jobs.next()
+            shape, bound, free, seconds, error, planner, made, found, step, peak, hand, hints = jobs.next()
             row = rows[shape]
             row.seconds = seconds
             if error is not None:  # e.g. a pin written for another number of axes
@@ -496,7 +508,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             spent.setdefault(len(shape), []).append(seconds)
             fits = _fits(free)
             entry = _Bounded(free is None, bound, shapes.index(shape), shape, planner, free,
-                             made if hand is None or fits else None, cheapest)
+                             made if hand is None or fits else None, cheapest, hints)
             if step is not None:
                 known[shape] = (step, made, entry, hand)
                 row.outcome, row.step_us = "planned", round(step, 3)
@@ -531,24 +543,32 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     # hand-written plan was the best, planned alone gives 4,772.6).
     bounded.sort(key=lambda b: (b.no_free, b.shape not in known, known[b.shape][0] if b.shape in known else b.bound,
                                 b.order))
-    for _, bound, _, shape, planner, free, made, cheapest in bounded:
-        row, started = rows[shape], time.perf_counter()
+
+    def unpromising(b: _Bounded) -> str | None:
+        """Why shape ``b`` is not worth solving now, by the plans found so far, or None."""
         # Bounds of the objective the plans optimize: the simulated step, or the additive one.
         objective = [*(p.summary["step_us"] if eta > 0 else additive_solve(p) for p in solved.values()),
-                     *([upper] if upper_shape is not None and upper_shape != shape else [])]
+                     *([upper] if upper_shape is not None and upper_shape != b.shape else [])]
         best_us = min(objective, default=None)
-        if best_us is not None and bound >= best_us:
-            _prune(row, shape in known, f"bound {bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms")
-            continue
+        if best_us is not None and b.bound >= best_us:
+            return f"bound {b.bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
         # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
         # best plan found, by its bounds, has nothing to give (on the additive objective too; the
         # buckets' latency savings aside, as for the hand-written plans in _bound_shape).
-        found_us = min([*(k[0] for s, k in known.items() if s != shape),
+        found_us = min([*(k[0] for s, k in known.items() if s != b.shape),
                         *(p.summary["step_us"] for p in solved.values())], default=float("inf"))
-        floor_us = bound if eta > 0 else step_floor(bound, cheapest, first.profile.overlap)
+        floor_us = b.bound if eta > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap)
         if floor_us >= found_us:
-            _prune(row, shape in known, f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its "
-                   f"bounds) >= {found_us / 1e3:.3f} ms, the best plan found")
+            return (f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its bounds) >= "
+                    f"{found_us / 1e3:.3f} ms, the best plan found")
+        return None
+
+    for b in bounded:
+        shape, planner, free, made, hints = b.shape, b.planner, b.free, b.plan, b.hints
+        row, started = rows[shape], time.perf_counter()
+        why = unpromising(b)
+        if why is not None:
+            _prune(row, shape in known, why)
             continue
         left = limit - (started - t0)
         if (solved or known) and left < MIN_SOLVE_SECONDS:
@@ -560,8 +580,10 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             if made is not None:  # its worker made the plan (its memory-free optimum)
                 plan = made
             else:
-                plan = _planner_of(shape, planner, free, make_planner, model, example_inputs, options,
-                                   first).solve(time_limit=share)
+                planner = _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first,
+                                      hints)
+                # Building it again (bounded in a worker) is part of its share.
+                plan = planner.solve(time_limit=max(1.0, share - (time.perf_counter() - started)))
         except MemoryBudgetError as exc:
             infeasible.append(exc)
             row.outcome, row.note = "infeasible", str(exc)
@@ -586,7 +608,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         started = time.perf_counter()
         _, made, b, hand = known[best]
         if made is None:
-            planner = _planner_of(best, b.planner, b.free, make_planner, model, example_inputs, options, first)
+            planner = _planner_of(best, b.planner, b.free, make_planner, model, example_inputs, options, first,
+                                  b.hints)
             left = max(1.0, limit - (started - t0))
             if hand is None or _fits(b.free):
                 made = planner.solve(time_limit=left)  # with the hand-written plan where it is faster

@@ -175,6 +175,8 @@ class Planner:
         problem has its answer (:meth:`memory_free`)."""
         self._infeasible: dict[str, MemoryBudgetError] = {}
         """Problems (by :func:`_problem_key`) proved infeasible under their budget."""
+        self._hints: list[tuple[str, np.ndarray]] = []
+        """Plans of this model on this mesh found by another planner (:meth:`hint`)."""
         self._seeds: dict[str, tuple[_Seed | str, float, bool]] = {}
         """Hand-written plans by options: (the plan or why it failed, the seconds it was given,
         whether more time cannot change it: proved optimal, or not writable for this model)."""
@@ -354,14 +356,15 @@ class Planner:
         the exact search begins at the best of them (LLaMA-405B on (8, 16, 8): FSDP+TP+AC's
         57.7 s step, where the search from its own start ended at 63.7 s)."""
         if not opts.seed_baselines:
-            return self._solve_once(opts, time_limit)
+            return self._solve_once(opts, time_limit, hints=self._hints)
         seeds: dict[str, _Seed | str] = {}
 
         def hand_written():
             seeds.update(self._baselines(baselines_for(self.model), opts, BASELINES_SHARE * time_limit))
             return [(name, s.choice) for name, s in seeds.items() if isinstance(s, _Seed)]
 
-        result = self._solve_once(opts, (1 - BASELINES_SHARE) * time_limit, late_starts=hand_written)
+        result = self._solve_once(opts, (1 - BASELINES_SHARE) * time_limit, late_starts=hand_written,
+                                  hints=self._hints)
         if seeds:
             result[0].solver["seeds"] = {name: round(s.step_us, 3) if isinstance(s, _Seed) else None
                                          for name, s in seeds.items()}
@@ -465,7 +468,7 @@ class Planner:
                 log.info(f"baseline {name}: infeasible, as its recompute mode is without its pins")
             elif cached is None or (cached[1] < share and not cached[2]):
                 try:
-                    seed = self._solve_once(seed_opts, share, lazy=True, hints=self._known_choices())
+                    seed = self._solve_once(seed_opts, share, lazy=True, hints=self.known_choices())
                 except AutoshardError as exc:  # breaks the budget, or its specs do not fit this model
                     # The solver may give up on a budget within its time without proving it infeasible.
                     self._seeds[key] = (str(exc), share, not isinstance(exc, MemoryBudgetError))
@@ -476,13 +479,28 @@ class Planner:
             out[name] = self._seeds[key][0]
         return out
 
-    def _known_choices(self) -> list[tuple[str, np.ndarray]]:
+    def hint(self, choices: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Start every later solve from ``choices`` ((name, a choice per node of this planner's
+        problem in any recompute mode)): plans another planner of this model, mesh and options
+        found (:meth:`known_choices`; a mesh search's worker that bounded the shape). They bound
+        the searches and are offered as answers, so a solve's additive cost is never above the
+        least of those that fit (a hand-written plan re-solved in a short share, with none, was
+        predicted 75x slower than the one its worker had found: LLaMA-70B on (8, 2, 4))."""
+        need = self.built.num_originals
+        for name, choice in choices:
+            if np.ndim(choice) != 1 or len(choice) < need:
+                raise ConfigError(f"hint {name!r}: expected a choice per problem node (at least {need} "
+                                  f"entries), found shape {np.shape(choice)}")
+            self._hints.append((name, np.asarray(choice)))
+
+    def known_choices(self) -> list[tuple[str, np.ndarray]]:
         """The plans found so far on this planner, in any mode and under any pins (the solves',
-        the memory-free optima, the hand-written plans): starts that bound a hand-written plan's
-        search (one 20% above its optimum halves toulbar2's time)."""
+        the memory-free optima, the hand-written plans, the hints given): starts that bound a
+        hand-written plan's search (one 20% above its optimum halves toulbar2's time)."""
         found = [("solve", choice) for _, choice in self._plans.values()]
         found += [("memory-free optimum", free.choice) for free in self._free.values()]
         found += [("hand-written plan", seed[0].choice) for seed in self._seeds.values() if isinstance(seed[0], _Seed)]
+        found += self._hints
         # Once each: an adopted hand-written plan is also a solve's, a proved optimum often both.
         once: dict[bytes, tuple[str, np.ndarray]] = {}
         for name, choice in found:

@@ -110,6 +110,46 @@ def test_shapes_bounded_in_worker_processes_as_here(world, monkeypatch):
     assert all(bound is not None for _, outcome, bound in rows if outcome != "skipped")
 
 
+def test_a_workers_plans_start_the_shapes_solve_here(world, monkeypatch):
+    """A worker's planner does not come back: the plans it found (the memory-free optimum, the
+    hand-written plans where memory binds) do, as int32 choices, and start every solve of the shape
+    built again here (its hand-written plans' too)."""
+    import numpy as np
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+    from autoshard.planner import Planner
+
+    world(4)
+    model = llama("tiny", n_layers=2)
+    tokens = torch.randint(0, 256, (8, 16))
+    opts = PlanOptions(profile=SHARDING_PROFILE, memory_budget=None, time_limit=10)
+    free = Planner(model, (tokens,), autoshard.fake_mesh((2, 2), ms.axis_names(2)), options=opts).solve()
+    opts = opts.replace(memory_budget=free.summary["peak_mem_bytes"] * 0.7)  # memory binds
+    first = Planner(model, (tokens,), autoshard.fake_mesh((4,), ms.axis_names(1)), options=opts)
+    make = lambda shape: Planner(model, (tokens,), autoshard.fake_mesh(shape, ms.axis_names(len(shape))),  # noqa: E731
+                                 options=opts, traced=first.traced)
+    monkeypatch.setitem(ms._WORK, "make", make)
+    res = ms._bound_in_worker((2, 2), 10.0, float("inf"))
+    assert res.planner is None and res.hand is not None and not res.free.fits
+    names = [name for name, _ in res.hints]
+    assert "hand-written plan" in names and all(c.dtype == np.int32 for _, c in res.hints)
+    again = ms._planner_of((2, 2), None, res.free, Planner, model, (tokens,), opts, first, res.hints)
+    assert [name for name, _ in again.known_choices()] == names
+    import solver
+
+    given = []
+    real = solver.solve
+
+    def spy(problem, *args, starts=(), **kwargs):
+        given.append([name for name, _ in starts])
+        return real(problem, *args, starts=starts, **kwargs)
+
+    monkeypatch.setattr(solver, "solve", spy)
+    again.solve(time_limit=2)
+    assert given and all("hand-written plan" in started for started in given)
+
+
 def test_no_bounding_workers_beside_a_real_process_group(tmp_path, monkeypatch):
     """Under torchrun (a real process group) shapes are bounded in this process: a forked child
     must not join the group's collectives, which making a mesh does."""

@@ -308,7 +308,7 @@ def test_hand_written_plans_start_from_the_plans_found_and_end_where_they_would_
     for hints in (True, False):
         planner = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
         if not hints:
-            monkeypatch.setattr(planner, "_known_choices", lambda: [])
+            monkeypatch.setattr(planner, "known_choices", lambda: [])
         planner.solve(seed_baselines=False)
         given.clear()
         steps[hints] = {name: seed.step_us for name, seed in planner._baselines(["ddp", "fsdp", "tp"],
@@ -316,3 +316,41 @@ def test_hand_written_plans_start_from_the_plans_found_and_end_where_they_would_
         if hints:
             assert given[0] == ["solve"] and given[2] == ["solve", "hand-written plan", "hand-written plan"]
     assert steps[True] == pytest.approx(steps[False], rel=1e-9)
+
+
+def test_hints_from_another_planner_start_every_solve_and_bound_its_answer(world, monkeypatch):
+    """A mesh search's worker bounds a shape and the shape is built again to be solved: the plans
+    the worker found (``known_choices``) are given to the new planner (``hint``), which starts its
+    solve and its hand-written plans' solves from them, so none comes out dearer than the worker's."""
+    import numpy as np
+
+    import solver
+
+    world(4)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=344, vocab_size=512, max_seq_len=64)
+    inputs = (torch.randint(0, 512, (16, 64)),)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    first = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
+    free = first.solve(seed_baselines=False)
+    budget = free.summary["peak_mem_bytes"] * 0.8  # memory binds: the solve searches
+    worker = first.solve(memory_budget=budget, seed_baselines=False)
+    found = first.known_choices()
+    assert [name for name, _ in found] == ["solve", "solve"]  # the optimum, and the plan within the budget
+    given = []
+    real = solver.solve
+
+    def spy(problem, *args, starts=(), **kwargs):
+        given.append([name for name, _ in starts])
+        return real(problem, *args, starts=starts, **kwargs)
+
+    monkeypatch.setattr(solver, "solve", spy)
+    again = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None,
+                              traced=first.traced)
+    again.hint([(name, np.asarray(choice, dtype=np.int32)) for name, choice in found])
+    plan = again.solve(memory_budget=budget, time_limit=2)
+    assert given and all(names.count("solve") >= 2 for names in given)  # the hand-written plans' solves too
+    assert additive_solve(plan) <= additive_solve(worker) * (1 + 1e-9)
+    assert [name for name, _ in again.known_choices()][-2:] == ["solve", "solve"]
+    with pytest.raises(autoshard.ConfigError, match=r"hint 'short': expected a choice per problem node \(at least"):
+        again.hint([("short", np.zeros(3, dtype=np.int32))])
