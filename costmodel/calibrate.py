@@ -411,23 +411,49 @@ def overlap_share(compute_s: float, comm_s: float, both_s: float) -> float:
     return min(1.0, max(0.0, (compute_s + comm_s - both_s) / hideable))
 
 
-def measure_overlap(device, nbytes: int, matmul_n: int, dtype, repeats: int = 3) -> float:
+#: Matmuls beside the collective while its overlap is measured: at least this many, so that the
+#: share's denominator (the shorter of compute and collective) is the collective's whole time.
+OVERLAP_MATMULS = 4
+
+
+def overlap_side(side: int, one_mm_s: float, comm_s: float) -> int:
+    """The side of the matmuls to run beside a collective of ``comm_s`` seconds, given that one of
+    ``side`` takes ``one_mm_s``: ``side`` where ``OVERLAP_MATMULS`` of them fit in the
+    collective's time, else scaled down (a matmul's time goes with its side cubed) to where they
+    do, a multiple of 64, at least 64. With one matmul outlasting the collective (gloo's 4 MiB
+    all-reduce took 6 ms, a 1024 float32 matmul on a CPU core 41 ms), the share's few hideable
+    milliseconds sat under the noise of the matmul's own, and the share measured 0-0.94 from
+    run to run on the same machine."""
+    if one_mm_s <= 0 or comm_s <= 0 or OVERLAP_MATMULS * one_mm_s <= comm_s:
+        return side
+    scaled = side * (comm_s / (OVERLAP_MATMULS * one_mm_s)) ** (1 / 3)
+    return max(64, min(side, 64 * int(scaled // 64)))
+
+
+def measure_overlap(device, nbytes: int, matmul_n: int, dtype, repeats: int = 5) -> float:
     """:func:`overlap_share` of an all-reduce of ``nbytes`` on every rank, started without
-    waiting, beside as many ``matmul_n`` matmuls as take about as long (where the share is
-    measured best), timed alone and together on every rank at once; the slowest rank's times,
-    median over ``repeats``."""
+    waiting, beside matmuls that take about as long together, at least ``OVERLAP_MATMULS`` of
+    them (of side ``matmul_n``, or smaller where that many do not fit: :func:`overlap_side`),
+    timed alone and together on every rank at once; the slowest rank's times, median over
+    ``repeats``."""
     world = dist.group.WORLD
     timer = Timer(device)
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
-    b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
 
     def comm():
         dist.all_reduce(buf, group=world)
 
     _slowest(timer, comm, 2)
     comm_s = _slowest(timer, comm, 3)
-    one_mm = _slowest(timer, lambda: a @ b, 3)
+    side, one_mm = matmul_n, None
+    for _ in range(3):  # the cube law is rough on CPUs: scale again from the side measured
+        a = torch.randn(side, side, device=device, dtype=dtype)
+        b = torch.randn(side, side, device=device, dtype=dtype)
+        one_mm = _slowest(timer, lambda: a @ b, 3)
+        smaller = overlap_side(side, one_mm, comm_s)
+        if smaller == side:
+            break
+        side = smaller
     k = max(1, round(comm_s / max(one_mm, 1e-9)))
 
     def compute():

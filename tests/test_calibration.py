@@ -111,6 +111,21 @@ def test_profile_roundtrip_merge_and_validation(tmp_path):
         Profile.from_json({**data, "dtype_tflops": {"float32": 0}})
 
 
+def test_the_matmuls_beside_a_collective_are_sized_to_fit_several_in_its_time():
+    """The overlap share's denominator is the shorter of compute and collective: one matmul
+    outlasting the collective left its few hideable milliseconds under the matmul's own noise
+    (a CPU: a 1024 float32 matmul 41 ms beside a 6 ms all-reduce; the share came out 0-0.94)."""
+    from costmodel.calibrate import OVERLAP_MATMULS, overlap_side
+
+    assert overlap_side(1024, 5e-6, 40e-6) == 1024  # a GPU: eight fit already
+    side = overlap_side(1024, 41e-3, 6e-3)
+    assert side % 64 == 0 and 64 <= side < 1024
+    assert OVERLAP_MATMULS * 41e-3 * (side / 1024) ** 3 <= 6e-3  # by the cube law, enough now fit
+    assert overlap_side(1024, 41e-3 * (side / 1024) ** 3, 6e-3) == side  # and it is kept
+    assert overlap_side(128, 1.0, 1e-6) == 64  # never below 64
+    assert overlap_side(1024, 0.0, 6e-3) == 1024 and overlap_side(1024, 1e-3, 0.0) == 1024  # nothing timed
+
+
 def test_overlap_share_is_what_running_together_hid_of_what_perfect_overlap_would():
     from costmodel.calibrate import overlap_share
 
