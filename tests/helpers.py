@@ -73,3 +73,28 @@ def reference_adamw(model, inputs, loss_fn, steps: int = 3, lr: float = 1e-2):
         grads = {k: p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
     return losses, grads
+
+
+def spy_on_starts(monkeypatch) -> list[list[str]]:
+    """``solver.solve`` watched: per call from then on, the names of the starts it was given."""
+    import solver
+
+    given: list[list[str]] = []
+    real = solver.solve
+
+    def spy(problem, *args, starts=(), **kwargs):
+        given.append([name for name, _ in starts])
+        return real(problem, *args, starts=starts, **kwargs)
+
+    monkeypatch.setattr(solver, "solve", spy)
+    return given
+
+
+def tiny_llama_on_2x2():
+    """A small LLaMA, its batch and a fake (2, 2) mesh (dp, tp): the planner tests' workload."""
+    import autoshard
+    from autoshard.models import llama
+
+    torch.manual_seed(0)
+    model = llama("tiny", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=344, vocab_size=512, max_seq_len=64)
+    return model, (torch.randint(0, 512, (16, 64)),), autoshard.fake_mesh((2, 2), ("dp", "tp"))

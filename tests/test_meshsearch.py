@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import SHARDING_PROFILE
+from helpers import SHARDING_PROFILE, spy_on_starts
 
 import autoshard
 from autoshard.meshsearch import coarsenings, mesh_shapes, next_to_bound, search_order
@@ -136,16 +136,7 @@ def test_a_workers_plans_start_the_shapes_solve_here(world, monkeypatch):
     assert "hand-written plan" in names and all(c.dtype == np.int32 for _, c in res.hints)
     again = ms._planner_of((2, 2), None, res.free, Planner, model, (tokens,), opts, first, res.hints)
     assert [name for name, _ in again.known_choices()] == names
-    import solver
-
-    given = []
-    real = solver.solve
-
-    def spy(problem, *args, starts=(), **kwargs):
-        given.append([name for name, _ in starts])
-        return real(problem, *args, starts=starts, **kwargs)
-
-    monkeypatch.setattr(solver, "solve", spy)
+    given = spy_on_starts(monkeypatch)
     again.solve(time_limit=2)
     assert given and all("hand-written plan" in started for started in given)
 

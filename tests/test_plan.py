@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import SHARDING_PROFILE
+from helpers import SHARDING_PROFILE, spy_on_starts, tiny_llama_on_2x2
 
 import autoshard
 from autoshard import MeshError, PlanError, TraceError
@@ -289,21 +289,9 @@ def test_hand_written_plans_start_from_the_plans_found_and_end_where_they_would_
     """Each hand-written plan's solve is given the plans found before it (the solve's, the other
     hand-written ones), moved onto its pins, as bounds of its search: the plans come out the
     same as solved with none."""
-    import solver
-
     world(4)
-    torch.manual_seed(0)
-    model = llama("tiny", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=344, vocab_size=512, max_seq_len=64)
-    inputs = (torch.randint(0, 512, (16, 64)),)
-    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
-    given = []
-    real = solver.solve
-
-    def spy(problem, *args, starts=(), **kwargs):
-        given.append([name for name, _ in starts])
-        return real(problem, *args, starts=starts, **kwargs)
-
-    monkeypatch.setattr(solver, "solve", spy)
+    model, inputs, mesh = tiny_llama_on_2x2()
+    given = spy_on_starts(monkeypatch)
     steps = {}
     for hints in (True, False):
         planner = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
@@ -324,27 +312,15 @@ def test_hints_from_another_planner_start_every_solve_and_bound_its_answer(world
     solve and its hand-written plans' solves from them, so none comes out dearer than the worker's."""
     import numpy as np
 
-    import solver
-
     world(4)
-    torch.manual_seed(0)
-    model = llama("tiny", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=344, vocab_size=512, max_seq_len=64)
-    inputs = (torch.randint(0, 512, (16, 64)),)
-    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    model, inputs, mesh = tiny_llama_on_2x2()
     first = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
     free = first.solve(seed_baselines=False)
     budget = free.summary["peak_mem_bytes"] * 0.8  # memory binds: the solve searches
     worker = first.solve(memory_budget=budget, seed_baselines=False)
     found = first.known_choices()
     assert [name for name, _ in found] == ["solve", "solve"]  # the optimum, and the plan within the budget
-    given = []
-    real = solver.solve
-
-    def spy(problem, *args, starts=(), **kwargs):
-        given.append([name for name, _ in starts])
-        return real(problem, *args, starts=starts, **kwargs)
-
-    monkeypatch.setattr(solver, "solve", spy)
+    given = spy_on_starts(monkeypatch)
     again = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None,
                               traced=first.traced)
     again.hint([(name, np.asarray(choice, dtype=np.int32)) for name, choice in found])
