@@ -327,7 +327,8 @@ def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) 
     # The planner stays in the worker; what it found goes back as the starts of the shape's solve.
     res = _bound_shape(shape, seconds, _WORK["make"], plan_below=plan_below, best_us=plan_below)
     found = res.planner.known_choices() if hasattr(res.planner, "known_choices") else ()
-    return res._replace(planner=None, hints=tuple((name, np.asarray(choice, dtype=np.int32)) for name, choice in found))
+    return res._replace(planner=None, hints=tuple((f"bounding: {name}", np.asarray(choice, dtype=np.int32))
+                                                  for name, choice in found))
 
 
 class _Bounding:

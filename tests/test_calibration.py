@@ -121,7 +121,7 @@ def test_the_matmuls_beside_a_collective_are_sized_to_fit_several_in_its_time():
     side = overlap_side(1024, 41e-3, 6e-3)
     assert side % 64 == 0 and 64 <= side < 1024
     assert OVERLAP_MATMULS * 41e-3 * (side / 1024) ** 3 <= 6e-3  # by the cube law, enough now fit
-    assert overlap_side(1024, 41e-3 * (side / 1024) ** 3, 6e-3) == side  # and it is kept
+    assert overlap_side(side, 41e-3 * (side / 1024) ** 3, 6e-3) == side  # and it is kept
     assert overlap_side(128, 1.0, 1e-6) == 64  # never below 64
     assert overlap_side(1024, 0.0, 6e-3) == 1024 and overlap_side(1024, 1e-3, 0.0) == 1024  # nothing timed
 
