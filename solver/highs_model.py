@@ -140,14 +140,7 @@ def drop_dominated(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
                 cols += [u[:, None] for u in usage.values()]
             for w, m, transposed in adj.get(v, []):
                 cols.append(m[np.ix_(allowed[w], a)].T if transposed else m[np.ix_(a, allowed[w])])
-            rows = np.hstack(cols)
-            slack = rows + 1e-9 * np.abs(rows)
-            keep = np.ones(a.size, dtype=bool)
-            for j in np.argsort(rows.sum(axis=1), kind="stable").tolist():
-                if keep[j]:
-                    beaten = (rows[j] <= slack).all(axis=1)
-                    beaten[j] = False
-                    keep &= ~beaten
+            keep = _undominated(np.hstack(cols))
             if not keep.all():
                 removed += int((~keep).sum())
                 for w in mem:
@@ -156,6 +149,43 @@ def drop_dominated(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
         if not removed:
             break
     return total
+
+
+#: Columns a dominance is first tested on (every pair of strategies at once); only the pairs
+#: that pass are tested on all columns.
+_SKETCH_COLUMNS = 16
+#: Pairs tested on all columns at once: bounds the comparison's temporary array (entries).
+_PAIR_CHUNK = 1 << 22
+
+
+def _undominated(rows: np.ndarray) -> np.ndarray:
+    """Which rows no earlier-kept row beats: row j beats row i when it is no larger in every
+    column (to a relative 1e-9); rows are visited by increasing sum, and a row beaten by a kept
+    one is dropped (equal rows keep the first).
+
+    ``j`` beats ``i`` only if it does on any subset of the columns, so every pair is first tested
+    on a few columns at once, and only the pairs that pass are tested on all of them (testing
+    each kept row against all rows was 40% of a pinned solve of LLaMA-8B on a 3-D mesh, 100k
+    row comparisons)."""
+    k = rows.shape[0]
+    slack = rows + 1e-9 * np.abs(rows)
+    sketch = np.unique(np.linspace(0, rows.shape[1] - 1, min(_SKETCH_COLUMNS, rows.shape[1])).astype(np.int64))
+    beats = np.empty((k, k), dtype=bool)
+    step = max(1, _PAIR_CHUNK // (k * sketch.size))
+    for lo in range(0, k, step):
+        beats[lo:lo + step] = (rows[lo:lo + step, None, sketch] <= slack[None, :, sketch]).all(axis=2)
+    np.fill_diagonal(beats, False)
+    js, is_ = np.nonzero(beats)
+    step = max(1, _PAIR_CHUNK // max(1, rows.shape[1]))
+    for lo in range(0, js.size, step):
+        j, i = js[lo:lo + step], is_[lo:lo + step]
+        beats[j, i] = (rows[j] <= slack[i]).all(axis=1)
+    keep = np.ones(k, dtype=bool)
+    beating = beats.any(axis=1)
+    for j in np.argsort(rows.sum(axis=1), kind="stable").tolist():
+        if keep[j] and beating[j]:
+            keep &= ~beats[j]
+    return keep
 
 
 @dataclass

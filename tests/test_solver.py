@@ -655,3 +655,64 @@ def test_the_starts_bound_reaches_toulbar2_and_a_start_nothing_beats_is_the_answ
         monkeypatch.setattr(solver.cfn, "solve_pairwise", lambda q, seconds, upper=None: (None, said, 0.25))
         choice, ev, bound, proved = solve_module._pairwise_first(p, 0.0, at_least=10.0, upper=(exact, optimum))
         assert np.array_equal(choice, optimum) and proved == said and bound == want
+
+
+def _dominance_by_rows(problem, allowed, pairs):
+    """drop_dominated's rule, one kept row against all rows at a time (its first form)."""
+    adj = {}
+    for (u, v), m in pairs.items():
+        adj.setdefault(u, []).append((v, m, False))
+        adj.setdefault(v, []).append((u, m, True))
+    for _ in range(3):
+        removed = 0
+        for v in range(problem.num_nodes):
+            a = allowed[v]
+            if a.size < 2:
+                continue
+            cols = [problem.node_costs[v][a][:, None], problem.node_usages[v][a][:, None]]
+            for w, m, transposed in adj.get(v, []):
+                cols.append(m[np.ix_(allowed[w], a)].T if transposed else m[np.ix_(a, allowed[w])])
+            rows = np.hstack(cols)
+            slack = rows + 1e-9 * np.abs(rows)
+            keep = np.ones(a.size, dtype=bool)
+            for j in np.argsort(rows.sum(axis=1), kind="stable").tolist():
+                if keep[j]:
+                    beaten = (rows[j] <= slack).all(axis=1)
+                    beaten[j] = False
+                    keep &= ~beaten
+            removed += int((~keep).sum())
+            allowed[v] = a[keep]
+        if not removed:
+            break
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dominated_strategies_are_the_ones_a_row_by_row_test_drops(seed):
+    """Dominance is tested on a few columns for every pair at once, then on all columns for the
+    pairs that pass: the strategies kept are exactly those of testing each kept strategy's row
+    against every other row in full (wide rows, equal rows, few distinct values)."""
+    from solver.highs_model import drop_dominated
+
+    rng = np.random.default_rng(seed)
+    n, k = 6, int(rng.integers(20, 60))
+    # Strategies past the first k // 2 copy an earlier one, some a little dearer (dominated),
+    # others exactly (equal rows: the first is kept).
+    copy = [np.concatenate([np.arange(k // 2), rng.integers(0, k // 2, size=k - k // 2)]) for _ in range(n)]
+    worse = [(np.arange(k) >= k // 2) & (rng.random(k) < 0.5) for _ in range(n)]
+    costs = [rng.integers(0, 4, size=k).astype(float)[c] + w for c, w in zip(copy, worse)]
+    usages = [rng.integers(0, 3, size=k).astype(float)[c] for c in copy]
+    edges, mats = [], []
+    for u, v in itertools.combinations(range(n), 2):
+        if rng.random() < 0.5:
+            m = rng.integers(0, 3, size=(k, k)).astype(float)[np.ix_(copy[u], copy[v])]
+            edges.append((u, v))
+            mats.append(m)
+    p = Problem(costs, usages, np.zeros((n, 2), dtype=int), np.array(edges).reshape(-1, 2), mats)
+    p.usage_limit = 1e9
+    pairs = {(u, v): m for (u, v), m in zip(edges, mats)}
+    mine = [np.arange(k) for _ in range(n)]
+    drop_dominated(p, np.arange(n), mine, [c.copy() for c in costs], pairs)
+    theirs = [np.arange(k) for _ in range(n)]
+    _dominance_by_rows(p, theirs, pairs)
+    assert [a.tolist() for a in mine] == [a.tolist() for a in theirs]
+    assert sum(a.size for a in mine) < n * k  # some were dropped: the test tests something
