@@ -27,8 +27,9 @@ bounded in the order of :func:`next_to_bound`, in worker processes where cores a
 (:func:`bounding_workers`), for ``BOUND_SHARE`` of the time limit (``BOUND_SHARE_BINDING`` once
 memory binds the lowest bound), then solved (those with a hand-written plan first, by its
 predicted step, then in increasing bound), each as a plan on a given
-mesh is (hand-written seeds included) with all the time left (the solver's stall rule ends it
-when it stops improving); a shape whose bound is not below the best plan found is pruned
+mesh is (hand-written seeds included) with half the time left while another shape is worth
+solving after it, else all of it (the solver's stall rule ends it when it stops improving, and
+what it leaves goes to the next); a shape whose bound is not below the best plan found is pruned
 unsolved (on the additive objective this applies to the shapes where memory binds; planned
 alone, their plan is the least predicted of their solve and their hand-written plans, which may
 overlap far more than the additive objective sees: the bounding times the best of those, which
@@ -277,16 +278,17 @@ def _bound_shape(shape: tuple[int, ...], seconds: float, make, planner=None, pla
                 # and its hand-written plans, which may hide far more communication than the
                 # additive objective, so its bound, says (LLaMA-8B on (64, 4, 2): FSDP+TP at 545.4
                 # ms, bounded at 575.6 additive). Solved under their pins, most are proved by their
-                # memory-free optimum in about the time the shape's own took; they get that long
-                # (given all of ``seconds``, those that need the exact search doubled the bounding
-                # of LLaMA-8B's 3-D shapes on 64 ranks).
+                # memory-free optimum; others need the exact search, and the solves are ordered by
+                # what these give: they get all of ``seconds`` (the stall rule ends them). Cut to the
+                # time the shape's own memory-free search took, LLaMA-70B (8, 8)'s FSDP+TP+AC ended
+                # at its repair, 4,803.0 ms, where its exact search gives 4,501.2 in 0.8 s more, and
+                # (8, 8) was solved third, after the time was spent.
                 # Their predicted steps are bounded from below by the shape's additive and compute
                 # bounds, as any plan's (simulate.step_floor): one that cannot beat the best plan
                 # found is not solved. Not quite a proof: the executor's buckets save a latency per
                 # merged collective, which the additive bound does not see (on the shipped GPU
                 # profiles 0.4-1.0% of LLaMA-8B's steps; on gloo's millisecond latencies far more).
-                spent = time.perf_counter() - started
-                found_hand = planner.hand_written(time_limit=max(1.0, min(seconds, spent)),
+                found_hand = planner.hand_written(time_limit=max(1.0, seconds),
                                                   additive_floor_us=max(bound, free.lower_bound),
                                                   compute_floor_us=bound,
                                                   below=best_us)
@@ -433,11 +435,13 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     (:meth:`Planner.memory_free`), in the order of :func:`next_to_bound`, for ``BOUND_SHARE`` of
     the time (``BOUND_SHARE_BINDING`` while memory binds the lowest bound): a proved lower bound
     per shape. *Solves*: shapes in increasing bound, each planned as a plan on a given mesh is
-    (hand-written seeds included where ``seed_baselines``), with all the time left: the likeliest
-    shape is solved until its search stops improving, not starved to share the time with shapes
-    that its plan may prune (an equal share gave LLaMA-70B's best-bounded shape on 512 ranks 15 s
-    and a plan 18% above its own); a shape whose bound is not below the best plan found is
-    pruned, as no plan of it can be cheaper. Where the memory-free optimum of the lowest bound
+    (hand-written seeds included where ``seed_baselines``), with half the time left while another
+    shape is worth solving after it, else all of it: two shapes share the time rather than the
+    many that its plans may prune (an equal share gave LLaMA-70B's best-bounded shape on 512 ranks
+    15 s and a plan 18% above its own), as the order does not say what a solve gains over the
+    hand-written plan (all the time to the first, LLaMA-70B on 64 ranks: 4,468.8 ms; halved:
+    4,276.8); a shape whose bound is not below the best plan found is pruned, as no plan of it
+    can be cheaper. Where the memory-free optimum of the lowest bound
     fits the budget, that shape's plan is proved the best of all bounded shapes at once."""
     import torch.distributed as dist
 
@@ -564,7 +568,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                     f"{found_us / 1e3:.3f} ms, the best plan found")
         return None
 
-    for b in bounded:
+    for k, b in enumerate(bounded):
         shape, planner, free, made, hints = b.shape, b.planner, b.free, b.plan, b.hints
         row, started = rows[shape], time.perf_counter()
         why = unpromising(b)
@@ -576,7 +580,13 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             why = "the time limit is spent: raise time_limit to plan it"
             row.note = f"{row.note}; not solved: {why}" if shape in known else why
             continue
-        share = max(MIN_SOLVE_SECONDS, left)
+        # Half the time left while another shape is worth solving after it: the hand-written plans
+        # that order the shapes do not say what a solve gains on them (LLaMA-70B: nothing on
+        # (2, 4, 8) or (2, 32, 8), whose hand-written plans are the best, 4% on (8, 8), 8% on
+        # (4, 16, 8)). On 64 ranks (2, 4, 8) took all 30 s and gave 4,468.8 ms; halved, (8, 8)
+        # had 21 s and gave 4,276.8. A solve that stalls sooner leaves its time to the next.
+        rival = any(unpromising(c) is None for c in bounded[k + 1:] if c.plan is None)
+        share = max(MIN_SOLVE_SECONDS, left / 2 if rival and left >= 2 * MIN_SOLVE_SECONDS else left)
         try:
             if made is not None:  # its worker made the plan (its memory-free optimum)
                 plan = made

@@ -189,10 +189,11 @@ class _ScriptedPlanner:
                                solver={"status": "heuristic", "bound": None})
 
 
-def test_where_memory_binds_bounding_stops_at_half_and_the_likeliest_shape_gets_the_time_left(world, monkeypatch):
+def test_where_memory_binds_bounding_stops_at_half_and_two_shapes_share_the_solve_time(world, monkeypatch):
     """Where memory binds, a bound says little of a plan (LLaMA-70B: plans 25-35% above), so the
-    bounding stops at BOUND_SHARE_BINDING of the limit and the lowest bound is solved with all
-    the time left, not an equal share with shapes its plan may prune."""
+    bounding stops at BOUND_SHARE_BINDING of the limit; the lowest bound is solved with half the
+    time left, as another shape is worth solving after it, not an equal share with every shape
+    its plan may prune; the next, the last worth solving, gets all that is left."""
     from types import SimpleNamespace
 
     import autoshard.meshsearch as ms
@@ -207,9 +208,10 @@ def test_where_memory_binds_bounding_stops_at_half_and_the_likeliest_shape_gets_
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
     # bounded at 20, 40 (the 2-D shapes' cost is known: 20 s > 50 - 40 left), the 3-D one at 60
     assert rows[(4, 2)]["outcome"] == "skipped" and "50 s of time_limit, memory binding" in rows[(4, 2)]["note"]
-    assert _ScriptedPlanner.solves[0] == ((2, 2, 2), 100.0 - 60.0)  # all the time left, not a third of it
+    assert _ScriptedPlanner.solves[0] == ((2, 2, 2), (100.0 - 60.0) / 2)  # half: (2, 4) and (8,) may follow
     assert rows[(2, 2, 2)]["outcome"] == "chosen"
-    # then the next bound with what its solve left: (2, 4), bound 502 < 1.5 * 402
+    # then the next bound with all its solve left (its stall rule ended it after 5 s): (2, 4), bound
+    # 502 < 1.5 * 402, is the last worth solving ((8,)'s bound 908 is above that plan)
     assert _ScriptedPlanner.solves[1] == ((2, 4), 100.0 - 65.0)
     assert rows[(8,)]["outcome"] == "pruned"
 
