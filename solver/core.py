@@ -92,11 +92,6 @@ class CoreSolver:
             self.doubled = True
 
 
-def table_cost(costs, edges, choice) -> float:
-    return float(sum(c[i] for c, i in zip(costs, choice))
-                 + sum(m[choice[a], choice[b]] for (a, b), m in edges.items()))
-
-
 def cost_scale(problem: Problem, reference: float) -> float:
     """Integer scale for toulbar2: the reference cost maps to ~1e12 (costs to ~1e-12 relative
     precision, far below toulbar2's int64 ceiling), at most 1000 units per cost unit."""

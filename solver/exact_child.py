@@ -8,7 +8,9 @@ incumbent. The child runs two phases over the same network:
 
 1. ``vns``: DGVNS, which finds good answers fast (the planner's 70B problem: 0.06% under
    60 s of branch and bound in 7 s; IOPDDL V: the proven optimum in 15 s), ended by the
-   stall rule (:mod:`solver.stall`) on its incumbents, or at half of the time left;
+   stall rule (:mod:`solver.stall`) on its incumbents, or at half of the time left. With
+   more than ``lazy_rows`` memory rows it posts them as its answers break them
+   (:func:`solver.cfn.solve_lazy`), and reports only answers that hold them all;
 2. ``hbfs``: branch and bound under the first phase's cost, which proves optimality where it
    can (a tight upper bound prunes), ended when proved, when stalled on incumbents and lower
    bounds (unless the caller wants the whole time), or at the deadline.
@@ -31,10 +33,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from solver import cfn
+from solver.cfn import table_cost
 from solver.child import Child, read, write
 from solver.stall import Progress, StallRule
 
 PHASES = ("vns", "hbfs")
+#: DGVNS posts every memory row where there are at most this many (two rounds' worth of
+#: :data:`solver.cfn.LAZY_ADD`: toulbar2 preprocesses 20 rows of LLaMA-70B's in 0.5 s), and
+#: more only as its answers break them (225 of them: 4.2 s).
+LAZY_ROWS = 2 * cfn.LAZY_ADD
 #: Share of the time left that the first (no proof) phase may take at most.
 VNS_SHARE = 0.5
 _NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"
@@ -56,12 +63,6 @@ class ExactAnswer:
     lower: float = -math.inf
     """A bound on every answer's network cost that branch and bound's lines showed (rounding
     slack taken off), -inf when none: it holds even where the search found no answer."""
-
-
-def table_cost(costs, tables, picked) -> float:
-    """The network's cost of ``picked`` (unscaled)."""
-    total = sum(float(c[i]) for c, i in zip(costs, picked))
-    return total + sum(float(m[picked[a], picked[b]]) for (a, b), m in tables.items())
 
 
 def search_again(ans: ExactAnswer, upper: float, best: float, rule: StallRule) -> bool:
@@ -86,7 +87,10 @@ def combine(first: ExactAnswer, second: ExactAnswer) -> ExactAnswer:
 class ExactChild:
     """The two phases in a child process; :meth:`run` watches it until it ends."""
 
-    def __init__(self, model, upper: float | None, seconds: float, phases: tuple[str, ...] = PHASES):
+    def __init__(self, model, upper: float | None, seconds: float, phases: tuple[str, ...] = PHASES,
+                 lazy_rows: int = LAZY_ROWS):
+        """``lazy_rows``: with more memory rows than this, DGVNS posts them as its answers break
+        them (:func:`solver.cfn.solve_lazy`); branch and bound always posts them all."""
         if not phases or any(p not in PHASES for p in phases):
             raise ValueError(f"phases: expected some of {PHASES} in order, found {phases!r}")
         self.scale = model.scale
@@ -94,7 +98,7 @@ class ExactChild:
         self.rounding = cfn.rounding_slack(len(model.costs) + len(model.tables), model.scale)
         self.upper = math.inf if upper is None else upper
         self.child = Child("exact_child", (model.costs, model.tables, model.rows, model.scale, upper, seconds,
-                                           self.phases),
+                                           self.phases, lazy_rows),
                            prefix="autoshard-exact-", watch=True)
 
     def run(self, deadline: float, rule: StallRule, stop_when_stalled: bool = True, log=None,
@@ -166,7 +170,8 @@ class ExactChild:
                         if log:
                             log(f"exact ({phase}): {why}, best {progress.best:.6g}")
                     # Again each second: a signal that came while the phase was still posting
-                    # its network is ignored there.
+                    # its network is ignored there. The file ends a lazy DGVNS between rounds.
+                    (self.child.folder / f"stop-{phase}").touch()
                     os.kill(self.child.proc.pid, signal.SIGVTALRM)
                     signalled = now
             if now > deadline + 5.0:  # a search deaf to its signal: its last phase's answer stands
@@ -201,7 +206,7 @@ class ExactChild:
 def _main(folder: str) -> None:
     # Outside a search, a late stop signal must not end the process (its default action).
     signal.signal(signal.SIGVTALRM, signal.SIG_IGN)
-    costs, tables, rows, scale, upper, seconds, phases = read(Path(folder) / "in.pkl")
+    costs, tables, rows, scale, upper, seconds, phases, lazy_rows = read(Path(folder) / "in.pkl")
     t0 = time.perf_counter()
     best, proved, gap = None, False, math.inf
     for method in phases:
@@ -209,7 +214,21 @@ def _main(folder: str) -> None:
         if left < 1:
             break
         print(f"@phase {method}", flush=True)
-        picked, proved, gap = cfn.solve_tables(costs, tables, left, scale, upper, rows, method=method, progress=True)
+        if method == "vns" and len(rows) > lazy_rows:
+            def said(cost: float, posted: int) -> None:
+                # As toulbar2 says it (scaled): only answers that hold every row are reported.
+                print(f"New solution: {cost * scale:.0f} ({posted} of {len(rows)} memory rows posted)", flush=True)
+
+            def stop(path=Path(folder) / f"stop-{method}") -> bool:
+                # Between rounds toulbar2's handler is still installed: a late signal must not
+                # reach it outside a search.
+                signal.signal(signal.SIGVTALRM, signal.SIG_IGN)
+                return path.exists()
+
+            picked, proved, gap = cfn.solve_lazy(costs, tables, left, scale, upper, rows, on_answer=said, stop=stop)
+        else:
+            picked, proved, gap = cfn.solve_tables(costs, tables, left, scale, upper, rows, method=method,
+                                                   progress=True)
         signal.signal(signal.SIGVTALRM, signal.SIG_IGN)  # toulbar2's handler stays installed after a search
         sys.stdout.flush()
         if picked is not None:

@@ -107,7 +107,8 @@ def test_core_time_limit_adapts_to_the_last_search():
 def test_core_solver_answers_within_its_cap_and_never_worse_than_a_descent():
     import time
 
-    from solver.core import CoreSolver, table_cost
+    from solver.cfn import table_cost
+    from solver.core import CoreSolver
 
     costs, edges = _network(5, n=30)
     core = CoreSolver(5.0, 1000.0)

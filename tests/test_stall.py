@@ -266,3 +266,52 @@ def test_branch_and_bound_searches_again_only_under_a_counted_gain_and_a_cheap_n
     assert proved.proved and proved.picked is None and proved.lower == 99.0
     found = combine(first, hbfs(0.4, picked=[3, 4], gap=1.0, lower=97.5))
     assert found.picked == [3, 4] and found.gap == 1.0
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+@pytest.mark.parametrize("seed", range(4))
+def test_lazy_dgvns_posts_the_rows_its_answers_break_and_answers_only_what_holds_them_all(seed):
+    """DGVNS with the memory rows posted one at a time, as its answers break them: the optimum
+    without rows breaks some (the test has rows to post), each answer reported holds every row
+    and costs less than the one before, and the last is the brute-force optimum with fewer rows
+    posted than there are."""
+    from test_memrows import tied_brute_force
+
+    p = layered_problem(np.random.default_rng(seed), layers=6, tight=0.4, grads=True)
+    model = build_exact(p)
+    free, _, _ = cfn.solve_tables(model.costs, model.tables, 5, model.scale, None, [])
+    assert (cfn.row_excess(model.rows, free) > 0).any()
+    said = []
+    picked, proved, gap = cfn.solve_lazy(model.costs, model.tables, 10, model.scale, None, model.rows, add=1,
+                                         on_answer=lambda cost, posted: said.append((cost, posted)))
+    assert not proved and gap == np.inf
+    assert (cfn.row_excess(model.rows, picked) <= 0).all()
+    costs = [c for c, _ in said]
+    assert costs == sorted(costs, reverse=True) and len(set(costs)) == len(costs)
+    assert costs[-1] == pytest.approx(cfn.table_cost(model.costs, model.tables, picked))
+    assert all(1 <= posted <= len(model.rows) for _, posted in said)
+    res = finish(p, model, picked, False, np.inf)
+    assert res.evaluation.feasible and res.evaluation.cost == pytest.approx(tied_brute_force(p), abs=1e-6)
+    # Stopped before its first round, it answers nothing.
+    assert cfn.solve_lazy(model.costs, model.tables, 10, model.scale, None, model.rows, stop=lambda: True)[0] is None
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_a_watched_lazy_dgvns_reports_answers_that_hold_every_row():
+    """In the child, DGVNS past ``lazy_rows`` rows posts them lazily; what its lines report (the
+    stall rule's incumbents, and branch and bound's upper bound beside it) and what it writes
+    back hold every row: the brute-force optimum here."""
+    import time
+
+    from test_memrows import tied_brute_force
+
+    p = layered_problem(np.random.default_rng(3), layers=6, tight=0.4, grads=True)
+    model = build_exact(p)
+    seen = []
+    child = ExactChild(model, None, 20.0, phases=("vns",), lazy_rows=0)
+    ans = child.run(time.perf_counter() + 20.0, StallRule(), on_answer=seen.append)
+    assert [ph["method"] for ph in ans.phases] == ["vns"] and "preprocess_s" not in ans.phases[0]
+    best = tied_brute_force(p)
+    assert seen and min(seen) == pytest.approx(best, abs=1e-2)
+    res = finish(p, model, ans.picked, ans.proved, ans.gap)
+    assert res.evaluation.feasible and res.evaluation.cost == pytest.approx(best, abs=1e-6)
