@@ -554,8 +554,13 @@ class Planner:
             return solver.solve(weighed, time_limit=seconds, backend=opts.backend, starts=round_starts,
                                 mip_gap=ROUND_GAP)
 
+        # The solve's other answers of about its cost compete by their simulated step too: among
+        # plans the additive objective barely tells apart, overlap moves the step by percents.
+        given = {np.asarray(choice).tobytes() for _, choice in starts + asked}
+        pool = [(f"{source} (pool)", choice) for source, choice in sol.pool if choice.tobytes() not in given]
         sol, overlap = refine_overlap(problem, gp, sol, self.profile.overlap, resolve_weighed, t1 + time_limit,
-                                      candidates=starts + asked, rounds=MAX_ROUNDS if opts.overlap_objective else 0)
+                                      candidates=starts + asked + pool,
+                                      rounds=MAX_ROUNDS if opts.overlap_objective else 0)
         phases = dict(self.phases, solve_s=time.perf_counter() - t1)
 
         def assemble() -> Plan:

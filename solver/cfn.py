@@ -118,7 +118,7 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
     Each round searches the tables with the rows posted so far (none in the first), below the
     best answer known (``upper``, then each one found). An answer that breaks rows adds the
     ``add`` it breaks most and the round is searched again; one that holds them all is an
-    answer (``on_answer(cost, rows posted)``). A round that ran to its time limit without a
+    answer (``on_answer(cost, rows posted, answer)``). A round that ran to its time limit without a
     better answer is searched again with twice the time (DGVNS restarts from scratch); one that
     ended by itself with none ends the search (the first answer may cost ``upper`` itself: the
     known answer found again, as toulbar2 searches up to it), as does ``stop()`` (checked between rounds), or
@@ -152,7 +152,7 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
             if cost < best_cost or best is None:
                 best, best_cost = picked, cost
                 if on_answer is not None:
-                    on_answer(cost, len(posted))
+                    on_answer(cost, len(posted), picked)
                 continue
         if not ran_out:
             break  # DGVNS ended by itself with nothing better: as it would with every row posted

@@ -63,6 +63,8 @@ class ExactAnswer:
     lower: float = -math.inf
     """A bound on every answer's network cost that branch and bound's lines showed (rounding
     slack taken off), -inf when none: it holds even where the search found no answer."""
+    others: list = field(default_factory=list)
+    """Answers found before ``picked`` (a lazy DGVNS's, each holding every row), dearest first."""
 
 
 def search_again(ans: ExactAnswer, upper: float, best: float, rule: StallRule) -> bool:
@@ -184,8 +186,8 @@ class ExactChild:
         self.child.close()
         lower = lower_seen - 2 * self.rounding
         if out is None:
-            return ExactAnswer(None, False, math.inf, stats, lower)
-        picked, proved, gap = out
+            return ExactAnswer(None, False, math.inf, stats, lower, out[3] if out is not None else [])
+        picked, proved, gap, others = out
         if picked is not None and math.isfinite(lower_seen) and math.isfinite(own):
             # Branch and bound stopped before its gap line still bounds the optimum by its bound
             # lines. The gap is the child's own answer's (the one written back), never that of a
@@ -193,7 +195,7 @@ class ExactChild:
             # 70B's 6.016e6 answer claim a 5.938e6 bound where the search had shown 5.896e6.
             # Both figures are rounded costs: each may be off by the rounding slack.
             gap = min(gap, max(0.0, own - lower_seen) + 2 * self.rounding)
-        return ExactAnswer(picked, proved, gap, stats, lower)
+        return ExactAnswer(picked, proved, gap, stats, lower, others)
 
     def ended(self) -> bool:
         """Whether the child process has exited."""
@@ -209,15 +211,17 @@ def _main(folder: str) -> None:
     costs, tables, rows, scale, upper, seconds, phases, lazy_rows = read(Path(folder) / "in.pkl")
     t0 = time.perf_counter()
     best, proved, gap = None, False, math.inf
+    others: list = []  # answers before the best (a lazy DGVNS's): the caller ranks them too
     for method in phases:
         left = seconds - (time.perf_counter() - t0)
         if left < 1:
             break
         print(f"@phase {method}", flush=True)
         if method == "vns" and len(rows) > lazy_rows:
-            def said(cost: float, posted: int) -> None:
+            def said(cost: float, posted: int, picked: list[int]) -> None:
                 # As toulbar2 says it (scaled): only answers that hold every row are reported.
                 print(f"New solution: {cost * scale:.0f} ({posted} of {len(rows)} memory rows posted)", flush=True)
+                others.append(picked)
 
             def stop(path=Path(folder) / f"stop-{method}") -> bool:
                 # Between rounds toulbar2's handler is still installed: a late signal must not
@@ -233,12 +237,12 @@ def _main(folder: str) -> None:
         sys.stdout.flush()
         if picked is not None:
             best, upper = picked, table_cost(costs, tables, picked)
-        write(Path(folder) / "out.pkl", (best, proved, gap))
+        write(Path(folder) / "out.pkl", (best, proved, gap, [p for p in others if p is not best]))
         print(f"@end {method}", flush=True)
         if proved:
             break
     if not (Path(folder) / "out.pkl").exists():
-        write(Path(folder) / "out.pkl", (None, False, math.inf))
+        write(Path(folder) / "out.pkl", (None, False, math.inf, []))
 
 
 if __name__ == "__main__":

@@ -80,6 +80,10 @@ class Solution:
     (memory-free optimum that fits), ``exact`` (toulbar2 with memory rows), ``milp``,
     ``weights`` (per-node penalty search), ``lns`` or ``polish`` (local search at the end), ``repair``
     (the memory-free optimum moved group by group into the memory limit)."""
+    pool: list = field(default_factory=list)
+    """Other feasible answers the stages found, ``(source, choice)``, cheapest first, at most
+    ``POOL_SIZE``: plans of about the same cost that a caller may rank by what the objective
+    does not see (the planner: the step simulated with overlap)."""
 
     @property
     def gap(self) -> float | None:
@@ -276,15 +280,27 @@ def _exact_said(res, t_start):
         f"bound {res.lower_bound}, {time.perf_counter() - t_start:.2f}s")
 
 
+#: Feasible answers kept beside the best (:attr:`Solution.pool`).
+POOL_SIZE = 4
+
+
 class _Incumbent:
     """The best answer so far (a feasible one beats any infeasible one; among feasible ones
-    the cheaper, a later stage on equal cost) and the stage it came from."""
+    the cheaper, a later stage on equal cost) and the stage it came from; and the
+    ``POOL_SIZE + 1`` cheapest distinct feasible answers offered (:meth:`pool`)."""
 
     def __init__(self, problem: Problem):
         self.problem = problem
         self.choice: np.ndarray | None = None
         self.ev = None
         self.source = ""
+        self.kept: dict[bytes, tuple[float, int, str, np.ndarray]] = {}
+
+    def pool(self) -> list[tuple[str, np.ndarray]]:
+        """The kept feasible answers other than the incumbent, cheapest first (first offered on ties)."""
+        mine = None if self.choice is None else self.choice.tobytes()
+        return [(source, choice) for key, (_, _, source, choice) in sorted(self.kept.items(), key=lambda kv: kv[1][:2])
+                if key != mine][:POOL_SIZE]
 
     @property
     def feasible(self) -> bool:
@@ -300,6 +316,11 @@ class _Incumbent:
             return False
         choice = np.asarray(choice, dtype=np.int64)
         ev = ev if ev is not None else evaluate(self.problem, choice)
+        key = choice.tobytes()
+        if ev.feasible and key not in self.kept:
+            self.kept[key] = (float(ev.cost), len(self.kept), source, choice)
+            if len(self.kept) > POOL_SIZE + 1:
+                del self.kept[max(self.kept, key=lambda k: self.kept[k][:2])]
         if self.ev is None or (ev.feasible and (not self.ev.feasible or ev.cost <= self.ev.cost)):
             if self.choice is None or not np.array_equal(choice, self.choice):
                 self.source = source  # a stage that hands the incumbent back leaves its source
@@ -422,7 +443,7 @@ class _Run:
         log.info(f"solved: {status} ({inc.source}), cost {inc.cost:.6g}, bound {lower}, {seconds:.2f}s")
         return Solution(choice=inc.choice, cost=inc.cost, status=Status(status), lower_bound=lower,
                         seconds=seconds, peak_usage=inc.ev.peak_usage, backend=self.backend, stats=self.stats,
-                        source=inc.source)
+                        source=inc.source, pool=inc.pool())
 
 
 def _check_memory_floor(problem: Problem) -> None:
@@ -557,6 +578,7 @@ def _exact_stage(run: _Run, model) -> Solution:
             res = exact_answer(problem, model, ans.picked, ans.proved, ans.gap)
             run.stats["exact"] = dict(res.stats, proved=ans.proved, phases=ans.phases,
                                       seconds=round(time.perf_counter() - run.t0, 3))
+            _offer_others(run, model, ans)
             inc.offer(res.choice, "exact", res.evaluation)
             if ans.picked is None and ans.proved and inc.feasible:  # nothing beats the incumbent
                 res = dataclasses.replace(res, proved=True, lower_bound=inc.cost - ans.gap)
@@ -597,6 +619,14 @@ def _exact_stage(run: _Run, model) -> Solution:
             milp.close()
 
 
+def _offer_others(run: _Run, model, ans) -> None:
+    """The answers a search found before its last (:attr:`ExactAnswer.others`), offered: the
+    pool's plans of about the answer's cost."""
+    for picked in ans.others:
+        other = exact_answer(run.problem, model, picked, False, math.inf)
+        run.inc.offer(other.choice, "exact", other.evaluation)
+
+
 def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: StallRule):
     """DGVNS in one child and, from its first answer on, branch and bound under that answer (or
     the incumbent, where cheaper) in another (how much its preprocessing prunes, and so its
@@ -615,6 +645,7 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
     try:
         first = child.run(deadline, rule, True, log.info, beside=lambda: bnb[0] if bnb else None, on_answer=under)
         found = exact_answer(run.problem, model, first.picked, False, math.inf)
+        _offer_others(run, model, first)
         run.inc.offer(found.choice, "exact", found.evaluation)
         if not bnb:
             return first

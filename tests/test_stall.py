@@ -202,7 +202,7 @@ def test_branch_and_bound_gap_is_its_own_answers_not_the_known_one(tmp_path):
     child.child = _ScriptedChild(tmp_path, ["@phase hbfs", "Preprocessing time: 5.062 seconds.",
                                             "Initial lower and upper bounds: [5878, 6063]",
                                             "New solution: 6016", "Optimality gap: [5896, 6016] 1.98 %",
-                                            "@end hbfs"], ([0, 1], False, math.inf))
+                                            "@end hbfs"], ([0, 1], False, math.inf, []))
     ans = child.run(time.perf_counter() + 10.0, StallRule(), known=5974.0)
     assert ans.lower == 5896.0
     assert ans.gap == pytest.approx(6016.0 - 5896.0)  # not 5974 - 5896: 6016 - 78 = 5938 > 5896
@@ -283,7 +283,7 @@ def test_lazy_dgvns_posts_the_rows_its_answers_break_and_answers_only_what_holds
     assert (cfn.row_excess(model.rows, free) > 0).any()
     said = []
     picked, proved, gap = cfn.solve_lazy(model.costs, model.tables, 10, model.scale, None, model.rows, add=1,
-                                         on_answer=lambda cost, posted: said.append((cost, posted)))
+                                         on_answer=lambda cost, posted, _: said.append((cost, posted)))
     assert not proved and gap == np.inf
     assert (cfn.row_excess(model.rows, picked) <= 0).all()
     costs = [c for c, _ in said]
@@ -315,3 +315,29 @@ def test_a_watched_lazy_dgvns_reports_answers_that_hold_every_row():
     assert seen and min(seen) == pytest.approx(best, abs=1e-2)
     res = finish(p, model, ans.picked, ans.proved, ans.gap)
     assert res.evaluation.feasible and res.evaluation.cost == pytest.approx(best, abs=1e-6)
+    # Its earlier answers come back too (the solve's pool): each holds every row, none is cheaper.
+    assert len(ans.others) == len(seen) - 1
+    for other in ans.others:
+        assert (cfn.row_excess(model.rows, other) <= 0).all()
+        assert cfn.table_cost(model.costs, model.tables, other) > cfn.table_cost(model.costs, model.tables, ans.picked)
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_a_solve_keeps_its_other_feasible_answers_in_a_pool():
+    """Beside its answer, a solve returns the other feasible answers its stages found (a start,
+    the lazy DGVNS's earlier answers ...), distinct, cheapest first, never the answer itself: the
+    planner ranks them by their simulated step."""
+    from solver import solve
+    from solver.solve import POOL_SIZE
+
+    p = layered_problem(np.random.default_rng(3), layers=6, tight=0.4, grads=True)
+    dear = np.array([int(np.argmin(u)) for u in p.node_usages])  # least usage: feasible, not cheapest
+    assert evaluate(p, dear).feasible
+    sol = solve(p, time_limit=20, starts=[("least usage", dear)])
+    assert sol.cost < evaluate(p, dear).cost
+    keys = [c.tobytes() for _, c in sol.pool]
+    assert len(set(keys)) == len(keys) <= POOL_SIZE and sol.choice.tobytes() not in keys
+    costs = [evaluate(p, c).cost for _, c in sol.pool]
+    assert all(evaluate(p, c).feasible for _, c in sol.pool) and costs == sorted(costs)
+    assert all(c >= sol.cost - 1e-9 for c in costs)
+    assert ("start:least usage", dear.tobytes()) in [(s, c.tobytes()) for s, c in sol.pool]
