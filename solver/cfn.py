@@ -84,7 +84,13 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
         return None, upper is not None, rounding if upper is not None else np.inf
     if not res:
         found = net.GetSolutions()
-        return (list(found[-1][1]), False, np.inf) if found else (None, False, np.inf)
+        if found:
+            return list(found[-1][1]), False, np.inf
+        # Nothing below the bound: proved where branch and bound ended by itself (toulbar2 marks a
+        # search its time limit or a signal stopped as limited; its dual bound need not reach the
+        # bound when the search closes early).
+        proved = method == "hbfs" and upper is not None and not pytoulbar2.pytb2.option.limited
+        return None, proved, rounding if proved else np.inf
     # Solve returns its incumbent on a time limit too: optimal only when the dual bound meets it.
     primal, dual = float(res[1]), float(net.GetDDualBound())
     if method != "hbfs":  # DGVNS's bound is not relied on: no proof, no gap
@@ -111,40 +117,52 @@ def row_excess(rows: Sequence[KnapsackRow], choice) -> np.ndarray:
 
 def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], seconds: float, scale: float,
                upper: float | None, rows: Sequence[KnapsackRow], add: int = LAZY_ADD, on_answer=None,
-               stop=None) -> tuple[list[int] | None, bool, float]:
-    """DGVNS (:func:`solve_tables`, ``method="vns"``) with the memory rows posted as answers break
-    them: (the best answer that holds every row or None, False, inf), as DGVNS proves nothing.
+               stop=None, method: str = "vns", progress: bool = False) -> tuple[list[int] | None, bool, float]:
+    """:func:`solve_tables` with the memory rows posted as its answers break them: (the best
+    answer that holds every row or None, proved, gap), as :func:`solve_tables` answers.
 
     Each round searches the tables with the rows posted so far (none in the first), below the
     best answer known (``upper``, then each one found). An answer that breaks rows adds the
     ``add`` it breaks most and the round is searched again; one that holds them all is an
-    answer (``on_answer(cost, rows posted, answer)``). A round that ran to its time limit without a
-    better answer is searched again with twice the time (DGVNS restarts from scratch); one that
-    ended by itself with none ends the search (the first answer may cost ``upper`` itself: the
-    known answer found again, as toulbar2 searches up to it), as does ``stop()`` (checked between rounds), or
-    ``seconds``. Posting the rows is what toulbar2's preprocessing pays for: LLaMA-70B on
-    (4, 16, 8) has 225 rows, 4.2 s of preprocessing before DGVNS's first answer with all of them
-    (5.9756e6 after 15 s); with 10 posted, the first answer holding all 225 came in 2.8 s and
-    5.9724e6 in 5.0. Rows only cut answers off, so an answer that holds them all is one of the
-    whole network's."""
+    answer (``on_answer(cost, rows posted, answer)``). Rows only cut answers off, so the posted
+    rows are a relaxation: an answer that holds every row is one of the whole network, a bound
+    of the relaxation bounds the whole network, and nothing below ``upper`` with some rows means
+    nothing with all.
+
+    ``method="vns"`` (DGVNS, no proof): a round that ran to its time limit without a better
+    answer is searched again with twice the time (DGVNS restarts from scratch); one that ended
+    by itself with none ends the search (the first answer may cost ``upper`` itself: the known
+    answer found again, as toulbar2 searches up to it). ``method="hbfs"`` (branch and bound, all
+    the time left each round): an answer proved optimal with the rows posted that holds them all
+    is proved optimal, and one cut off by the time limit has the relaxation's gap.
+    ``stop()`` (checked between rounds) or ``seconds`` end either. Posting the rows is what
+    toulbar2's preprocessing pays for: LLaMA-70B on (4, 16, 8) has 225 rows, 4.2 s of
+    preprocessing before DGVNS's first answer with all of them (5.9756e6 after 15 s); with 10
+    posted, the first answer holding all 225 came in 2.8 s and 5.9724e6 in 5.0, and branch and
+    bound under it proved it optimal in 1.3 s more, where with every row posted it proved
+    nothing in 60 s."""
+    if method not in ("hbfs", "vns"):
+        raise ValueError(f"method: expected 'hbfs' or 'vns', found {method!r}")
     t0 = time.perf_counter()
     best, best_cost = None, math.inf if upper is None else upper
     posted: list[int] = []
     round_s = 1.0
+    proved, gap = False, np.inf
     while True:
         left = seconds - (time.perf_counter() - t0)
         if left < 1.0 or (stop is not None and stop()):
             break
-        limit = min(left, round_s)
+        limit = min(left, round_s) if method == "vns" else left
         started = time.perf_counter()
-        picked, _, _ = solve_tables(costs, edges, limit, scale, None if math.isinf(best_cost) else best_cost,
-                                    [rows[k] for k in posted], method="vns")
+        picked, proved, gap = solve_tables(costs, edges, limit, scale, None if math.isinf(best_cost) else best_cost,
+                                           [rows[k] for k in posted], method=method, progress=progress)
         ran_out = time.perf_counter() - started >= 0.9 * max(1, int(limit))
         if picked is not None:
             excess = row_excess(rows, picked)
             broken = np.nonzero(excess > 0)[0]
             if broken.size:
                 posted.extend(broken[np.argsort(-excess[broken], kind="stable")][:add].tolist())
+                proved, gap = False, np.inf
                 continue
             cost = table_cost(costs, edges, picked)
             # The first answer may be ``upper``'s own found again (toulbar2 searches up to it), as
@@ -153,11 +171,16 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
                 best, best_cost = picked, cost
                 if on_answer is not None:
                     on_answer(cost, len(posted), picked)
-                continue
+                if method == "vns":
+                    continue
+        if method == "hbfs":
+            break  # proved (an answer, or nothing below the best), or out of time
         if not ran_out:
             break  # DGVNS ended by itself with nothing better: as it would with every row posted
         round_s *= 2
-    return best, False, np.inf
+    if method == "vns":
+        return best, False, np.inf
+    return best, proved, gap
 
 
 def rounding_slack(n_tables: int, scale: float) -> float:

@@ -8,12 +8,14 @@ incumbent. The child runs two phases over the same network:
 
 1. ``vns``: DGVNS, which finds good answers fast (the planner's 70B problem: 0.06% under
    60 s of branch and bound in 7 s; IOPDDL V: the proven optimum in 15 s), ended by the
-   stall rule (:mod:`solver.stall`) on its incumbents, or at half of the time left. With
-   more than ``lazy_rows`` memory rows it posts them as its answers break them
-   (:func:`solver.cfn.solve_lazy`), and reports only answers that hold them all;
+   stall rule (:mod:`solver.stall`) on its incumbents, or at half of the time left;
 2. ``hbfs``: branch and bound under the first phase's cost, which proves optimality where it
    can (a tight upper bound prunes), ended when proved, when stalled on incumbents and lower
    bounds (unless the caller wants the whole time), or at the deadline.
+
+With more than ``lazy_rows`` memory rows, both post them as their answers break them
+(:func:`solver.cfn.solve_lazy`: ``@phase NAME lazy``), and only the answers that hold every row
+are reported (``Held solution: C``); bounds and proofs over the rows posted hold for all of them.
 
 The caller (:class:`ExactChild`) reads the lines, keeps one :class:`solver.stall.Progress` per
 phase and signals the child; the child writes its best answer after each phase (``out.pkl``).
@@ -38,14 +40,17 @@ from solver.child import Child, read, write
 from solver.stall import Progress, StallRule
 
 PHASES = ("vns", "hbfs")
-#: DGVNS posts every memory row where there are at most this many (two rounds' worth of
+#: Both phases post every memory row where there are at most this many (two rounds' worth of
 #: :data:`solver.cfn.LAZY_ADD`: toulbar2 preprocesses 20 rows of LLaMA-70B's in 0.5 s), and
-#: more only as its answers break them (225 of them: 4.2 s).
+#: more only as their answers break them (225 of them: 4.2 s).
 LAZY_ROWS = 2 * cfn.LAZY_ADD
 #: Share of the time left that the first (no proof) phase may take at most.
 VNS_SHARE = 0.5
 _NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"
 _SOLUTION = re.compile(rf"New solution: {_NUMBER}")
+#: What a lazy phase (``@phase NAME lazy``) says of an answer that holds every memory row; its
+#: toulbar2 lines' own answers may break rows that were not posted, and are not answers.
+_HELD = re.compile(rf"Held solution: {_NUMBER}")
 _BOUNDS = re.compile(rf"(?:Optimality gap|Initial lower and upper bounds): \[{_NUMBER}, {_NUMBER}\]")
 _PREPROCESSED = re.compile(rf"Preprocessing time: {_NUMBER} seconds")
 
@@ -91,8 +96,8 @@ class ExactChild:
 
     def __init__(self, model, upper: float | None, seconds: float, phases: tuple[str, ...] = PHASES,
                  lazy_rows: int = LAZY_ROWS):
-        """``lazy_rows``: with more memory rows than this, DGVNS posts them as its answers break
-        them (:func:`solver.cfn.solve_lazy`); branch and bound always posts them all."""
+        """``lazy_rows``: with more memory rows than this, the phases post them as their answers
+        break them (:func:`solver.cfn.solve_lazy`)."""
         if not phases or any(p not in PHASES for p in phases):
             raise ValueError(f"phases: expected some of {PHASES} in order, found {phases!r}")
         self.scale = model.scale
@@ -112,6 +117,7 @@ class ExactChild:
         time (or None), whose end (branch and bound proved, or its deadline) ends this one's
         phase too. ``on_answer(cost)``: called on each answer the child reports."""
         phase, progress, phase_end, signalled, stats = None, None, math.inf, 0.0, []
+        lazy = False  # the phase posts its memory rows lazily: only "Held solution" lines are answers
         best = min(self.upper, known)
         lower_seen = -math.inf  # branch and bound's best bound line (the child may be stopped before its gap)
         own = math.inf  # the child's own best answer: what it writes back (``best`` may be another search's)
@@ -121,7 +127,7 @@ class ExactChild:
             if line is None:
                 ended = True
             elif line.startswith("@phase "):
-                phase = line.split()[1]
+                phase, lazy = line.split()[1], "lazy" in line.split()[2:]
                 progress, signalled = Progress(rule), 0.0
                 progress.begin(t)
                 if phase == "hbfs":
@@ -139,7 +145,7 @@ class ExactChild:
             elif line.startswith("@end ") and stats:
                 stats[-1]["seconds"] = round(t - stats[-1].pop("start"), 3)
                 phase = None
-            elif phase is not None and (m := _SOLUTION.search(line)):
+            elif phase is not None and (m := (_HELD if lazy else _SOLUTION).search(line)):
                 own = min(own, float(m.group(1)) / self.scale)
                 progress.incumbent(own, t)
                 stats[-1]["best"] = best = progress.best
@@ -216,11 +222,12 @@ def _main(folder: str) -> None:
         left = seconds - (time.perf_counter() - t0)
         if left < 1:
             break
-        print(f"@phase {method}", flush=True)
-        if method == "vns" and len(rows) > lazy_rows:
+        lazy = len(rows) > lazy_rows
+        print(f"@phase {method}{' lazy' if lazy else ''}", flush=True)
+        if lazy:
             def said(cost: float, posted: int, picked: list[int]) -> None:
-                # As toulbar2 says it (scaled): only answers that hold every row are reported.
-                print(f"New solution: {cost * scale:.0f} ({posted} of {len(rows)} memory rows posted)", flush=True)
+                # Scaled, as toulbar2 says its answers: these hold every row.
+                print(f"Held solution: {cost * scale:.0f} ({posted} of {len(rows)} memory rows posted)", flush=True)
                 others.append(picked)
 
             def stop(path=Path(folder) / f"stop-{method}") -> bool:
@@ -229,7 +236,10 @@ def _main(folder: str) -> None:
                 signal.signal(signal.SIGVTALRM, signal.SIG_IGN)
                 return path.exists()
 
-            picked, proved, gap = cfn.solve_lazy(costs, tables, left, scale, upper, rows, on_answer=said, stop=stop)
+            # Branch and bound shows its bound lines (they hold with any rows posted); DGVNS's
+            # restarts would show one first answer each.
+            picked, proved, gap = cfn.solve_lazy(costs, tables, left, scale, upper, rows, on_answer=said, stop=stop,
+                                                 method=method, progress=method == "hbfs")
         else:
             picked, proved, gap = cfn.solve_tables(costs, tables, left, scale, upper, rows, method=method,
                                                    progress=True)

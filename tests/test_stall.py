@@ -341,3 +341,45 @@ def test_a_solve_keeps_its_other_feasible_answers_in_a_pool():
     assert all(evaluate(p, c).feasible for _, c in sol.pool) and costs == sorted(costs)
     assert all(c >= sol.cost - 1e-9 for c in costs)
     assert ("start:least usage", dear.tobytes()) in [(s, c.tobytes()) for s, c in sol.pool]
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+@pytest.mark.parametrize("seed", range(4))
+def test_lazy_branch_and_bound_proves_the_optimum_with_rows_posted_as_they_break(seed):
+    """Branch and bound over the rows its answers broke: the relaxation's optimum that holds
+    every row is the whole network's, proved; under that cost it proves nothing is cheaper (no
+    answer, proved), and under a cost below the optimum it finds nothing and proves it."""
+    from test_memrows import tied_brute_force
+
+    p = layered_problem(np.random.default_rng(seed), layers=6, tight=0.4, grads=True)
+    model = build_exact(p)
+    best = tied_brute_force(p)
+    said = []
+    picked, proved, gap = cfn.solve_lazy(model.costs, model.tables, 20, model.scale, None, model.rows, add=1,
+                                         method="hbfs", on_answer=lambda cost, posted, _: said.append(posted))
+    assert proved and picked is not None and 0 <= gap < 1e-2
+    assert (cfn.row_excess(model.rows, picked) <= 0).all() and said and said[-1] <= len(model.rows)
+    assert evaluate(p, model.choice(picked)).cost == pytest.approx(best, abs=1e-6)
+    again, proved, _ = cfn.solve_lazy(model.costs, model.tables, 20, model.scale, best, model.rows, method="hbfs")
+    assert proved and (again is None or cfn.table_cost(model.costs, model.tables, again) == pytest.approx(best))
+    below, proved, _ = cfn.solve_lazy(model.costs, model.tables, 20, model.scale, best - 1.0, model.rows,
+                                      method="hbfs")
+    assert below is None and proved
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_a_watched_lazy_branch_and_bound_proves_and_reports_only_what_holds_every_row():
+    """In the child, branch and bound past ``lazy_rows`` rows: proved optimal, its bound lines
+    below the optimum, the answer it writes back holding every row."""
+    import time
+
+    from test_memrows import tied_brute_force
+
+    p = layered_problem(np.random.default_rng(3), layers=6, tight=0.4, grads=True)
+    best = tied_brute_force(p)
+    model = build_exact(p)
+    child = ExactChild(model, best * 1.5, 20.0, phases=("hbfs",), lazy_rows=0)
+    ans = child.run(time.perf_counter() + 20.0, StallRule())
+    res = finish(p, model, ans.picked, ans.proved, ans.gap)
+    assert res.proved and res.evaluation.cost == pytest.approx(best, abs=1e-6)
+    assert ans.lower <= best + 1e-9 and (cfn.row_excess(model.rows, ans.picked) <= 0).all()
