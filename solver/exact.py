@@ -7,7 +7,10 @@ Over the tie quotient (one variable per tie group, :func:`solver.highs_model.red
 
 The pairwise part is toulbar2's own ground (no edge variables: a table per pair of
 groups); each memory row is a knapsack constraint that toulbar2 propagates during the
-search, so the answer is exact, and proved optimal when the search completes. This is
+search, so the answer is exact, and proved optimal when the search completes. Past
+``exact_child.LAZY_ROWS`` rows the searches post them as their answers break them
+(:func:`solver.cfn.solve_lazy`): the rows posted are a relaxation, so what holds every row
+is an answer and what is proved over them holds for all. This is
 the model where memory binds and the graph is small once ties are quotiented: planner
 problems (LLaMA-70B on (8, 8, 8): 20,930 nodes -> 311 groups, 6,979 memory segments
 -> 121 rows, proved optimal in seconds) and the small tight contest instances (IOPDDL V,
