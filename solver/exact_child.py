@@ -69,7 +69,7 @@ class ExactAnswer:
     """A bound on every answer's network cost that branch and bound's lines showed (rounding
     slack taken off), -inf when none: it holds even where the search found no answer."""
     others: list = field(default_factory=list)
-    """Answers found before ``picked`` (a lazy DGVNS's, each holding every row), dearest first."""
+    """Answers found before ``picked`` (a lazy search's, each holding every row), dearest first."""
 
 
 def search_again(ans: ExactAnswer, upper: float, best: float, rule: StallRule) -> bool:
@@ -178,7 +178,7 @@ class ExactChild:
                         if log:
                             log(f"exact ({phase}): {why}, best {progress.best:.6g}")
                     # Again each second: a signal that came while the phase was still posting
-                    # its network is ignored there. The file ends a lazy DGVNS between rounds.
+                    # its network is ignored there. The file ends a lazy search between rounds.
                     (self.child.folder / f"stop-{phase}").touch()
                     os.kill(self.child.proc.pid, signal.SIGVTALRM)
                     signalled = now
@@ -192,7 +192,7 @@ class ExactChild:
         self.child.close()
         lower = lower_seen - 2 * self.rounding
         if out is None:
-            return ExactAnswer(None, False, math.inf, stats, lower, out[3] if out is not None else [])
+            return ExactAnswer(None, False, math.inf, stats, lower)
         picked, proved, gap, others = out
         if picked is not None and math.isfinite(lower_seen) and math.isfinite(own):
             # Branch and bound stopped before its gap line still bounds the optimum by its bound
@@ -217,7 +217,7 @@ def _main(folder: str) -> None:
     costs, tables, rows, scale, upper, seconds, phases, lazy_rows = read(Path(folder) / "in.pkl")
     t0 = time.perf_counter()
     best, proved, gap = None, False, math.inf
-    others: list = []  # answers before the best (a lazy DGVNS's): the caller ranks them too
+    others: list = []  # answers before the best (a lazy search's): the caller ranks them too
     for method in phases:
         left = seconds - (time.perf_counter() - t0)
         if left < 1:
