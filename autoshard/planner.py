@@ -512,8 +512,9 @@ class Planner:
         """(plan, the solver's choice per problem node): one solve under ``opts`` (``starts`` and
         ``late_starts``: choices made in any recompute mode, see :func:`solver.solve`). With
         ``lazy``, a :class:`_Seed` whose plan is assembled when first asked for. ``hints``: more
-        starts, made under other options (the solver moves them onto this problem's pins), that
-        only bound the search: never a plan of these options themselves."""
+        starts, made under other options, that are not candidates of their own: the solver moves
+        them onto this problem's pins, and a moved hint is then a plan of it like any other the
+        search offers (its answer, or one of its pool ranked by simulated step)."""
         problem = self.problem(**_solve_fields(opts))
         rc, gp = self.variant(opts.recompute)
         t1 = time.perf_counter()
