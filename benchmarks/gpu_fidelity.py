@@ -65,6 +65,11 @@ def _models_module():
     pkg = types.ModuleType("autoshard")
     pkg.__path__ = [str(ROOT / "autoshard")]
     sys.modules["autoshard"] = pkg
+    # autoshard.errors imports the solver (pulp, highspy), which the GPU node need not have: the
+    # models raise only ConfigError, a ValueError.
+    errors = types.ModuleType("autoshard.errors")
+    errors.ConfigError = type("ConfigError", (ValueError,), {})
+    sys.modules["autoshard.errors"] = errors
     spec = importlib.util.spec_from_file_location("autoshard.models", ROOT / "autoshard" / "models.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["autoshard.models"] = mod
