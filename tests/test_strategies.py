@@ -12,7 +12,7 @@ import autoshard
 from autoshard import _torch_compat as tc
 from autoshard.models import gpt2, llama
 from autoshard.moe import moe
-from autoshard.strategies import StrategyEnumerator
+from autoshard.strategies import StrategyEnumerator, clear_shared_cache, mesh_signature
 from autoshard.tracing import trace
 
 
@@ -44,8 +44,10 @@ def test_placement_expansion_equals_dtensors(shape, monkeypatch, world):
     for name, (model, x) in _models().items():
         vocab = getattr(getattr(model, "cfg", None), "vocab_size", 256)
         tg = trace(model, (x % vocab,), lambda out: (out if isinstance(out, torch.Tensor) else out[0]).float().mean())
+        clear_shared_cache()
         fast = _all(tg, mesh)
         monkeypatch.setattr(tc, "FAST_EXPANSION", False)
+        clear_shared_cache()
         slow = _all(tg, mesh)
         monkeypatch.setattr(tc, "FAST_EXPANSION", True)
         assert fast.keys() == slow.keys()
@@ -55,3 +57,47 @@ def test_placement_expansion_equals_dtensors(shape, monkeypatch, world):
             assert a.strategies == b.strategies, (name, node, shape,
                                                   set(a.strategies) ^ set(b.strategies))
     assert sum(fast_calls) >= 10, "the placement expansion was not used"
+
+
+def test_strategies_shared_across_meshes_equal_each_mesh_enumerated_alone(world):
+    """A mesh search builds a dozen meshes of three axes in one process; a node's strategies
+    enumerated for one are reused for another whose :func:`mesh_signature` is the same. Each
+    mesh's strategies, built after the others, equal those enumerated for it alone, node by node,
+    on meshes whose axes divide the model's dims differently (heads 4, kv heads 2, ffn 96)."""
+    world(64)
+    torch.manual_seed(0)
+    model = llama("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
+    tg = trace(model, (torch.randint(0, 256, (64, 16)),), lambda out: out.float().mean())
+    shapes = [(2, 4, 8), (4, 2, 8), (8, 2, 4), (2, 2, 16), (4, 4, 4), (16, 2, 2)]
+    clear_shared_cache()
+    together, enumerated = {}, []
+    for shape in shapes:
+        enum = StrategyEnumerator(autoshard.fake_mesh(shape, ("a", "b", "c")))
+        together[shape] = {n.name: enum.for_node(n) for n in tg.gm.graph.nodes if n.op == "call_function"}
+        enumerated.append(enum.stats.enumerated)
+    for shape in shapes:
+        clear_shared_cache()
+        alone = _all(tg, autoshard.fake_mesh(shape, ("a", "b", "c")))
+        assert alone.keys() == together[shape].keys()
+        for node, a in alone.items():
+            b = together[shape][node]
+            assert (a.fallback, a.strategies) == (b.fallback, b.strategies), (shape, node)
+    # Later meshes enumerate only the nodes whose signature no earlier mesh had.
+    assert all(0 < e < enumerated[0] for e in enumerated[1:]), enumerated
+
+
+def test_mesh_signature_reads_divisibility_by_every_product_of_axes(world):
+    """Meshes that split a node's dims alike (every product of axes divides and fits the same
+    dims) share a signature; one product that divides a dim for one mesh and not the other
+    tells them apart."""
+    world(64)
+    tg = trace(torch.nn.Linear(12, 8), (torch.randn(32, 12),), lambda out: out.sum())
+    mm = next(n for n in tg.gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.addmm.default)
+    args = [a for a in mm.all_input_nodes]
+    # Sizes 8, 12, 32 and the runs 96, 256, 384. (2, 4, 8) and (4, 2, 8): the products 2 and 4
+    # both divide 12 and 32 and 96 ..., 16 and 32 both divide 32, 96, 256, 384 and neither 8 nor
+    # 12 (nor fit them): alike. (2, 2, 16): 16 alone does not divide 8, where 8 does.
+    assert mesh_signature(mm, args, (2, 4, 8)) == mesh_signature(mm, args, (4, 2, 8))
+    assert mesh_signature(mm, args, (2, 4, 8)) != mesh_signature(mm, args, (2, 2, 16))
+    # 12 into 8 pieces fits, into 16 it does not: (2, 4, 8) against (2, 4, 16) on 128 ranks.
+    assert mesh_signature(mm, args, (2, 4, 8)) != mesh_signature(mm, args, (2, 4, 16))
