@@ -41,6 +41,10 @@ class MemoryBudgetError(AutoshardError):
         self.min_feasible_bytes = min_feasible_bytes
         """A proved lower bound on the smallest feasible budget, bytes per device."""
 
+    def __reduce__(self):
+        # Raised in a mesh search's worker process and re-raised here: pickled with its fields.
+        return type(self), (str(self), self.budget_bytes, self.min_feasible_bytes)
+
 
 def first_line(exc: BaseException) -> str:
     """``"KeyError: 'x'"``: an exception's type and first line, for summaries and logs."""

@@ -51,6 +51,7 @@ from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError
 from autoshard.options import PlanOptions
 from autoshard.overlap import additive_solve
 from autoshard.planfile import Plan
+from autoshard.shapeworkers import HELD_NOT
 from autoshard.simulate import simulate_plan, step_floor
 from costmodel import MeshTopology
 
@@ -325,31 +326,50 @@ def _bound_share(planner) -> float:
     return planner.profile.overlap if options is not None and options.overlap_objective else 0.0
 
 
-def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) -> _BoundResult:
-    # The planner stays in the worker; what it found goes back as the starts of the shape's solve.
+def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) -> tuple[_BoundResult, object]:
+    """(the shape bounded, its planner): the planner stays in the worker, which solves the shape
+    if asked (:func:`_plan_held`); what it found goes back too, the starts of the shape's solve
+    where it is built again here (the worker dropped it)."""
     res = _bound_shape(shape, seconds, _WORK["make"], plan_below=plan_below, best_us=plan_below)
     found = res.planner.known_choices() if hasattr(res.planner, "known_choices") else ()
     return res._replace(planner=None, hints=tuple((f"bounding: {name}", np.asarray(choice, dtype=np.int32))
-                                                  for name, choice in found))
+                                                  for name, choice in found)), res.planner
+
+
+def _plan_held(planner, how: str, seconds: float) -> Plan:
+    """The shape's plan from the planner that bounded it: its solve (``"solve"``), or its best
+    hand-written plan (``"hand"``, where memory binds and that plan is the best found)."""
+    if how == "solve":
+        return planner.solve(time_limit=seconds)
+    name, seed = planner.hand_written(time_limit=seconds)
+    return _hand_written_plan(name, seed)
+
+
+#: Planners each bounding worker keeps for the solves, the shapes likeliest to be solved first
+#: (:meth:`_Bounding.keep`): about 0.5 GB each for LLaMA-70B on a 3-D mesh.
+HELD_PER_WORKER = 3
 
 
 class _Bounding:
-    """Shapes bounded (built, then solved with memory ignored) in forked worker processes, or
-    here with one worker: :meth:`submit` a shape, :meth:`next` the next one done, as
-    :func:`_bound_shape` gives it (the planner None where a worker built it)."""
+    """Shapes bounded (built, then solved with memory ignored) in forked worker processes that
+    keep their planners (:class:`~autoshard.shapeworkers.ShapeWorkers`), or here with one worker:
+    :meth:`submit` a shape, :meth:`next` the next one done, as :func:`_bound_shape` gives it (the
+    planner None where a worker built it); :meth:`plan` solves a shape where its worker keeps it."""
 
     def __init__(self, first, make, workers: int):
         self.first, self.make, self.workers = first, make, workers
-        self.running: set[tuple[int, ...]] = set()
-        self.done: list[tuple] = []
+        self.here: set[tuple[int, ...]] = set()
+        self.done: list[_BoundResult] = []
         self.pool = None
         if workers > 1:
-            import multiprocessing
-            import queue
+            from autoshard.shapeworkers import ShapeWorkers
 
             _WORK["make"] = make
-            self.results: queue.Queue = queue.Queue()
-            self.pool = multiprocessing.get_context("fork").Pool(workers)
+            self.pool = ShapeWorkers(workers, _bound_in_worker, hold=HELD_PER_WORKER)
+
+    @property
+    def running(self) -> set[tuple[int, ...]]:
+        return self.here | (self.pool.running if self.pool is not None else set())
 
     def has_room(self) -> bool:
         return len(self.running) < self.workers
@@ -358,27 +378,35 @@ class _Bounding:
         """Bound ``shape`` in at most ``seconds``, ``plan_below`` the best plan known (its
         hand-written plans that cannot beat it are not solved); a worker also makes its plan where
         it is below that (here, its planner is kept instead)."""
-        self.running.add(shape)
         if self.pool is None or len(shape) == 1:
             # The 1-D shape's planner exists (it traced the model); without workers, every one
             # is built here and kept for the solves.
+            self.here.add(shape)
             self.done.append(_bound_shape(shape, seconds, self.make, self.first if len(shape) == 1 else None,
                                           best_us=plan_below))
         else:
-            self.pool.apply_async(_bound_in_worker, (shape, seconds, plan_below), callback=self.results.put,
-                                  error_callback=self.results.put)
+            self.pool.submit(shape, seconds, plan_below)
 
     def next(self) -> _BoundResult:
-        out = self.done.pop(0) if self.done else self.results.get()
-        if isinstance(out, BaseException):  # a bug in a worker surfaces as itself
-            raise out
-        self.running.discard(out.shape)
-        return out
+        if self.done:
+            out = self.done.pop(0)
+            self.here.discard(out.shape)
+            return out
+        return self.pool.next()
+
+    def plan(self, shape: tuple[int, ...], how: str, seconds: float):
+        """:func:`_plan_held` in the worker that keeps ``shape``'s planner (no build again, no stage
+        of the bounding done twice), or :data:`~autoshard.shapeworkers.HELD_NOT`."""
+        return HELD_NOT if self.pool is None else self.pool.run(shape, _plan_held, how, seconds)
+
+    def keep(self, ranked: list[tuple[int, ...]]) -> None:
+        """Workers keep the planners of ``ranked``'s first shapes (in solve order) and drop the rest."""
+        if self.pool is not None:
+            self.pool.keep(ranked)
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.close()
             _WORK.clear()
 
 
@@ -474,6 +502,21 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     def best_known() -> float:
         return min((k[0] for k in known.values()), default=float("inf"))
 
+    def solve_order(b: _Bounded) -> tuple:
+        # Shapes whose memory-free search did not run (toulbar2 missing, cut off) hold only the
+        # cheapest-strategy bound, far below any plan: they are solved after those that have one.
+        # Those with a hand-written plan go first, the best first: their solve starts from it and
+        # only improves on it, while where memory binds a bound lies 25-35% below the plans
+        # (LLaMA-70B on 64 ranks: by bound, (8, 2, 4) took the time and gave 5,059.7 ms; (8, 8),
+        # whose hand-written plan was the best, planned alone gives 4,772.6).
+        return b.no_free, b.shape not in known, known[b.shape][0] if b.shape in known else b.bound, b.order
+
+    def keep_planners() -> None:
+        # The workers keep the planners of the shapes likeliest to be solved (or, the best plan
+        # found where the bounding did not assemble it, assembled): the others' memory goes back.
+        waiting = [*bounded, *(k[2] for s, k in known.items() if k[1] is None and all(b.shape != s for b in bounded))]
+        jobs.keep([b.shape for b in sorted(waiting, key=solve_order)])
+
     todo = list(shapes)
     jobs = _Bounding(first, lambda shape: make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
                                                        options=options, traced=first.traced),
@@ -535,114 +578,108 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 bounded.remove(b)
                 _prune(rows[b.shape], b.shape in known, f"bound {b.bound / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the "
                        f"memory-free plan of {'x'.join(map(str, upper_shape))} that fits")
+            keep_planners()
+        solved: dict[tuple[int, ...], Plan] = {}
+        infeasible: list[MemoryBudgetError] = []
+        eta = _bound_share(first)
+        bounded.sort(key=solve_order)
+
+        def unpromising(b: _Bounded) -> str | None:
+            """Why shape ``b`` is not worth solving now, by the plans found so far, or None."""
+            # Bounds of the objective the plans optimize: the simulated step, or the additive one.
+            objective = [*(p.summary["step_us"] if eta > 0 else additive_solve(p) for p in solved.values()),
+                         *([upper] if upper_shape is not None and upper_shape != b.shape else [])]
+            best_us = min(objective, default=None)
+            if best_us is not None and b.bound >= best_us:
+                return f"bound {b.bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
+            # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
+            # best plan found, by its bounds, has nothing to give (on the additive objective too; the
+            # buckets' latency savings aside, as for the hand-written plans in _bound_shape).
+            found_us = min([*(k[0] for s, k in known.items() if s != b.shape),
+                            *(p.summary["step_us"] for p in solved.values())], default=float("inf"))
+            floor_us = b.bound if eta > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap)
+            if floor_us >= found_us:
+                return (f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its bounds) >= "
+                        f"{found_us / 1e3:.3f} ms, the best plan found")
+            return None
+
+        for k, b in enumerate(bounded):
+            shape, planner, free, made, hints = b.shape, b.planner, b.free, b.plan, b.hints
+            row, started = rows[shape], time.perf_counter()
+            why = unpromising(b)
+            if why is not None:
+                _prune(row, shape in known, why)
+                continue
+            left = limit - (started - t0)
+            if (solved or known) and left < MIN_SOLVE_SECONDS:
+                why = "the time limit is spent: raise time_limit to plan it"
+                row.note = f"{row.note}; not solved: {why}" if shape in known else why
+                continue
+            # Half the time left while another shape is worth solving after it: the hand-written plans
+            # that order the shapes do not say what a solve gains on them (LLaMA-70B: nothing on
+            # (2, 4, 8) or (2, 32, 8), whose hand-written plans are the best, 4% on (8, 8), 8% on
+            # (4, 16, 8)). On 64 ranks (2, 4, 8) took all 30 s and gave 4,468.8 ms; halved, (8, 8)
+            # had 21 s and gave 4,276.8. A solve that stalls sooner leaves its time to the next.
+            rival = any(unpromising(c) is None for c in bounded[k + 1:] if c.plan is None)
+            share = max(MIN_SOLVE_SECONDS, left / 2 if rival and left >= 2 * MIN_SOLVE_SECONDS else left)
+            try:
+                # Its worker made the plan (its memory-free optimum), or solves it where it keeps it.
+                plan = made if made is not None else jobs.plan(shape, "solve", max(1.0, share))
+                if plan is HELD_NOT:
+                    planner = _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first,
+                                          hints)
+                    # Building it again (bounded in a worker that dropped it) is part of its share.
+                    plan = planner.solve(time_limit=max(1.0, share - (time.perf_counter() - started)))
+            except MemoryBudgetError as exc:
+                infeasible.append(exc)
+                row.outcome, row.note = "infeasible", str(exc)
+                row.seconds += time.perf_counter() - started
+                continue
+            row.outcome, row.step_us = "planned", plan.summary["step_us"]
+            row.peak_mem_bytes = plan.summary["peak_mem_bytes"]
+            proved = plan.solver.get("bound")
+            if proved is not None and eta <= 0:
+                row.bound_us = max(row.bound_us, proved)  # the solver's bound is additive: a step's only then
+            row.seconds += time.perf_counter() - started
+            row.note = str(plan.solver.get("status", ""))
+            log.info(f"mesh {'x'.join(map(str, shape))}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "
+                     f"({plan.solver.get('status')}) in {row.seconds:.1f}s")
+            solved[shape] = plan
+        # The answer: the least predicted step of every plan found (ties: the search order's first).
+        steps = {shape: k[0] for shape, k in known.items()}
+        for shape, p in solved.items():
+            steps[shape] = min(steps.get(shape, float("inf")), p.summary["step_us"])
+        best = min(steps, key=lambda shape: (steps[shape], shapes.index(shape)), default=None)
+        if best in known and (best not in solved or known[best][0] < solved[best].summary["step_us"]):
+            started = time.perf_counter()
+            _, made, b, hand = known[best]
+            if made is None:
+                left = max(1.0, limit - (started - t0))
+                # With the hand-written plan where it is faster; where memory binds, that plan.
+                how = "solve" if hand is None or _fits(b.free) else "hand"
+                made = jobs.plan(best, how, left)
+                if made is HELD_NOT:
+                    planner = _planner_of(best, b.planner, b.free, make_planner, model, example_inputs, options,
+                                          first, b.hints)
+                    made = _plan_held(planner, how, left)
+            solved[best] = made
+            rows[best].step_us, rows[best].peak_mem_bytes = made.summary["step_us"], made.summary["peak_mem_bytes"]
+            if hand is not None and not _fits(b.free):
+                rows[best].note = f"hand-written {hand} (memory binds): predicted faster than every plan solved"
+            rows[best].seconds += time.perf_counter() - started
+        table = [rows[s] for s in shapes]
+        if best is None and not infeasible:
+            raise ConfigError(f"no mesh shape of {ranks} ranks could be planned: "
+                              + "; ".join(f"{'x'.join(map(str, r.shape))}: {r.note}" for r in table))
+        if best is None:
+            low = min(infeasible, key=lambda e: e.min_feasible_bytes)
+            raise MemoryBudgetError(f"no mesh shape of {ranks} ranks fits the memory budget ({len(shapes)} tried); "
+                                    f"the closest: {low}", budget_bytes=low.budget_bytes,
+                                    min_feasible_bytes=low.min_feasible_bytes)
+        plan, row = solved[best], rows[best]
+        row.outcome = "chosen"
+        plan.summary["mesh_search"] = [r.to_json() for r in table]
+        plan.summary["mesh_search_seconds"] = round(time.perf_counter() - t0, 3)
+        return plan
     finally:
         jobs.close()
-    solved: dict[tuple[int, ...], Plan] = {}
-    infeasible: list[MemoryBudgetError] = []
-    eta = _bound_share(first)
-    # Shapes whose memory-free search did not run (toulbar2 missing, cut off) hold only the
-    # cheapest-strategy bound, far below any plan: they are solved after those that have one.
-    # Those with a hand-written plan go first, the best first: their solve starts from it and
-    # only improves on it, while where memory binds a bound lies 25-35% below the plans (LLaMA-70B
-    # on 64 ranks: by bound, (8, 2, 4) took the time and gave 5,059.7 ms; (8, 8), whose
-    # hand-written plan was the best, planned alone gives 4,772.6).
-    bounded.sort(key=lambda b: (b.no_free, b.shape not in known, known[b.shape][0] if b.shape in known else b.bound,
-                                b.order))
-
-    def unpromising(b: _Bounded) -> str | None:
-        """Why shape ``b`` is not worth solving now, by the plans found so far, or None."""
-        # Bounds of the objective the plans optimize: the simulated step, or the additive one.
-        objective = [*(p.summary["step_us"] if eta > 0 else additive_solve(p) for p in solved.values()),
-                     *([upper] if upper_shape is not None and upper_shape != b.shape else [])]
-        best_us = min(objective, default=None)
-        if best_us is not None and b.bound >= best_us:
-            return f"bound {b.bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
-        # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
-        # best plan found, by its bounds, has nothing to give (on the additive objective too; the
-        # buckets' latency savings aside, as for the hand-written plans in _bound_shape).
-        found_us = min([*(k[0] for s, k in known.items() if s != b.shape),
-                        *(p.summary["step_us"] for p in solved.values())], default=float("inf"))
-        floor_us = b.bound if eta > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap)
-        if floor_us >= found_us:
-            return (f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its bounds) >= "
-                    f"{found_us / 1e3:.3f} ms, the best plan found")
-        return None
-
-    for k, b in enumerate(bounded):
-        shape, planner, free, made, hints = b.shape, b.planner, b.free, b.plan, b.hints
-        row, started = rows[shape], time.perf_counter()
-        why = unpromising(b)
-        if why is not None:
-            _prune(row, shape in known, why)
-            continue
-        left = limit - (started - t0)
-        if (solved or known) and left < MIN_SOLVE_SECONDS:
-            why = "the time limit is spent: raise time_limit to plan it"
-            row.note = f"{row.note}; not solved: {why}" if shape in known else why
-            continue
-        # Half the time left while another shape is worth solving after it: the hand-written plans
-        # that order the shapes do not say what a solve gains on them (LLaMA-70B: nothing on
-        # (2, 4, 8) or (2, 32, 8), whose hand-written plans are the best, 4% on (8, 8), 8% on
-        # (4, 16, 8)). On 64 ranks (2, 4, 8) took all 30 s and gave 4,468.8 ms; halved, (8, 8)
-        # had 21 s and gave 4,276.8. A solve that stalls sooner leaves its time to the next.
-        rival = any(unpromising(c) is None for c in bounded[k + 1:] if c.plan is None)
-        share = max(MIN_SOLVE_SECONDS, left / 2 if rival and left >= 2 * MIN_SOLVE_SECONDS else left)
-        try:
-            if made is not None:  # its worker made the plan (its memory-free optimum)
-                plan = made
-            else:
-                planner = _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first,
-                                      hints)
-                # Building it again (bounded in a worker) is part of its share.
-                plan = planner.solve(time_limit=max(1.0, share - (time.perf_counter() - started)))
-        except MemoryBudgetError as exc:
-            infeasible.append(exc)
-            row.outcome, row.note = "infeasible", str(exc)
-            row.seconds += time.perf_counter() - started
-            continue
-        row.outcome, row.step_us = "planned", plan.summary["step_us"]
-        row.peak_mem_bytes = plan.summary["peak_mem_bytes"]
-        proved = plan.solver.get("bound")
-        if proved is not None and eta <= 0:
-            row.bound_us = max(row.bound_us, proved)  # the solver's bound is additive: a step's only then
-        row.seconds += time.perf_counter() - started
-        row.note = str(plan.solver.get("status", ""))
-        log.info(f"mesh {'x'.join(map(str, shape))}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "
-                 f"({plan.solver.get('status')}) in {row.seconds:.1f}s")
-        solved[shape] = plan
-    # The answer: the least predicted step of every plan found (ties: the search order's first).
-    steps = {shape: k[0] for shape, k in known.items()}
-    for shape, p in solved.items():
-        steps[shape] = min(steps.get(shape, float("inf")), p.summary["step_us"])
-    best = min(steps, key=lambda shape: (steps[shape], shapes.index(shape)), default=None)
-    if best in known and (best not in solved or known[best][0] < solved[best].summary["step_us"]):
-        started = time.perf_counter()
-        _, made, b, hand = known[best]
-        if made is None:
-            planner = _planner_of(best, b.planner, b.free, make_planner, model, example_inputs, options, first,
-                                  b.hints)
-            left = max(1.0, limit - (started - t0))
-            if hand is None or _fits(b.free):
-                made = planner.solve(time_limit=left)  # with the hand-written plan where it is faster
-            else:
-                name, seed = planner.hand_written(time_limit=left)
-                made = _hand_written_plan(name, seed)
-        solved[best] = made
-        rows[best].step_us, rows[best].peak_mem_bytes = made.summary["step_us"], made.summary["peak_mem_bytes"]
-        if hand is not None and not _fits(b.free):
-            rows[best].note = f"hand-written {hand} (memory binds): predicted faster than every plan solved"
-        rows[best].seconds += time.perf_counter() - started
-    table = [rows[s] for s in shapes]
-    if best is None and not infeasible:
-        raise ConfigError(f"no mesh shape of {ranks} ranks could be planned: "
-                          + "; ".join(f"{'x'.join(map(str, r.shape))}: {r.note}" for r in table))
-    if best is None:
-        low = min(infeasible, key=lambda e: e.min_feasible_bytes)
-        raise MemoryBudgetError(f"no mesh shape of {ranks} ranks fits the memory budget ({len(shapes)} tried); "
-                                f"the closest: {low}", budget_bytes=low.budget_bytes,
-                                min_feasible_bytes=low.min_feasible_bytes)
-    plan, row = solved[best], rows[best]
-    row.outcome = "chosen"
-    plan.summary["mesh_search"] = [r.to_json() for r in table]
-    plan.summary["mesh_search_seconds"] = round(time.perf_counter() - t0, 3)
-    return plan

@@ -1,0 +1,163 @@
+"""Forked worker processes that build each mesh shape once and keep it for the work that follows.
+
+A mesh search (:mod:`autoshard.meshsearch`) bounds every shape: it builds the shape's problem and
+solves it with memory ignored (and, where memory binds, its hand-written plans). The few shapes
+worth solving are then solved; built again in the searching process, each solve first paid for
+the build and the stages the bounding had done (LLaMA-70B on a 3-D mesh: about 3 s of a 10 s
+solve). Here each worker keeps what it built, by shape, and a later request for that shape runs
+in the worker that holds it:
+
+    pool = ShapeWorkers(workers=2, build=bound_fn, hold=3)
+    pool.submit(shape, *args)           # build(shape, *args) -> (reply, kept) in an idle worker
+    reply = pool.next()                 # the next reply of a submitted build
+    out = pool.run(shape, fn, *args)    # fn(kept, *args) where ``shape`` is held; HELD_NOT if not
+    pool.keep(ranked)                   # each worker keeps at most ``hold`` of these, the first first
+
+Workers are forked, so ``build`` and ``fn`` are module-level functions or closures made before
+the pool (nothing of theirs is pickled); replies and arguments are pickled. An exception in a
+worker is raised here as itself (or, where it does not pickle, as a ``RuntimeError`` with its
+traceback). Requests run one at a time per worker; :meth:`run` waits for its answer, so a search
+that asks for a solve uses one worker's core while the others idle.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import traceback
+from collections.abc import Callable, Sequence
+
+#: What :meth:`ShapeWorkers.run` answers for a shape no worker holds (never built in a worker,
+#: or dropped): the caller builds it itself.
+HELD_NOT = object()
+
+
+def _serve(conn, build: Callable) -> None:
+    """A worker's loop: requests in, replies out, until ``None`` comes or the pipe closes."""
+    held: dict = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        kind, shape, payload = msg
+        try:
+            if kind == "build":
+                reply, kept = build(shape, *payload)
+                if kept is not None:
+                    held[shape] = kept
+                out = ("ok", reply, kept is not None)
+            elif kind == "run":
+                fn, args = payload
+                out = ("ok", fn(held[shape], *args), True) if shape in held else ("missing", None, False)
+            else:  # "drop"
+                for s in payload:
+                    held.pop(s, None)
+                continue
+        except BaseException as exc:  # raised in the parent as itself
+            out = ("raise", exc, traceback.format_exc())
+        try:
+            conn.send(out)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            conn.send(("raise", None, out[2] if out[0] == "raise" else traceback.format_exc()))
+
+
+class ShapeWorkers:
+    """``workers`` forked processes, each keeping what ``build`` made of the shapes it built (at
+    most ``hold`` of them once :meth:`keep` ranks them). See the module doc."""
+
+    def __init__(self, workers: int, build: Callable, hold: int = 3):
+        if workers < 1 or hold < 0:
+            raise ValueError(f"expected workers >= 1 and hold >= 0, found {workers} and {hold}")
+        ctx = multiprocessing.get_context("fork")
+        self.hold = hold
+        self.conns: list = []
+        self.procs: list = []
+        for _ in range(workers):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(theirs, build), daemon=True)
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
+        self.busy: dict[int, tuple] = {}
+        """Worker index -> the shape it builds."""
+        self.holder: dict[tuple, int] = {}
+        """Shape -> the worker that keeps it."""
+
+    @property
+    def running(self) -> set[tuple]:
+        return set(self.busy.values())
+
+    def has_room(self) -> bool:
+        return len(self.busy) < len(self.conns)
+
+    def submit(self, shape: tuple, *args) -> None:
+        """``build(shape, *args)`` in an idle worker (there must be one: :meth:`has_room`)."""
+        k = next(k for k in range(len(self.conns)) if k not in self.busy)
+        self.conns[k].send(("build", shape, args))
+        self.busy[k] = shape
+
+    def next(self):
+        """The reply of the next build to finish (waits for one)."""
+        if not self.busy:
+            raise RuntimeError("no build is running")
+        ready = multiprocessing.connection.wait([self.conns[k] for k in self.busy])
+        k = next(k for k in sorted(self.busy) if self.conns[k] in ready)
+        shape = self.busy.pop(k)
+        status, reply, kept = self._recv(k)
+        if kept:
+            self.holder[shape] = k
+        return reply
+
+    def run(self, shape: tuple, fn: Callable, *args):
+        """``fn(kept, *args)`` in the worker that keeps ``shape``, waiting for its answer (after its
+        build, if one is running); :data:`HELD_NOT` where no worker keeps it."""
+        k = self.holder.get(shape)
+        if k is None:
+            return HELD_NOT
+        if k in self.busy:  # its reply is read by next(); a run waits for its own answer only
+            raise RuntimeError(f"worker {k} is building {self.busy[k]}: run({shape}) must wait for next()")
+        self.conns[k].send(("run", shape, (fn, args)))
+        status, reply, _ = self._recv(k)
+        if status == "missing":
+            del self.holder[shape]
+            return HELD_NOT
+        return reply
+
+    def keep(self, ranked: Sequence[tuple]) -> None:
+        """Each worker keeps the first ``hold`` of ``ranked`` it holds and drops every other
+        shape (a shape pruned, or ranked below: its memory goes back)."""
+        order = {shape: i for i, shape in enumerate(ranked)}
+        for k, conn in enumerate(self.conns):
+            mine = sorted((s for s, w in self.holder.items() if w == k), key=lambda s: order.get(s, len(order)))
+            gone = [s for i, s in enumerate(mine) if s not in order or i >= self.hold]
+            if gone:
+                conn.send(("drop", None, gone))
+                for s in gone:
+                    del self.holder[s]
+
+    def _recv(self, k: int):
+        status, reply, extra = self.conns[k].recv()
+        if status == "raise":
+            if isinstance(reply, BaseException):
+                raise reply
+            raise RuntimeError(f"a mesh search worker failed:\n{extra}")
+        return status, reply, extra
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=1.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        for conn in self.conns:
+            conn.close()

@@ -1,0 +1,56 @@
+"""ShapeWorkers: forked processes that keep what they built for a shape and run later work on it
+where it is kept; errors come back as themselves."""
+
+import pytest
+
+from autoshard.errors import MemoryBudgetError
+from autoshard.shapeworkers import HELD_NOT, ShapeWorkers
+
+
+def _build(shape, scale):
+    if shape == ("boom",):
+        raise MemoryBudgetError("budget 1 B is infeasible", budget_bytes=1.0, min_feasible_bytes=8.0)
+    return sum(shape) * scale, {"shape": shape, "scale": scale}
+
+
+def _grow(kept, extra):
+    kept["scale"] += extra  # the worker's copy: a later run sees it
+    return kept["shape"], kept["scale"]
+
+
+def _fail(kept):
+    raise KeyError("no such thing")
+
+
+def test_a_shape_is_run_where_it_was_built_and_dropped_when_ranked_out():
+    pool = ShapeWorkers(2, _build, hold=1)
+    try:
+        pool.submit((1, 2), 10)
+        pool.submit((3, 4), 100)
+        assert not pool.has_room() and pool.running == {(1, 2), (3, 4)}
+        assert sorted([pool.next(), pool.next()]) == [30, 700]
+        assert pool.run((1, 2), _grow, 1) == ((1, 2), 11)
+        assert pool.run((1, 2), _grow, 1) == ((1, 2), 12)  # state kept between runs
+        assert pool.run((9,), _grow, 1) is HELD_NOT  # never built
+        pool.submit((5,), 1)
+        pool.next()
+        # Each worker keeps at most one of the ranked shapes; a shape not ranked is dropped.
+        pool.keep([(5,), (3, 4)])
+        assert pool.run((1, 2), _grow, 1) is HELD_NOT
+        held = [s for s in [(5,), (3, 4)] if pool.run(s, _grow, 0) is not HELD_NOT]
+        assert held and all(s in [(5,), (3, 4)] for s in held)
+        with pytest.raises(KeyError, match="no such thing"):
+            pool.run(held[0], _fail)
+        pool.submit(("boom",), 1)
+        with pytest.raises(MemoryBudgetError) as err:
+            pool.next()
+        assert (err.value.budget_bytes, err.value.min_feasible_bytes) == (1.0, 8.0)
+        assert pool.has_room()
+    finally:
+        pool.close()
+    assert all(not p.is_alive() for p in pool.procs)
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="workers >= 1 and hold >= 0, found 0 and 3"):
+        ShapeWorkers(0, _build)
