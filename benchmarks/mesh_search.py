@@ -8,8 +8,9 @@ h100-sxm profile, its 80 GB as the budget, each case in a process of its own):
 1. ``autoshard.plan(model, inputs, mesh="auto", ranks=N, time_limit=T)``: the search's
    table (every candidate shape: planned, pruned by its bound, or skipped), its seconds and
    the chosen shape's predicted step;
-2. every candidate shape planned alone, end to end as a user would (trace included), with
-   the same ``time_limit``: its predicted step (or infeasible) and seconds.
+2. every candidate shape planned alone, end to end as a user would (trace included, no
+   strategies kept from other meshes), with the same ``time_limit``: its predicted step (or
+   infeasible) and seconds.
 
 Checks the issue's two targets: the chosen plan's step <= the best shape planned alone
 (ratio <= 1), and the search's seconds <= 3x one shape's plan (the median of the shapes
@@ -36,6 +37,7 @@ def run_case(case: str, time_limit: float) -> dict:
     from autoshard.catalog import reference
     from autoshard.errors import MemoryBudgetError
     from autoshard.meshsearch import axis_names, mesh_shapes
+    from autoshard.strategies import clear_shared_cache
     from costmodel import load_profile
 
     preset, ranks = case.split(":")
@@ -50,6 +52,7 @@ def run_case(case: str, time_limit: float) -> dict:
     search_s = time.perf_counter() - t0
     alone = []
     for shape in mesh_shapes(ranks, load_profile("h100-sxm").devices_per_node):
+        clear_shared_cache()  # as in a process of its own: no strategies enumerated for other meshes
         t1 = time.perf_counter()
         try:
             p = autoshard.plan(model, (tokens,), autoshard.fake_mesh(shape, axis_names(len(shape))),
