@@ -24,10 +24,11 @@ objective (a plan of higher additive cost may hide more of its communication and
 predicted faster). The shape chosen
 is the one of least predicted (simulated) step among every plan found. Shapes are
 bounded in the order of :func:`next_to_bound`, in worker processes where cores allow
-(:func:`bounding_workers`), for ``BOUND_SHARE`` of the time limit (``BOUND_SHARE_BINDING`` once
-memory binds the lowest bound), then solved (those with a hand-written plan first, by its
-predicted step, then in increasing bound), each as a plan on a given
-mesh is (hand-written seeds included) with half the time left while another shape is worth
+(:func:`bounding_workers`; each keeps the planners of the shapes likeliest to be solved, which
+are then solved there, not built again: :mod:`autoshard.shapeworkers`), for ``BOUND_SHARE`` of
+the time limit (``BOUND_SHARE_BINDING`` once memory binds the lowest bound), then solved
+(those with a hand-written plan first, by its predicted step, then in increasing bound), each
+as a plan on a given mesh is (hand-written seeds included) with half the time left while another shape is worth
 solving after it, else all of it (the solver's stall rule ends it when it stops improving, and
 what it leaves goes to the next); a shape whose bound is not below the best plan found is pruned
 unsolved (on the additive objective this applies to the shapes where memory binds; planned
@@ -358,8 +359,9 @@ class _Bounding:
 
     def __init__(self, first, make, workers: int):
         self.first, self.make, self.workers = first, make, workers
-        self.here: set[tuple[int, ...]] = set()
-        self.done: list[_BoundResult] = []
+        self.here: list[tuple[tuple[int, ...], float, float]] = []
+        """Shapes to bound here, with their seconds and plan_below: bounded by :meth:`next`, while
+        the workers bound theirs (the 1-D shape's 1-3 s no longer idle them)."""
         self.pool = None
         if workers > 1:
             from autoshard.shapeworkers import ShapeWorkers
@@ -369,10 +371,10 @@ class _Bounding:
 
     @property
     def running(self) -> set[tuple[int, ...]]:
-        return self.here | (self.pool.running if self.pool is not None else set())
+        return {shape for shape, _, _ in self.here} | (self.pool.running if self.pool is not None else set())
 
     def has_room(self) -> bool:
-        return len(self.running) < self.workers
+        return self.pool.has_room() if self.pool is not None else not self.here
 
     def submit(self, shape: tuple[int, ...], seconds: float, plan_below: float) -> None:
         """Bound ``shape`` in at most ``seconds``, ``plan_below`` the best plan known (its
@@ -381,17 +383,15 @@ class _Bounding:
         if self.pool is None or len(shape) == 1:
             # The 1-D shape's planner exists (it traced the model); without workers, every one
             # is built here and kept for the solves.
-            self.here.add(shape)
-            self.done.append(_bound_shape(shape, seconds, self.make, self.first if len(shape) == 1 else None,
-                                          best_us=plan_below))
+            self.here.append((shape, seconds, plan_below))
         else:
             self.pool.submit(shape, seconds, plan_below)
 
     def next(self) -> _BoundResult:
-        if self.done:
-            out = self.done.pop(0)
-            self.here.discard(out.shape)
-            return out
+        if self.here:
+            shape, seconds, plan_below = self.here.pop(0)
+            return _bound_shape(shape, seconds, self.make, self.first if len(shape) == 1 else None,
+                                best_us=plan_below)
         return self.pool.next()
 
     def plan(self, shape: tuple[int, ...], how: str, seconds: float):
@@ -429,6 +429,20 @@ def next_to_bound(todo: list[tuple[int, ...]], bounds: dict[tuple[int, ...], flo
         return (min(coarse, default=float("inf")), order)
 
     return min(((i, s) for i, s in enumerate(todo) if len(s) == fewest), key=key)[1]
+
+
+def may_start(todo: list[tuple[int, ...]], running, bounds: dict[tuple[int, ...], float]) -> bool:
+    """Whether the next shape to bound (of the fewest axes in ``todo``, :func:`next_to_bound`) may
+    start while shapes of fewer axes are ``running``: where their bounds could not change which
+    one is next (every candidate refines the same coarser shapes: all 2-D shapes refine the one
+    1-D shape), or once a shape of one axis fewer is bounded (the order is then informed; a
+    worker no longer idles while the last coarse shape finishes: LLaMA-8B's 32x2 is bounded
+    last of the 2-D shapes, in 1.4 s, its bound the worst)."""
+    k = min(map(len, todo))
+    if not any(len(r) < k for r in running):
+        return True
+    candidates = {tuple(sorted(coarsenings(s))) for s in todo if len(s) == k}
+    return len(candidates) == 1 or any(len(s) == k - 1 for s in bounds)
 
 
 def _prune(row: ShapeResult, planned: bool, why: str) -> None:
@@ -523,8 +537,9 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                      workers=bounding_workers(len(shapes)))
     try:
         while todo or jobs.running:
-            # Shapes of more axes wait for those of fewer: the coarse shapes' bounds order them.
-            while todo and jobs.has_room() and not (jobs.running and min(map(len, jobs.running)) < min(map(len, todo))):
+            # Shapes of more axes wait for those of fewer while the coarse shapes' bounds may
+            # still order them (may_start).
+            while todo and jobs.has_room() and may_start(todo, jobs.running, bounds):
                 shape = next_to_bound(todo, bounds)
                 todo.remove(shape)
                 lowest = min([*bounded, *(k[2] for k in known.values())], key=lambda b: (b.no_free, b.bound),

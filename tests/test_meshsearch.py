@@ -5,7 +5,7 @@ import torch
 from helpers import SHARDING_PROFILE, spy_on_starts
 
 import autoshard
-from autoshard.meshsearch import coarsenings, mesh_shapes, next_to_bound, search_order
+from autoshard.meshsearch import coarsenings, may_start, mesh_shapes, next_to_bound, search_order
 from autoshard.models import llama
 from autoshard.overlap import additive_solve
 
@@ -36,6 +36,19 @@ def test_shapes_are_bounded_fewest_axes_first_refining_the_best_coarse_shape():
     assert next_to_bound(three[1:], bounds) == (8, 2, 4)  # refines (8, 8), before (4, 4, 4) of (16, 4)
     assert next_to_bound([(4, 4, 4), (2, 16, 2)], bounds) == (4, 4, 4)
     assert next_to_bound([(2, 16, 2), (4, 4, 4)], {}) == (2, 16, 2)  # nothing bounded: todo's order
+
+
+def test_shapes_of_more_axes_start_once_their_order_is_informed():
+    """2-D shapes all refine the one 1-D shape: they start while it is bounded. 3-D shapes refine
+    different 2-D shapes: they wait while 2-D shapes run and none is bounded yet, and start
+    (in the order the bounds known give) once one is."""
+    two = [(8, 8), (16, 4), (32, 2)]
+    three = [(2, 4, 8), (2, 8, 4), (8, 2, 4)]
+    assert may_start(two + three, running={(64,)}, bounds={})
+    assert not may_start(three, running={(8, 8), (16, 4)}, bounds={(64,): 1.0})
+    assert may_start(three, running={(16, 4)}, bounds={(64,): 1.0, (8, 8): 2.0})
+    assert may_start(three, running=set(), bounds={})  # nothing coarser runs
+    assert may_start(three, running={(4, 4, 4)}, bounds={})  # as many axes: no order to wait for
 
 
 def test_memory_free_optimum_that_fits_is_the_plan(world):
