@@ -99,6 +99,9 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_comput
                                                                         else "; or --ranks N"))
     p.add_argument("--ranks", type=int, default=None,
                    help="choose the mesh shape too: plan every 1-3 axis shape of N ranks, keep the best")
+    p.add_argument("--mesh-margin", type=float, default=0.25, metavar="SHARE",
+                   help="with --ranks: a shape is not bounded where every shape of one axis fewer it refines has a "
+                        "plan this share slower than the best of them (default 0.25; negative: bound every shape)")
     p.add_argument("--profile", default="h100-sxm", help="shipped profile name or profile file")
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB (default: the profile's device memory)")
@@ -190,7 +193,8 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
                           memory_budget=args.memory_budget if args.memory_budget else "auto",
                           time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,
                           load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective,
-                          compute_dtype=_compute_dtype(args), bucket_mb=args.bucket_mb)
+                          compute_dtype=_compute_dtype(args), bucket_mb=args.bucket_mb,
+                          mesh_margin=None if args.mesh_margin < 0 else args.mesh_margin)
     print(plan.describe())
     print("\n".join(mesh_search_table(plan)))
     print(f"planned in {time.perf_counter() - t0:.1f} s")

@@ -35,8 +35,12 @@ unsolved (on the additive objective this applies to the shapes where memory bind
 alone, their plan is the least predicted of their solve and their hand-written plans, which may
 overlap far more than the additive objective sees: the bounding times the best of those, which
 competes as a plan of the shape whether or not it is solved). ``time_limit`` is the whole search's:
-raise it to bound or solve more shapes. Every shape goes in the table, with its bound and why
-it was pruned or skipped or what it cost.
+raise it to bound or solve more shapes. A shape of k axes is not bounded where every shape of
+k - 1 axes it refines has a plan predicted ``mesh_margin`` (25%) slower than the best of them, or
+was pruned (``coarse_slower`` in :func:`search`; ``mesh_margin=None`` bounds every shape: a
+heuristic, as a refinement may mix its coarser shapes' plans into a faster one; measured within
+2% of the best coarser plan, where the shapes it leaves out planned 30-300% slower). Every
+shape goes in the table, with its bound and why it was pruned or skipped or what it cost.
 """
 
 from __future__ import annotations
@@ -525,12 +529,46 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         # whose hand-written plan was the best, planned alone gives 4,772.6).
         return b.no_free, b.shape not in known, known[b.shape][0] if b.shape in known else b.bound, b.order
 
+    def coarse_slower(shape: tuple[int, ...]) -> str | None:
+        """Why ``shape`` is not bounded (``options.mesh_margin``), or None: every shape of one axis
+        fewer that it refines is bounded, and each has a plan predicted at least ``1 + margin``
+        times the best plan of that many axes (its bounds' floor where it has none), or was
+        pruned."""
+        margin = options.mesh_margin
+        fewer = {s: k[0] for s, k in known.items() if len(s) == len(shape) - 1}
+        if margin is None or not fewer:
+            return None
+        best = min(fewer.values())
+        entries = {b.shape: b for b in bounded}
+        values = []
+        for c in coarsenings(shape):
+            if c not in rows:  # not a candidate (its inner axis spans nodes): never bounded
+                continue
+            if c in fewer:
+                values.append(fewer[c])
+            elif rows[c].outcome == "pruned":
+                values.append(float("inf"))
+            elif c in entries:  # bounded without a plan: every plan of it is predicted at least so
+                b = entries[c]
+                values.append(b.bound if eta_search > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap))
+            else:  # not bounded yet, or failed
+                return None
+        if not values or min(values) < (1 + margin) * best:
+            return None
+        low = min(values)
+        return ("not bounded: " + ("the shapes it refines were pruned" if low == float("inf") else
+                                   f"the shapes it refines have plans predicted at least {low / 1e3:.3f} ms, "
+                                   f"{low / best - 1:.0%} slower than the best of {len(shape) - 1} axes "
+                                   f"({best / 1e3:.3f} ms)")
+                + f" (mesh_margin={margin}; None bounds every shape)")
+
     def keep_planners() -> None:
         # The workers keep the planners of the shapes likeliest to be solved (or, the best plan
         # found where the bounding did not assemble it, assembled): the others' memory goes back.
         waiting = [*bounded, *(k[2] for s, k in known.items() if k[1] is None and all(b.shape != s for b in bounded))]
         jobs.keep([b.shape for b in sorted(waiting, key=solve_order)])
 
+    eta_search = _bound_share(first)
     todo = list(shapes)
     jobs = _Bounding(first, lambda shape: make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
                                                        options=options, traced=first.traced),
@@ -542,6 +580,10 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             while todo and jobs.has_room() and may_start(todo, jobs.running, bounds):
                 shape = next_to_bound(todo, bounds)
                 todo.remove(shape)
+                why = coarse_slower(shape)
+                if why is not None:
+                    rows[shape].note = why
+                    continue
                 lowest = min([*bounded, *(k[2] for k in known.values())], key=lambda b: (b.no_free, b.bound),
                              default=None)
                 share = BOUND_SHARE_BINDING if lowest is not None and lowest.free is not None \

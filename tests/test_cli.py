@@ -159,6 +159,8 @@ def test_ranks_chooses_the_mesh(world, tmp_path, monkeypatch, capsys):
     assert re.search(r"mesh search: 2 shapes", out), out  # (4,) and (2, 2)
     assert re.search(r"^\s+2x2\s+(chosen|planned|pruned)", out, flags=re.M), out
     assert main(["explain", str(tmp_path / "p.json")]) == 0 and "mesh search" in capsys.readouterr().out
+    assert main(["demo", *small, "--ranks", "4", "--mesh-margin", "-1"]) == 0  # every shape bounded
+    assert re.search(r"mesh search: 2 shapes", capsys.readouterr().out)
     (tmp_path / "m.py").write_text("import torch\nfrom autoshard.models import MLP\n"
                                    "def make():\n    return MLP(8, 16), (torch.randn(8, 8),)\n")
     monkeypatch.chdir(tmp_path)

@@ -396,6 +396,46 @@ def _search_scripted(monkeypatch, planner):
     return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
 
 
+class _RefiningPlanner(_HandWrittenPlanner):
+    """16 ranks: (2, 8)'s plan is the best of the 2-D shapes; (4, 2, 2) refines only (8, 2) and
+    (4, 4), whose plans are 67% and 200% slower."""
+
+    hand = {(16,): 5000.0, (2, 8): 300.0, (4, 4): 500.0, (8, 2): 900.0, (2, 2, 4): 290.0, (2, 4, 2): 700.0,
+            (4, 2, 2): 250.0}
+
+
+def test_shapes_that_refine_only_slow_shapes_are_not_bounded(world, monkeypatch):
+    """A shape of k axes is not bounded where every shape of k - 1 axes it refines has a plan at
+    least 1 + mesh_margin times the best of them (a refinement lays out its coarser shapes' plans
+    and mixes them; the best came within 2% of its best coarser shape's); mesh_margin=None bounds
+    every shape, here finding the (contrived) faster one."""
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    world(16)
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+
+    def search(margin):
+        _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
+        plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0, mesh_margin=margin), _RefiningPlanner)
+        return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+
+    plan, rows = search(0.25)
+    assert rows[(4, 2, 2)]["outcome"] == "skipped" and rows[(4, 2, 2)]["bound_us"] is None
+    assert "plans predicted at least 0.500 ms, 67% slower than the best of 2 axes (0.300 ms)" in rows[(4, 2, 2)]["note"]
+    assert rows[(2, 4, 2)]["bound_us"] is not None  # refines (2, 8), the best
+    assert plan.mesh_shape == [2, 2, 4] and plan.summary["step_us"] == 290.0
+    plan, rows = search(None)
+    assert rows[(4, 2, 2)]["bound_us"] is not None
+    assert plan.mesh_shape == [4, 2, 2] and plan.summary["step_us"] == 250.0
+    with pytest.raises(autoshard.ConfigError, match="mesh_margin: expected a share >= 0"):
+        PlanOptions(mesh_margin=-0.1)
+
+
 def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypatch):
     """Planned alone where memory binds, a shape's plan is the least predicted of its solve and
     its hand-written plans, which may overlap far more than the additive bound says: the search
