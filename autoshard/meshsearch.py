@@ -39,7 +39,7 @@ raise it to bound or solve more shapes. A shape of k axes is not bounded where e
 k - 1 axes it refines has a plan predicted ``mesh_margin`` (25%) slower than the best of them, or
 was pruned (``coarse_slower`` in :func:`search`; ``mesh_margin=None`` bounds every shape: a
 heuristic, as a refinement may mix its coarser shapes' plans into a faster one; measured within
-2% of the best coarser plan, where the shapes it leaves out planned 30-300% slower). Every
+2% of the best coarser plan, where the shapes it leaves out planned 41-228% slower). Every
 shape goes in the table, with its bound and why it was pruned or skipped or what it cost.
 """
 

@@ -112,7 +112,7 @@ class PlanOptions:
     at least ``1 + mesh_margin`` times the best plan of k - 1 axes, or was pruned. A refinement
     lays out its coarser shapes' plans and mixes them; on LLaMA-8B and -70B at 64 and 512 ranks
     the best one came within 2% of its best coarser shape's plan, and the shapes this leaves out
-    were planned alone 30-300% slower than the best. ``None`` bounds every shape (the search then
+    were planned alone 41-228% slower than the best. ``None`` bounds every shape (the search then
     costs about a shape's plan per shape, on each core)."""
 
     loss_fn: Callable | None = None
