@@ -28,8 +28,8 @@ bounded in the order of :func:`next_to_bound`, in worker processes where cores a
 are then solved there, not built again: :mod:`autoshard.shapeworkers`), for ``BOUND_SHARE`` of
 the time limit (``BOUND_SHARE_BINDING`` once memory binds the lowest bound), then solved
 (those with a hand-written plan first, by its predicted step, then in increasing bound), each
-as a plan on a given mesh is (hand-written seeds included) with half the time left while another shape is worth
-solving after it, else all of it (the solver's stall rule ends it when it stops improving, and
+as a plan on a given mesh is (hand-written seeds included) with half the time left while another
+shape is worth solving after it, else all of it (the solver's stall rule ends it when it stops improving, and
 what it leaves goes to the next); a shape whose bound is not below the best plan found is pruned
 unsolved (on the additive objective this applies to the shapes where memory binds; planned
 alone, their plan is the least predicted of their solve and their hand-written plans, which may
@@ -362,7 +362,7 @@ class _Bounding:
     planner None where a worker built it); :meth:`plan` solves a shape where its worker keeps it."""
 
     def __init__(self, first, make, workers: int):
-        self.first, self.make, self.workers = first, make, workers
+        self.first, self.make = first, make
         self.here: list[tuple[tuple[int, ...], float, float]] = []
         """Shapes to bound here, with their seconds and plan_below: bounded by :meth:`next`, while
         the workers bound theirs (the 1-D shape's 1-3 s no longer idle them)."""
@@ -550,7 +550,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 values.append(float("inf"))
             elif c in entries:  # bounded without a plan: every plan of it is predicted at least so
                 b = entries[c]
-                values.append(b.bound if eta_search > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap))
+                values.append(b.bound if eta > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap))
             else:  # not bounded yet, or failed
                 return None
         if not values or min(values) < (1 + margin) * best:
@@ -568,7 +568,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         waiting = [*bounded, *(k[2] for s, k in known.items() if k[1] is None and all(b.shape != s for b in bounded))]
         jobs.keep([b.shape for b in sorted(waiting, key=solve_order)])
 
-    eta_search = _bound_share(first)
+    eta = _bound_share(first)
     todo = list(shapes)
     jobs = _Bounding(first, lambda shape: make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
                                                        options=options, traced=first.traced),
@@ -638,7 +638,6 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             keep_planners()
         solved: dict[tuple[int, ...], Plan] = {}
         infeasible: list[MemoryBudgetError] = []
-        eta = _bound_share(first)
         bounded.sort(key=solve_order)
 
         def unpromising(b: _Bounded) -> str | None:
