@@ -141,7 +141,13 @@ class ShapeWorkers:
                     del self.holder[s]
 
     def _recv(self, k: int):
-        status, reply, extra = self.conns[k].recv()
+        try:
+            status, reply, extra = self.conns[k].recv()
+        except EOFError:  # killed (out of memory?) or exited: its work is lost, say so
+            self.procs[k].join(timeout=1.0)
+            raise RuntimeError(f"mesh search worker {k} (pid {self.procs[k].pid}) ended without answering, "
+                               f"exit code {self.procs[k].exitcode} (a negative code is the signal that "
+                               "killed it: -9 is often the out-of-memory killer)") from None
         if status == "raise":
             if isinstance(reply, BaseException):
                 raise reply

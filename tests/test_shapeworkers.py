@@ -8,6 +8,10 @@ from autoshard.shapeworkers import HELD_NOT, ShapeWorkers
 
 
 def _build(shape, scale):
+    if shape == ("die",):
+        import os
+
+        os._exit(3)
     if shape == ("boom",):
         raise MemoryBudgetError("budget 1 B is infeasible", budget_bytes=1.0, min_feasible_bytes=8.0)
     return sum(shape) * scale, {"shape": shape, "scale": scale}
@@ -54,3 +58,13 @@ def test_a_shape_is_run_where_it_was_built_and_dropped_when_ranked_out():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="workers >= 1 and hold >= 0, found 0 and 3"):
         ShapeWorkers(0, _build)
+
+
+def test_a_worker_that_dies_is_an_error_that_says_so():
+    pool = ShapeWorkers(1, _build)
+    try:
+        pool.submit(("die",), 1)
+        with pytest.raises(RuntimeError, match=r"worker 0 \(pid \d+\) ended without answering, exit code 3"):
+            pool.next()
+    finally:
+        pool.close()
