@@ -29,8 +29,8 @@ are then solved there, not built again: :mod:`autoshard.shapeworkers`), for ``BO
 the time limit (``BOUND_SHARE_BINDING`` once memory binds the lowest bound), then solved
 (those with a hand-written plan first, by its predicted step, then in increasing bound), each
 as a plan on a given mesh is (hand-written seeds included) with half the time left while another
-shape is worth solving after it, else all of it (the solver's stall rule ends it when it stops improving, and
-what it leaves goes to the next); a shape whose bound is not below the best plan found is pruned
+shape is worth solving after it, else all of it (the solver's stall rule ends it when it stops
+improving, and what it leaves goes to the next); a shape whose bound is not below the best plan found is pruned
 unsolved (on the additive objective this applies to the shapes where memory binds; planned
 alone, their plan is the least predicted of their solve and their hand-written plans, which may
 overlap far more than the additive objective sees: the bounding times the best of those, which
@@ -529,6 +529,12 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         # whose hand-written plan was the best, planned alone gives 4,772.6).
         return b.no_free, b.shape not in known, known[b.shape][0] if b.shape in known else b.bound, b.order
 
+    def plan_floor(b: _Bounded) -> float:
+        # What every plan of a bounded shape is predicted at least, by its bounds: on the additive
+        # objective, the floor of a step with that additive and compute (the buckets' latency
+        # savings aside, as for the hand-written plans in _bound_shape).
+        return b.bound if eta > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap)
+
     def coarse_slower(shape: tuple[int, ...]) -> str | None:
         """Why ``shape`` is not bounded (``options.mesh_margin``), or None: every shape of one axis
         fewer that it refines is bounded, and each has a plan predicted at least ``1 + margin``
@@ -549,8 +555,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             elif rows[c].outcome == "pruned":
                 values.append(float("inf"))
             elif c in entries:  # bounded without a plan: every plan of it is predicted at least so
-                b = entries[c]
-                values.append(b.bound if eta > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap))
+                values.append(plan_floor(entries[c]))
             else:  # not bounded yet, or failed
                 return None
         if not values or min(values) < (1 + margin) * best:
@@ -565,7 +570,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     def keep_planners() -> None:
         # The workers keep the planners of the shapes likeliest to be solved (or, the best plan
         # found where the bounding did not assemble it, assembled): the others' memory goes back.
-        waiting = [*bounded, *(k[2] for s, k in known.items() if k[1] is None and all(b.shape != s for b in bounded))]
+        listed = {b.shape for b in bounded}
+        waiting = [*bounded, *(k[2] for s, k in known.items() if k[1] is None and s not in listed)]
         jobs.keep([b.shape for b in sorted(waiting, key=solve_order)])
 
     eta = _bound_share(first)
@@ -649,11 +655,10 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             if best_us is not None and b.bound >= best_us:
                 return f"bound {b.bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
             # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
-            # best plan found, by its bounds, has nothing to give (on the additive objective too; the
-            # buckets' latency savings aside, as for the hand-written plans in _bound_shape).
+            # best plan found, by its bounds, has nothing to give (on the additive objective too).
             found_us = min([*(k[0] for s, k in known.items() if s != b.shape),
                             *(p.summary["step_us"] for p in solved.values())], default=float("inf"))
-            floor_us = b.bound if eta > 0 else step_floor(b.bound, b.cheapest, first.profile.overlap)
+            floor_us = plan_floor(b)
             if floor_us >= found_us:
                 return (f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its bounds) >= "
                         f"{found_us / 1e3:.3f} ms, the best plan found")

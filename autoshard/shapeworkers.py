@@ -114,8 +114,9 @@ class ShapeWorkers:
         return reply
 
     def run(self, shape: tuple, fn: Callable, *args):
-        """``fn(kept, *args)`` in the worker that keeps ``shape``, waiting for its answer (after its
-        build, if one is running); :data:`HELD_NOT` where no worker keeps it."""
+        """``fn(kept, *args)`` in the worker that keeps ``shape``, waiting for its answer;
+        :data:`HELD_NOT` where no worker keeps it. The worker must not be building (its reply is
+        :meth:`next`'s to read)."""
         k = self.holder.get(shape)
         if k is None:
             return HELD_NOT

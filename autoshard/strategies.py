@@ -138,7 +138,8 @@ def mesh_signature(node: fx.Node, targs: list[fx.Node], mesh_shape: tuple[int, .
 
 
 #: Strategies enumerated in this process, for every mesh: (the node's key, the mesh's number of
-#: axes, partial inputs, :func:`mesh_signature`) -> (strategies, fallback). A mesh search builds
+#: axes, partial inputs, :func:`mesh_signature`) -> (strategies, fallback, the rule's first error
+#: where it fell back), as :attr:`StrategyEnumerator.cache` holds them. A mesh search builds
 #: a dozen meshes of three axes in each worker: their rules answer alike for most nodes, and the
 #: rules are half of a build (LLaMA-8B on 512 ranks: 0.75 of 1.55 s per 3-D shape).
 _SHARED: dict = {}
