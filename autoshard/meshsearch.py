@@ -59,6 +59,7 @@ from autoshard.planfile import Plan
 from autoshard.shapeworkers import HELD_NOT
 from autoshard.simulate import simulate_plan, step_floor
 from costmodel import MeshTopology
+from solver.stall import DEFAULT_STALL
 
 log = logging.getLogger(__name__)
 
@@ -341,13 +342,32 @@ def _bound_in_worker(shape: tuple[int, ...], seconds: float, plan_below: float) 
                                                   for name, choice in found)), res.planner
 
 
-def _plan_held(planner, how: str, seconds: float) -> Plan:
+def _plan_held(planner, how: str, seconds: float, cpus: set[int] | None = None) -> Plan:
     """The shape's plan from the planner that bounded it: its solve (``"solve"``), or its best
-    hand-written plan (``"hand"``, where memory binds and that plan is the best found)."""
-    if how == "solve":
-        return planner.solve(time_limit=seconds)
-    name, seed = planner.hand_written(time_limit=seconds)
-    return _hand_written_plan(name, seed)
+    hand-written plan (``"hand"``, where memory binds and that plan is the best found). ``cpus``:
+    the cores it runs on (its search's child processes too), where solves run side by side."""
+    import os
+
+    kept = os.sched_getaffinity(0) if cpus is not None and hasattr(os, "sched_setaffinity") else None
+    if kept is not None:
+        os.sched_setaffinity(0, cpus)
+    try:
+        if how == "solve":
+            return planner.solve(time_limit=seconds)
+        name, seed = planner.hand_written(time_limit=seconds)
+        return _hand_written_plan(name, seed)
+    finally:
+        if kept is not None:
+            os.sched_setaffinity(0, kept)
+
+
+def _solve_held(planner, seconds: float, cpus: set[int] | None) -> Plan | MemoryBudgetError:
+    """:func:`_plan_held`'s solve, started beside others: a budget it cannot meet is its answer
+    (its shape is then infeasible), not an error that would leave the shape unnamed."""
+    try:
+        return _plan_held(planner, "solve", seconds, cpus)
+    except MemoryBudgetError as exc:
+        return exc
 
 
 #: Planners each bounding worker keeps for the solves, the shapes likeliest to be solved first
@@ -361,11 +381,12 @@ class _Bounding:
     :meth:`submit` a shape, :meth:`next` the next one done, as :func:`_bound_shape` gives it (the
     planner None where a worker built it); :meth:`plan` solves a shape where its worker keeps it."""
 
-    def __init__(self, first, make, workers: int):
-        self.first, self.make = first, make
-        self.here: list[tuple[tuple[int, ...], float, float]] = []
-        """Shapes to bound here, with their seconds and plan_below: bounded by :meth:`next`, while
-        the workers bound theirs (the 1-D shape's 1-3 s no longer idle them)."""
+    def __init__(self, first, make, workers: int, best=lambda: float("inf")):
+        self.first, self.make, self.best = first, make, best
+        self.here: list[tuple[tuple[int, ...], float]] = []
+        """Shapes to bound here, with their seconds: bounded by :meth:`next`, while the workers
+        bound theirs (the 1-D shape's 1-3 s no longer idle them), once a worker has answered."""
+        self.answered = False
         self.pool = None
         if workers > 1:
             from autoshard.shapeworkers import ShapeWorkers
@@ -375,7 +396,7 @@ class _Bounding:
 
     @property
     def running(self) -> set[tuple[int, ...]]:
-        return {shape for shape, _, _ in self.here} | (self.pool.running if self.pool is not None else set())
+        return {shape for shape, _ in self.here} | (self.pool.running if self.pool is not None else set())
 
     def has_room(self) -> bool:
         return self.pool.has_room() if self.pool is not None else not self.here
@@ -387,21 +408,59 @@ class _Bounding:
         if self.pool is None or len(shape) == 1:
             # The 1-D shape's planner exists (it traced the model); without workers, every one
             # is built here and kept for the solves.
-            self.here.append((shape, seconds, plan_below))
+            self.here.append((shape, seconds))
         else:
             self.pool.submit(shape, seconds, plan_below)
 
     def next(self) -> _BoundResult:
-        if self.here:
-            shape, seconds, plan_below = self.here.pop(0)
+        # A shape bounded here waits for a worker's first answer: its hand-written plans that
+        # cannot beat the plans found by then are not solved (LLaMA-70B's 1-D shape on 512 ranks:
+        # FSDP+TP+AC, 3 s for a plan 45x slower than (64, 8)'s), and three processes no longer
+        # share the two cores meanwhile.
+        if self.here and (self.pool is None or self.answered or not self.pool.busy):
+            shape, seconds = self.here.pop(0)
             return _bound_shape(shape, seconds, self.make, self.first if len(shape) == 1 else None,
-                                best_us=plan_below)
+                                best_us=self.best())
+        self.answered = True
         return self.pool.next()
 
     def plan(self, shape: tuple[int, ...], how: str, seconds: float):
         """:func:`_plan_held` in the worker that keeps ``shape``'s planner (no build again, no stage
         of the bounding done twice), or :data:`~autoshard.shapeworkers.HELD_NOT`."""
         return HELD_NOT if self.pool is None else self.pool.run(shape, _plan_held, how, seconds)
+
+    @property
+    def workers(self) -> int:
+        """Solves that may run at once."""
+        return 1 if self.pool is None else len(self.pool.conns)
+
+    def abandon(self) -> list[tuple[int, ...]]:
+        """Stop the solves started and not ended (their workers end): their shapes."""
+        return [] if self.pool is None else self.pool.abandon()
+
+    def holder_idle(self, shape: tuple[int, ...]) -> bool | None:
+        """Whether the worker that keeps ``shape``'s planner is idle; None where none keeps it."""
+        k = None if self.pool is None else self.pool.held(shape)
+        return None if k is None else self.pool.idle(k)
+
+    def start_solve(self, shape: tuple[int, ...], seconds: float, alone: bool) -> bool:
+        """``shape`` solved in the worker that keeps it, without waiting (:meth:`next_solved`); on
+        one core of its own unless ``alone`` (no other solve runs beside it). False where no worker
+        keeps it."""
+        import os
+
+        k = self.pool.held(shape)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        cpus = None if alone or len(cores) < 2 else {cores[k % len(cores)]}
+        return self.pool.start(shape, _solve_held, seconds, cpus)
+
+    def next_solved(self) -> tuple[tuple[int, ...], object]:
+        """(shape, its plan, a MemoryBudgetError, or HELD_NOT) of the next solve started to end."""
+        return self.pool.next_run()
+
+    @property
+    def solving(self) -> set[tuple[int, ...]]:
+        return set() if self.pool is None else set(self.pool.running_fn.values())
 
     def keep(self, ranked: list[tuple[int, ...]]) -> None:
         """Workers keep the planners of ``ranked``'s first shapes (in solve order) and drop the rest."""
@@ -537,35 +596,48 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
 
     def coarse_slower(shape: tuple[int, ...]) -> str | None:
         """Why ``shape`` is not bounded (``options.mesh_margin``), or None: every shape of one axis
-        fewer that it refines is bounded, and each has a plan predicted at least ``1 + margin``
-        times the best plan of that many axes (its bounds' floor where it has none), or was
+        fewer that it refines is bounded and slow: it has a plan predicted at least ``1 + margin``
+        times the best plan of that many axes, or, bounded without a plan, its bounds' floor is
+        there or its bound is ``1 + margin`` times the least bound of that many axes, or it was
         pruned."""
         margin = options.mesh_margin
-        fewer = {s: k[0] for s, k in known.items() if len(s) == len(shape) - 1}
+        k = len(shape) - 1
+        fewer = {s: v[0] for s, v in known.items() if len(s) == k}
         if margin is None or not fewer:
             return None
         best = min(fewer.values())
+        least = min((v for s, v in bounds.items() if len(s) == k), default=float("inf"))
         entries = {b.shape: b for b in bounded}
-        values = []
+        why = []
         for c in coarsenings(shape):
+            name = "x".join(map(str, c))
             if c not in rows:  # not a candidate (its inner axis spans nodes): never bounded
                 continue
             if c in fewer:
-                values.append(fewer[c])
+                if fewer[c] < (1 + margin) * best:
+                    return None
+                why.append(f"{name} has plans predicted at least {fewer[c] / 1e3:.3f} ms, "
+                           f"{fewer[c] / best - 1:.0%} slower than the best of {k} axes ({best / 1e3:.3f} ms)")
             elif rows[c].outcome == "pruned":
-                values.append(float("inf"))
-            elif c in entries:  # bounded without a plan: every plan of it is predicted at least so
-                values.append(plan_floor(entries[c]))
+                why.append(f"{name} was pruned")
+            elif c in entries:  # bounded without a plan
+                floor = plan_floor(entries[c])
+                if floor >= (1 + margin) * best:
+                    why.append(f"every plan of {name} is predicted at least {floor / 1e3:.3f} ms, "
+                               f"{floor / best - 1:.0%} slower than the best of {k} axes ({best / 1e3:.3f} ms)")
+                elif c in bounds and bounds[c] >= (1 + margin) * least:
+                    # Its plans are not timed: its bound against the least is the measure of it that
+                    # compares (LLaMA-70B's (256, 2): 90% above (64, 8)'s, its plans unknown).
+                    why.append(f"{name} is bounded at {bounds[c] / 1e3:.3f} ms, {bounds[c] / least - 1:.0%} above "
+                               f"the least bound of {k} axes ({least / 1e3:.3f} ms)")
+                else:
+                    return None
             else:  # not bounded yet, or failed
                 return None
-        if not values or min(values) < (1 + margin) * best:
+        if not why:
             return None
-        low = min(values)
-        return ("not bounded: " + ("the shapes it refines were pruned" if low == float("inf") else
-                                   f"the shapes it refines have plans predicted at least {low / 1e3:.3f} ms, "
-                                   f"{low / best - 1:.0%} slower than the best of {len(shape) - 1} axes "
-                                   f"({best / 1e3:.3f} ms)")
-                + f" (mesh_margin={margin}; None bounds every shape)")
+        return f"not bounded: the shapes it refines are slow: {'; '.join(why)} (mesh_margin={margin}; " \
+            "None bounds every shape)"
 
     def keep_planners() -> None:
         # The workers keep the planners of the shapes likeliest to be solved (or, the best plan
@@ -578,7 +650,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
     todo = list(shapes)
     jobs = _Bounding(first, lambda shape: make_planner(model, example_inputs, fake_mesh(shape, axis_names(len(shape))),
                                                        options=options, traced=first.traced),
-                     workers=bounding_workers(len(shapes)))
+                     workers=bounding_workers(len(shapes)), best=best_known)
     try:
         while todo or jobs.running:
             # Shapes of more axes wait for those of fewer while the coarse shapes' bounds may
@@ -662,50 +734,118 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
             if floor_us >= found_us:
                 return (f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its bounds) >= "
                         f"{found_us / 1e3:.3f} ms, the best plan found")
+            # Heuristic (mesh_margin): a solve starts from the shape's hand-written plan and gained
+            # 0-11% on it (LLaMA-70B, 64 and 512 ranks), so one whose plan is mesh_margin slower than
+            # the best found is left as it is (70B's (16, 4), 46% slower: an 11 s solve for nothing).
+            margin = options.mesh_margin
+            if margin is not None and b.shape in known and known[b.shape][0] >= (1 + margin) * found_us:
+                own = known[b.shape][0]
+                return (f"its plan is predicted {own / 1e3:.3f} ms, {own / found_us - 1:.0%} slower than the best "
+                        f"found ({found_us / 1e3:.3f} ms; mesh_margin={margin}, None solves it)")
             return None
 
-        for k, b in enumerate(bounded):
-            shape, planner, free, made, hints = b.shape, b.planner, b.free, b.plan, b.hints
-            row, started = rows[shape], time.perf_counter()
-            why = unpromising(b)
-            if why is not None:
-                _prune(row, shape in known, why)
-                continue
-            left = limit - (started - t0)
-            if (solved or known) and left < MIN_SOLVE_SECONDS:
-                why = "the time limit is spent: raise time_limit to plan it"
-                row.note = f"{row.note}; not solved: {why}" if shape in known else why
-                continue
-            # Half the time left while another shape is worth solving after it: the hand-written plans
-            # that order the shapes do not say what a solve gains on them (LLaMA-70B: nothing on
-            # (2, 4, 8) or (2, 32, 8), whose hand-written plans are the best, 4% on (8, 8), 8% on
-            # (4, 16, 8)). On 64 ranks (2, 4, 8) took all 30 s and gave 4,468.8 ms; halved, (8, 8)
-            # had 21 s and gave 4,276.8. A solve that stalls sooner leaves its time to the next.
-            rival = any(unpromising(c) is None for c in bounded[k + 1:] if c.plan is None)
-            share = max(MIN_SOLVE_SECONDS, left / 2 if rival and left >= 2 * MIN_SOLVE_SECONDS else left)
-            try:
-                # Its worker made the plan (its memory-free optimum), or solves it where it keeps it.
-                plan = made if made is not None else jobs.plan(shape, "solve", max(1.0, share))
-                if plan is HELD_NOT:
-                    planner = _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first,
-                                          hints)
-                    # Building it again (bounded in a worker that dropped it) is part of its share.
-                    plan = planner.solve(time_limit=max(1.0, share - (time.perf_counter() - started)))
-            except MemoryBudgetError as exc:
-                infeasible.append(exc)
-                row.outcome, row.note = "infeasible", str(exc)
-                row.seconds += time.perf_counter() - started
-                continue
+        def record(b: _Bounded, started: float, plan) -> None:
+            """Shape ``b``'s solve, begun at ``started``: its plan, or the budget it cannot meet."""
+            nonlocal dry, paid
+            row = rows[b.shape]
+            row.seconds += time.perf_counter() - started
+            if isinstance(plan, MemoryBudgetError):
+                infeasible.append(plan)
+                row.outcome, row.note = "infeasible", str(plan)
+                return
             row.outcome, row.step_us = "planned", plan.summary["step_us"]
             row.peak_mem_bytes = plan.summary["peak_mem_bytes"]
             proved = plan.solver.get("bound")
             if proved is not None and eta <= 0:
                 row.bound_us = max(row.bound_us, proved)  # the solver's bound is additive: a step's only then
-            row.seconds += time.perf_counter() - started
             row.note = str(plan.solver.get("status", ""))
-            log.info(f"mesh {'x'.join(map(str, shape))}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "
+            log.info(f"mesh {'x'.join(map(str, b.shape))}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "
                      f"({plan.solver.get('status')}) in {row.seconds:.1f}s")
-            solved[shape] = plan
+            solved[b.shape] = plan
+            if b.plan is None:  # a solve, not a plan its worker made
+                step = plan.summary["step_us"]
+                dry = 0 if step <= paid - gain * paid else dry + 1
+                paid = min(paid, step) if dry else step
+
+        def solve_here(b: _Bounded, started: float, share: float):
+            # Bounded here, or in a worker that dropped it: built again, which is part of its share.
+            planner = _planner_of(b.shape, b.planner, b.free, make_planner, model, example_inputs, options, first,
+                                  b.hints)
+            try:
+                return planner.solve(time_limit=max(1.0, share - (time.perf_counter() - started)))
+            except MemoryBudgetError as exc:
+                return exc
+
+        # Shapes are solved in solve order, each where its planner is kept; those kept by different
+        # workers at once, one core each (a solve's stages are mostly one process: LLaMA-70B (64, 8)
+        # on one core, 6.0 s; on two, 5.6-7.6).
+        # The solves' stall rule: once as many solves in a row as run at once (two at least) found
+        # nothing better than the best plan known by the stall rule's gain, the search has stopped
+        # paying (LLaMA-70B on 512 ranks: after (2, 32, 8) gave 4,438.9 ms, four more solves gave
+        # nothing within 0.01% of it, 30 s). Those still running are stopped, the rest not solved.
+        gain, dry, paid = DEFAULT_STALL.gain, 0, min((k[0] for k in known.values()), default=float("inf"))
+        patience = max(2, jobs.workers)
+        queue, running = list(bounded), {}
+        while (queue or running) and dry < patience:
+            i = 0
+            while i < len(queue):
+                b = queue[i]
+                row, started = rows[b.shape], time.perf_counter()
+                why = unpromising(b)
+                if why is not None:
+                    _prune(row, b.shape in known, why)
+                    queue.pop(i)
+                    continue
+                left = limit - (started - t0)
+                if (solved or known or running) and left < MIN_SOLVE_SECONDS:
+                    why = "the time limit is spent: raise time_limit to plan it"
+                    row.note = f"{row.note}; not solved: {why}" if b.shape in known else why
+                    queue.pop(i)
+                    continue
+                if b.plan is not None:  # its worker made it (its memory-free optimum)
+                    queue.pop(i)
+                    record(b, started, b.plan)
+                    continue
+                idle = jobs.holder_idle(b.shape)
+                if idle is False or (idle is None and running):
+                    i += 1  # its worker solves another, or it is built here once nothing runs beside
+                    continue
+                # Half the time left while another shape is worth solving after it: the hand-written
+                # plans that order the shapes do not say what a solve gains on them (LLaMA-70B: nothing
+                # on (2, 4, 8) or (2, 32, 8), whose hand-written plans are the best, 4% on (8, 8), 8% on
+                # (4, 16, 8)). On 64 ranks (2, 4, 8) took all 30 s and gave 4,468.8 ms; halved, (8, 8)
+                # had 21 s and gave 4,276.8. A solve that stalls sooner leaves its time to the next.
+                queue.pop(i)
+                others = [c for c in queue if c.plan is None and unpromising(c) is None]
+                share = max(MIN_SOLVE_SECONDS, left / 2 if others and left >= 2 * MIN_SOLVE_SECONDS else left)
+                if idle is None:
+                    record(b, started, solve_here(b, started, share))
+                    continue
+                # On a core of its own where another solve may run beside it.
+                beside = bool(running) or any(jobs.holder_idle(c.shape) for c in others)
+                if jobs.start_solve(b.shape, max(1.0, share), alone=not beside):
+                    running[b.shape] = (b, started)
+                else:  # dropped meanwhile
+                    record(b, started, solve_here(b, started, share))
+                if dry >= patience:
+                    break
+            if running:
+                shape, plan = jobs.next_solved()
+                b, started = running.pop(shape)
+                if plan is HELD_NOT:
+                    plan = solve_here(b, started, limit - (started - t0))
+                record(b, started, plan)
+        why = f"not solved: the last {dry} solves found no plan {gain:.1%} faster than the best (the search's stall rule)"
+        for shape in jobs.abandon():
+            b, started = running.pop(shape)
+            rows[shape].seconds += time.perf_counter() - started
+            rows[shape].note = f"{rows[shape].note}; {why}, its solve stopped" if shape in known else \
+                f"{why}, its solve stopped"
+        for b in queue:
+            if b.plan is not None:  # its worker made it: no solve to stop
+                record(b, time.perf_counter(), b.plan)
+            else:
+                rows[b.shape].note = f"{rows[b.shape].note}; {why}" if b.shape in known else why
         # The answer: the least predicted step of every plan found (ties: the search order's first).
         steps = {shape: k[0] for shape, k in known.items()}
         for shape, p in solved.items():

@@ -11,13 +11,15 @@ in the worker that holds it:
     pool.submit(shape, *args)           # build(shape, *args) -> (reply, kept) in an idle worker
     reply = pool.next()                 # the next reply of a submitted build
     out = pool.run(shape, fn, *args)    # fn(kept, *args) where ``shape`` is held; HELD_NOT if not
+    pool.start(shape, fn, *args)        # the same without waiting (False where not held) ...
+    shape, out = pool.next_run()        # ... and its answer, the next of those started
     pool.keep(ranked)                   # each worker keeps at most ``hold`` of these, the first first
 
 Workers are forked, so ``build`` and ``fn`` are module-level functions or closures made before
 the pool (nothing of theirs is pickled); replies and arguments are pickled. An exception in a
 worker is raised here as itself (or, where it does not pickle, as a ``RuntimeError`` with its
-traceback). Requests run one at a time per worker; :meth:`run` waits for its answer, so a search
-that asks for a solve uses one worker's core while the others idle.
+traceback). Requests run one at a time per worker; :meth:`run` waits for its answer, while
+:meth:`start` lets shapes held by different workers run at once (a search's solves, one per core).
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ class ShapeWorkers:
             self.procs.append(proc)
         self.busy: dict[int, tuple] = {}
         """Worker index -> the shape it builds."""
+        self.running_fn: dict[int, tuple] = {}
+        """Worker index -> the shape it runs a function on (:meth:`start`)."""
+        self.dead: set[int] = set()
+        """Workers ended by :meth:`abandon`: they take no more work."""
         self.holder: dict[tuple, int] = {}
         """Shape -> the worker that keeps it."""
 
@@ -93,11 +99,11 @@ class ShapeWorkers:
         return set(self.busy.values())
 
     def has_room(self) -> bool:
-        return len(self.busy) < len(self.conns)
+        return any(self.idle(k) for k in range(len(self.conns)))
 
     def submit(self, shape: tuple, *args) -> None:
         """``build(shape, *args)`` in an idle worker (there must be one: :meth:`has_room`)."""
-        k = next(k for k in range(len(self.conns)) if k not in self.busy)
+        k = next(k for k in range(len(self.conns)) if self.idle(k))
         self.conns[k].send(("build", shape, args))
         self.busy[k] = shape
 
@@ -113,21 +119,63 @@ class ShapeWorkers:
             self.holder[shape] = k
         return reply
 
-    def run(self, shape: tuple, fn: Callable, *args):
-        """``fn(kept, *args)`` in the worker that keeps ``shape``, waiting for its answer;
-        :data:`HELD_NOT` where no worker keeps it. The worker must not be building (its reply is
-        :meth:`next`'s to read)."""
+    def held(self, shape: tuple) -> int | None:
+        """The index of the worker that keeps ``shape``, or None."""
+        return self.holder.get(shape)
+
+    def idle(self, k: int) -> bool:
+        """Whether worker ``k`` neither builds nor runs (nor was ended)."""
+        return k not in self.busy and k not in self.running_fn and k not in self.dead
+
+    def start(self, shape: tuple, fn: Callable, *args) -> bool:
+        """``fn(kept, *args)`` started in the worker that keeps ``shape``, which must be idle
+        (:meth:`idle`); its answer is :meth:`next_run`'s. False where no worker keeps it."""
         k = self.holder.get(shape)
         if k is None:
-            return HELD_NOT
-        if k in self.busy:  # its reply is read by next(); a run waits for its own answer only
-            raise RuntimeError(f"worker {k} is building {self.busy[k]}: run({shape}) must wait for next()")
+            return False
+        if not self.idle(k):  # a worker answers one request at a time
+            raise RuntimeError(f"worker {k} is busy with {self.busy.get(k) or self.running_fn[k]}: "
+                               f"start({shape}) must wait for its answer")
         self.conns[k].send(("run", shape, (fn, args)))
+        self.running_fn[k] = shape
+        return True
+
+    def next_run(self, k: int | None = None):
+        """(shape, answer) of the next run started to finish (of worker ``k``'s where given), the
+        answer :data:`HELD_NOT` where the worker had dropped the shape."""
+        if not self.running_fn:
+            raise RuntimeError("no run is running")
+        if k is None:
+            ready = multiprocessing.connection.wait([self.conns[k] for k in self.running_fn])
+            k = next(k for k in sorted(self.running_fn) if self.conns[k] in ready)
+        shape = self.running_fn.pop(k)
         status, reply, _ = self._recv(k)
         if status == "missing":
             del self.holder[shape]
+            return shape, HELD_NOT
+        return shape, reply
+
+    def abandon(self) -> list[tuple]:
+        """Stop every run started and not yet answered: its worker is ended (what it kept is lost:
+        :meth:`run` then answers :data:`HELD_NOT` for those shapes). Returns the shapes whose runs
+        were stopped."""
+        stopped = []
+        for k, shape in sorted(self.running_fn.items()):
+            self.procs[k].terminate()
+            self.procs[k].join()
+            stopped.append(shape)
+            for s in [s for s, w in self.holder.items() if w == k]:
+                del self.holder[s]
+            self.dead.add(k)
+        self.running_fn.clear()
+        return stopped
+
+    def run(self, shape: tuple, fn: Callable, *args):
+        """``fn(kept, *args)`` in the worker that keeps ``shape``, waiting for its answer;
+        :data:`HELD_NOT` where no worker keeps it. The worker must be idle (:meth:`start`)."""
+        if not self.start(shape, fn, *args):
             return HELD_NOT
-        return reply
+        return self.next_run(self.holder[shape])[1]
 
     def keep(self, ranked: Sequence[tuple]) -> None:
         """Each worker keeps the first ``hold`` of ``ranked`` it holds and drops every other
@@ -156,7 +204,9 @@ class ShapeWorkers:
         return status, reply, extra
 
     def close(self) -> None:
-        for conn in self.conns:
+        for k, conn in enumerate(self.conns):
+            if k in self.dead:
+                continue
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):

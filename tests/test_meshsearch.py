@@ -380,7 +380,7 @@ class _HandWrittenPlanner(_ScriptedPlanner):
         return "fsdp", SimpleNamespace(step_us=step, plan=plan)
 
 
-def _search_scripted(monkeypatch, planner):
+def _search_scripted(monkeypatch, planner, **options):
     """A search of 8 ranks by ``planner`` (a :class:`_HandWrittenPlanner`) on its own clock, in
     one process: the plan and its table's rows by shape."""
     from types import SimpleNamespace
@@ -392,7 +392,7 @@ def _search_scripted(monkeypatch, planner):
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
     monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), planner)
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0, **options), planner)
     return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
 
 
@@ -426,7 +426,8 @@ def test_shapes_that_refine_only_slow_shapes_are_not_bounded(world, monkeypatch)
 
     plan, rows = search(0.25)
     assert rows[(4, 2, 2)]["outcome"] == "skipped" and rows[(4, 2, 2)]["bound_us"] is None
-    assert "plans predicted at least 0.500 ms, 67% slower than the best of 2 axes (0.300 ms)" in rows[(4, 2, 2)]["note"]
+    assert "the shapes it refines are slow: 8x2 has plans predicted at least 0.900 ms, 200% slower than the " \
+        "best of 2 axes (0.300 ms); 4x4 has plans predicted at least 0.500 ms, 67% slower" in rows[(4, 2, 2)]["note"]
     assert rows[(2, 4, 2)]["bound_us"] is not None  # refines (2, 8), the best
     assert plan.mesh_shape == [2, 2, 4] and plan.summary["step_us"] == 290.0
     plan, rows = search(None)
@@ -442,7 +443,7 @@ def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypat
     times them while bounding, and one predicted faster than every solve is the answer, its
     shape's row planned though its bound pruned its solve."""
     world(8)
-    plan, rows = _search_scripted(monkeypatch, _HandWrittenPlanner)
+    plan, rows = _search_scripted(monkeypatch, _HandWrittenPlanner, mesh_margin=None)
     assert plan.summary["step_us"] == 300.0 and rows[(4, 2)]["outcome"] == "chosen"
     assert rows[(4, 2)]["bound_us"] == 504.0 and "hand-written fsdp" in rows[(4, 2)]["note"]
     # Solved best hand-written plan first (its solve starts from it), while bounded below the best
@@ -452,6 +453,25 @@ def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypat
     assert rows[(2, 2, 2)]["step_us"] == 603.0
     assert rows[(8,)]["outcome"] == "planned" and rows[(8,)]["step_us"] == 2000.0
     assert "not solved: bound 0.908 ms >= best 0.603 ms" in rows[(8,)]["note"]
+
+
+class _NearHandWrittenPlanner(_HandWrittenPlanner):
+    hand = {**_HandWrittenPlanner.hand, (2, 4): 360.0}
+
+
+def test_shapes_whose_plan_is_mesh_margin_slower_than_the_best_are_not_solved(world, monkeypatch):
+    """A solve starts from its shape's hand-written plan and gains a few percent on it: a shape
+    whose plan is predicted mesh_margin (25%) slower than the best found is not solved ((2, 2, 2)
+    at 700 against 300), one within it is ((2, 4) at 360); mesh_margin=None solves both."""
+    world(8)
+    plan, rows = _search_scripted(monkeypatch, _NearHandWrittenPlanner)
+    assert plan.summary["step_us"] == 300.0 and rows[(4, 2)]["outcome"] == "chosen"
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2), (2, 4)]
+    assert rows[(2, 2, 2)]["outcome"] == "planned" and rows[(2, 2, 2)]["step_us"] == 700.0
+    assert "its plan is predicted 0.700 ms, 133% slower than the best found (0.300 ms; mesh_margin=0.25" \
+        in rows[(2, 2, 2)]["note"]
+    plan, rows = _search_scripted(monkeypatch, _NearHandWrittenPlanner, mesh_margin=None)
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2), (2, 4), (2, 2, 2)]
 
 
 class _FastHandWrittenPlanner(_HandWrittenPlanner):
