@@ -34,13 +34,20 @@ improving, and what it leaves goes to the next); a shape whose bound is not belo
 unsolved (on the additive objective this applies to the shapes where memory binds; planned
 alone, their plan is the least predicted of their solve and their hand-written plans, which may
 overlap far more than the additive objective sees: the bounding times the best of those, which
-competes as a plan of the shape whether or not it is solved). ``time_limit`` is the whole search's:
-raise it to bound or solve more shapes. A shape of k axes is not bounded where every shape of
-k - 1 axes it refines has a plan predicted ``mesh_margin`` (25%) slower than the best of them, or
-was pruned (``coarse_slower`` in :func:`search`; ``mesh_margin=None`` bounds every shape: a
-heuristic, as a refinement may mix its coarser shapes' plans into a faster one; measured within
-2% of the best coarser plan, where the shapes it leaves out planned 41-228% slower). Every
-shape goes in the table, with its bound and why it was pruned or skipped or what it cost.
+competes as a plan of the shape whether or not it is solved). Shapes kept by different workers
+are solved at once, one core each; the solves end once as many in a row as run at once (two at
+least) found no plan faster than the best known by the solver's stall gain (0.1%): the search's
+stall rule, as a solve's own (the solves still running are stopped). ``time_limit`` is the whole
+search's: raise it to bound or solve more shapes. ``mesh_margin`` (25%; None turns it off)
+leaves out what is that much slower: a shape of k axes is not bounded where every shape of
+k - 1 axes it refines has a plan predicted that much slower than the best of them, or, bounded
+without a plan, a bound that much above the least of them, or was pruned (``coarse_slower`` in
+:func:`search`), and a shape whose plan is predicted that much slower than the best found is
+not solved (a heuristic, as a refinement may mix its coarser shapes' plans into a faster one
+and a solve may gain much on its hand-written start; measured: the best refinement within 2%
+of its best coarser shape's plan, the shapes left out planned alone 41-228% slower, and solves
+gained 0-11% on their hand-written plans). Every shape goes in the table, with its bound and
+why it was pruned or skipped or what it cost.
 """
 
 from __future__ import annotations
@@ -788,7 +795,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         queue, running = list(bounded), {}
         while (queue or running) and dry < patience:
             i = 0
-            while i < len(queue):
+            while i < len(queue) and dry < patience:
                 b = queue[i]
                 row, started = rows[b.shape], time.perf_counter()
                 why = unpromising(b)
@@ -827,8 +834,6 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                     running[b.shape] = (b, started)
                 else:  # dropped meanwhile
                     record(b, started, solve_here(b, started, share))
-                if dry >= patience:
-                    break
             if running:
                 shape, plan = jobs.next_solved()
                 b, started = running.pop(shape)
@@ -844,6 +849,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         for b in queue:
             if b.plan is not None:  # its worker made it: no solve to stop
                 record(b, time.perf_counter(), b.plan)
+            elif unpromising(b) is not None:
+                _prune(rows[b.shape], b.shape in known, unpromising(b))
             else:
                 rows[b.shape].note = f"{rows[b.shape].note}; {why}" if b.shape in known else why
         # The answer: the least predicted step of every plan found (ties: the search order's first).

@@ -109,11 +109,14 @@ class PlanOptions:
     mesh_margin: float | None = 0.25
     """With ``mesh="auto"``: a shape of k axes is not bounded where every shape of k - 1 axes it
     refines (:func:`autoshard.meshsearch.coarsenings`) is bounded, and each has a plan predicted
-    at least ``1 + mesh_margin`` times the best plan of k - 1 axes, or was pruned. A refinement
-    lays out its coarser shapes' plans and mixes them; on LLaMA-8B and -70B at 64 and 512 ranks
-    the best one came within 2% of its best coarser shape's plan, and the shapes this leaves out
-    were planned alone 41-228% slower than the best. ``None`` bounds every shape (the search then
-    costs about a shape's plan per shape, on each core)."""
+    at least ``1 + mesh_margin`` times the best plan of k - 1 axes (or, bounded without a plan, a
+    bound ``1 + mesh_margin`` times the least of them), or was pruned; and a shape whose plan
+    (its hand-written one, where memory binds) is predicted ``1 + mesh_margin`` times the best plan
+    found is not solved. A refinement lays out its coarser shapes' plans and mixes them; on
+    LLaMA-8B and -70B at 64 and 512 ranks the best one came within 2% of its best coarser shape's
+    plan, the shapes this leaves out were planned alone 41-228% slower than the best, and a solve
+    gained 0-11% on its shape's hand-written plan. ``None`` bounds every shape and solves every
+    one its bounds allow (the search then costs about a shape's plan per shape, on each core)."""
 
     loss_fn: Callable | None = None
     """Maps the model's output to a scalar loss (default: the output's mean, or the model's own

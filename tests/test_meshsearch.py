@@ -449,10 +449,36 @@ def test_where_memory_binds_a_shapes_hand_written_plan_competes(world, monkeypat
     # Solved best hand-written plan first (its solve starts from it), while bounded below the best
     # additive step (1.5 x 402 = 603 for (2, 2, 2)); (8,), bounded at 908, is not, and keeps its
     # hand-written plan.
-    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2), (2, 2, 2), (2, 4)]
+    # Neither solve found a plan faster than (4, 2)'s hand-written one: two solves in a row that
+    # pay nothing end the solves (the search's stall rule), so (2, 4) is not solved.
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2), (2, 2, 2)]
     assert rows[(2, 2, 2)]["step_us"] == 603.0
+    assert rows[(2, 4)]["step_us"] == 800.0 and "not solved: the last 2 solves found no plan 0.1% faster than " \
+        "the best (the search's stall rule)" in rows[(2, 4)]["note"]
     assert rows[(8,)]["outcome"] == "planned" and rows[(8,)]["step_us"] == 2000.0
     assert "not solved: bound 0.908 ms >= best 0.603 ms" in rows[(8,)]["note"]
+
+
+class _PayingPlanner(_HandWrittenPlanner):
+    """As :class:`_HandWrittenPlanner`, but (2, 2, 2)'s solve finds the fastest plan."""
+
+    steps = {(8,): 3000.0, (4, 2): 310.0, (2, 2, 2): 280.0, (2, 4): 290.0}
+
+    def solve(self, time_limit):
+        plan = super().solve(time_limit)
+        plan.summary["step_us"] = self.steps[self.shape]
+        return plan
+
+
+def test_a_solve_that_pays_restarts_the_stall_count(world, monkeypatch):
+    """The solves end once as many in a row as run at once (two at least) paid nothing: (4, 2)'s
+    did not, (2, 2, 2)'s did (280 against 300), so (2, 4) is solved after them (its floor, 0.55 x
+    502, is below 280)."""
+    world(8)
+    plan, rows = _search_scripted(monkeypatch, _PayingPlanner, mesh_margin=None)
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2), (2, 2, 2), (2, 4)]
+    assert rows[(2, 2, 2)]["outcome"] == "chosen" and plan.summary["step_us"] == 280.0
+    assert rows[(2, 4)]["step_us"] == 290.0
 
 
 class _NearHandWrittenPlanner(_HandWrittenPlanner):
@@ -462,7 +488,7 @@ class _NearHandWrittenPlanner(_HandWrittenPlanner):
 def test_shapes_whose_plan_is_mesh_margin_slower_than_the_best_are_not_solved(world, monkeypatch):
     """A solve starts from its shape's hand-written plan and gains a few percent on it: a shape
     whose plan is predicted mesh_margin (25%) slower than the best found is not solved ((2, 2, 2)
-    at 700 against 300), one within it is ((2, 4) at 360); mesh_margin=None solves both."""
+    at 700 against 300), one within it is ((2, 4) at 360); mesh_margin=None leaves it to the rest."""
     world(8)
     plan, rows = _search_scripted(monkeypatch, _NearHandWrittenPlanner)
     assert plan.summary["step_us"] == 300.0 and rows[(4, 2)]["outcome"] == "chosen"
@@ -471,7 +497,9 @@ def test_shapes_whose_plan_is_mesh_margin_slower_than_the_best_are_not_solved(wo
     assert "its plan is predicted 0.700 ms, 133% slower than the best found (0.300 ms; mesh_margin=0.25" \
         in rows[(2, 2, 2)]["note"]
     plan, rows = _search_scripted(monkeypatch, _NearHandWrittenPlanner, mesh_margin=None)
-    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2), (2, 4), (2, 2, 2)]
+    # Not left out by the margin: (2, 2, 2) is next, but neither solve before it paid (stall rule).
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(4, 2), (2, 4)]
+    assert "mesh_margin" not in rows[(2, 2, 2)]["note"] and "stall rule" in rows[(2, 2, 2)]["note"]
 
 
 class _FastHandWrittenPlanner(_HandWrittenPlanner):
@@ -510,3 +538,85 @@ def test_step_floor_bounds_every_split_of_compute_and_communication():
         assert best_c + (a - best_c) - eta * min(best_c, a - best_c) == pytest.approx(floor)
     assert step_floor(100.0, 30.0, 0.9) == pytest.approx(55.0)  # compute may be half: (1 - eta / 2) A
     assert step_floor(100.0, 80.0, 0.9) == pytest.approx(0.1 * 100 + 0.9 * 80)  # at least 80 of it is
+
+
+class _SideBySidePlanner(_HandWrittenPlanner):
+    """As :class:`_HandWrittenPlanner`; its first two solves meet at a barrier shared by the
+    forked workers (they run at once, or the barrier breaks) and report their cores."""
+
+    hand = _NearHandWrittenPlanner.hand
+    barrier = None
+    count = None
+    cores = None
+
+    def solve(self, time_limit):
+        import os
+
+        with self.count.get_lock():
+            self.count.value += 1
+            k = self.count.value
+        if k <= 2:
+            self.barrier.wait(timeout=60)
+            self.cores[k - 1] = len(os.sched_getaffinity(0))
+        return super().solve(time_limit)
+
+
+def test_shapes_kept_by_different_workers_are_solved_side_by_side_on_a_core_each(world, monkeypatch):
+    """The solves run where the shapes' planners are kept, two at once where two workers keep
+    them, each on one core where there are two (its search's children too)."""
+    import multiprocessing
+    import os
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    world(8)
+    ctx = multiprocessing.get_context("fork")
+    monkeypatch.setattr(_SideBySidePlanner, "barrier", ctx.Barrier(2))
+    monkeypatch.setattr(_SideBySidePlanner, "count", ctx.Value("i", 0))
+    monkeypatch.setattr(_SideBySidePlanner, "cores", ctx.Array("i", 2))
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 2)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    _HandWrittenPlanner.clock[0] = 0.0
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), _SideBySidePlanner)
+    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    assert plan.summary["step_us"] == 300.0 and rows[(4, 2)]["outcome"] == "chosen"
+    # (4, 2) and (2, 4), bounded by the two workers at once, solved at once (else the barrier
+    # breaks and the search fails); (2, 2, 2) is mesh_margin slower.
+    assert _SideBySidePlanner.count.value == 2 and rows[(2, 4)]["note"] == "heuristic"
+    one = 1 if len(os.sched_getaffinity(0)) >= 2 else len(os.sched_getaffinity(0))
+    assert list(_SideBySidePlanner.cores) == [one, one]
+    assert "mesh_margin" in rows[(2, 2, 2)]["note"]
+
+
+def test_a_shape_refining_only_shapes_bounded_far_above_the_least_is_not_bounded(world, monkeypatch):
+    """A coarse shape bounded without a plan (no hand-written plan fits, say) counts as slow where
+    its bound is 1 + mesh_margin times the least bound of its axes, though the floor of its plans
+    (0.55 x 650) is not that far above the best plan: (4, 2, 2) refines (8, 2), planless and bounded
+    29% above (2, 8), and (4, 4), whose plan is 67% slower than the best."""
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    class Planless(_RefiningPlanner):
+        def bound(self):
+            return {(8, 2): 650.0}.get(self.shape, super().bound())
+
+        def hand_written(self, time_limit, additive_floor_us=0.0, compute_floor_us=0.0, below=float("inf")):
+            return None if self.shape == (8, 2) else super().hand_written(time_limit, additive_floor_us,
+                                                                          compute_floor_us, below)
+
+    world(16)
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
+    plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0), Planless)
+    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    assert rows[(8, 2)]["bound_us"] == 650.0 and rows[(8, 2)]["step_us"] is None
+    assert rows[(4, 2, 2)]["bound_us"] is None
+    assert "8x2 is bounded at 0.650 ms, 29% above the least bound of 2 axes (0.502 ms); 4x4 has plans " \
+        "predicted at least 0.500 ms, 67% slower" in rows[(4, 2, 2)]["note"]

@@ -69,3 +69,46 @@ def test_a_worker_that_dies_is_an_error_that_says_so():
             pool.next()
     finally:
         pool.close()
+
+
+_BARRIER: list = []  # set before the workers fork: they inherit it (it does not pickle)
+
+
+def _meet(kept):
+    _BARRIER[0].wait(timeout=60)  # both runs at once, or the barrier breaks
+    return kept["shape"]
+
+
+def _hang(kept):
+    import time
+
+    time.sleep(600)
+
+
+def test_runs_on_shapes_kept_by_different_workers_run_at_once_and_can_be_stopped():
+    import multiprocessing
+
+    _BARRIER[:] = [multiprocessing.get_context("fork").Barrier(2)]
+    pool = ShapeWorkers(2, _build, hold=2)
+    try:
+        pool.submit((1,), 1)
+        pool.submit((2,), 1)
+        pool.next(), pool.next()
+        k1, k2 = pool.held((1,)), pool.held((2,))
+        assert {k1, k2} == {0, 1} and pool.idle(k1) and pool.idle(k2)
+        assert pool.start((1,), _meet) and pool.start((2,), _meet)
+        assert not pool.has_room() and not pool.idle(k1)
+        with pytest.raises(RuntimeError, match=f"worker {k1} is busy with \\(1,\\)"):
+            pool.start((1,), _grow, 1)
+        assert not pool.start((9,), _grow, 1)  # kept by none
+        assert sorted([pool.next_run(), pool.next_run()]) == [((1,), (1,)), ((2,), (2,))]
+        # A run that will not end is stopped with its worker: what that worker kept is lost.
+        assert pool.start((1,), _hang)
+        assert pool.abandon() == [(1,)]
+        assert pool.run((1,), _grow, 1) is HELD_NOT and pool.held((1,)) is None
+        assert pool.run((2,), _grow, 1) == ((2,), 2)
+        pool.submit((3,), 1)  # the worker left takes it
+        assert pool.next() == 3 and pool.held((3,)) == k2
+    finally:
+        pool.close()
+    assert all(not p.is_alive() for p in pool.procs)
