@@ -101,7 +101,8 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_comput
                    help="choose the mesh shape too: plan every 1-3 axis shape of N ranks, keep the best")
     p.add_argument("--mesh-margin", type=float, default=0.25, metavar="SHARE",
                    help="with --ranks: a shape is not bounded where every shape of one axis fewer it refines has a "
-                        "plan this share slower than the best of them (default 0.25; negative: bound every shape)")
+                        "plan this share slower than the best of them, nor solved where its own plan is this share "
+                        "slower than the best found (default 0.25; negative: bound and solve every shape)")
     p.add_argument("--profile", default="h100-sxm", help="shipped profile name or profile file")
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB (default: the profile's device memory)")

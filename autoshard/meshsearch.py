@@ -840,7 +840,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 if plan is HELD_NOT:
                     plan = solve_here(b, started, limit - (started - t0))
                 record(b, started, plan)
-        why = f"not solved: the last {dry} solves found no plan {gain:.1%} faster than the best (the search's stall rule)"
+        why = f"not solved: the last {dry} solves found no plan {gain:.1%} faster than the best " \
+            "(the search's stall rule)"
         for shape in jobs.abandon():
             b, started = running.pop(shape)
             rows[shape].seconds += time.perf_counter() - started
