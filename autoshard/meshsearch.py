@@ -465,10 +465,6 @@ class _Bounding:
         """(shape, its plan, a MemoryBudgetError, or HELD_NOT) of the next solve started to end."""
         return self.pool.next_run()
 
-    @property
-    def solving(self) -> set[tuple[int, ...]]:
-        return set() if self.pool is None else set(self.pool.running_fn.values())
-
     def keep(self, ranked: list[tuple[int, ...]]) -> None:
         """Workers keep the planners of ``ranked``'s first shapes (in solve order) and drop the rest."""
         if self.pool is not None:
@@ -785,11 +781,11 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
 
         # Shapes are solved in solve order, each where its planner is kept; those kept by different
         # workers at once, one core each (a solve's stages are mostly one process: LLaMA-70B (64, 8)
-        # on one core, 6.0 s; on two, 5.6-7.6).
+        # solved in 6.0 s on one core, 4.6-4.9 s on two: two at once take about the time of one).
         # The solves' stall rule: once as many solves in a row as run at once (two at least) found
         # nothing better than the best plan known by the stall rule's gain, the search has stopped
-        # paying (LLaMA-70B on 512 ranks: after (2, 32, 8) gave 4,438.9 ms, four more solves gave
-        # nothing within 0.01% of it, 30 s). Those still running are stopped, the rest not solved.
+        # paying (LLaMA-70B on 512 ranks: after (2, 32, 8) gave 4,438.9 ms, five more solves gave
+        # nothing 0.01% faster, 30 s). Those still running are stopped, the rest not solved.
         gain, dry, paid = DEFAULT_STALL.gain, 0, min((k[0] for k in known.values()), default=float("inf"))
         patience = max(2, jobs.workers)
         queue, running = list(bounded), {}
