@@ -441,9 +441,10 @@ class _Bounding:
         """Solves that may run at once."""
         return 1 if self.pool is None else len(self.pool.conns)
 
-    def abandon(self) -> list[tuple[int, ...]]:
-        """Stop the solves started and not ended (their workers end): their shapes."""
-        return [] if self.pool is None else self.pool.abandon()
+    def abandon(self, shapes=None) -> list[tuple[int, ...]]:
+        """Stop the solves of ``shapes`` (default: all) started and not ended (their workers end):
+        their shapes."""
+        return [] if self.pool is None else self.pool.abandon(shapes)
 
     def holder_idle(self, shape: tuple[int, ...]) -> bool | None:
         """Whether the worker that keeps ``shape``'s planner is idle; None where none keeps it."""
@@ -655,6 +656,37 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                                                        options=options, traced=first.traced),
                      workers=bounding_workers(len(shapes)), best=best_known)
     try:
+        solved: dict[tuple[int, ...], Plan] = {}
+        infeasible: list[MemoryBudgetError] = []
+        # Shapes solving in the workers that keep them: (the bounded shape, when its solve began).
+        running: dict[tuple[int, ...], tuple[_Bounded, float]] = {}
+
+        def unpromising(b: _Bounded) -> str | None:
+            """Why shape ``b`` is not worth solving now, by the plans found so far, or None."""
+            # Bounds of the objective the plans optimize: the simulated step, or the additive one.
+            objective = [*(p.summary["step_us"] if eta > 0 else additive_solve(p) for p in solved.values()),
+                         *([upper] if upper_shape is not None and upper_shape != b.shape else [])]
+            best_us = min(objective, default=None)
+            if best_us is not None and b.bound >= best_us:
+                return f"bound {b.bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
+            # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
+            # best plan found, by its bounds, has nothing to give (on the additive objective too).
+            found_us = min([*(k[0] for s, k in known.items() if s != b.shape),
+                            *(p.summary["step_us"] for p in solved.values())], default=float("inf"))
+            floor_us = plan_floor(b)
+            if floor_us >= found_us:
+                return (f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its bounds) >= "
+                        f"{found_us / 1e3:.3f} ms, the best plan found")
+            # Heuristic (mesh_margin): a solve starts from the shape's hand-written plan and gained
+            # 0-11% on it (LLaMA-70B, 64 and 512 ranks), so one whose plan is mesh_margin slower than
+            # the best found is left as it is (70B's (16, 4), 46% slower: an 11 s solve for nothing).
+            margin = options.mesh_margin
+            if margin is not None and b.shape in known and known[b.shape][0] >= (1 + margin) * found_us:
+                own = known[b.shape][0]
+                return (f"its plan is predicted {own / 1e3:.3f} ms, {own / found_us - 1:.0%} slower than the best "
+                        f"found ({found_us / 1e3:.3f} ms; mesh_margin={margin}, None solves it)")
+            return None
+
         while todo or jobs.running:
             # Shapes of more axes wait for those of fewer while the coarse shapes' bounds may
             # still order them (may_start).
@@ -679,6 +711,15 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 # A worker assembles the plan it finds only where it is the best so far (else the
                 # chosen shape's would be built again here to make it).
                 jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)), best_known())
+            if not todo and jobs.running and not running and limit - (time.perf_counter() - t0) >= MIN_SOLVE_SECONDS:
+                # Nothing left to bound and a worker idle: it solves one of the two best shapes it
+                # keeps while the last shapes bound, as it would first once they are (LLaMA-70B on
+                # 512 ranks: (64, 4, 2) bounds for 9 s, the other core idle).
+                first_two = [b for b in sorted(bounded, key=solve_order) if b.plan is None and unpromising(b) is None]
+                early = next((b for b in first_two[:2] if jobs.holder_idle(b.shape)), None)
+                left = limit - (time.perf_counter() - t0)
+                if early is not None and jobs.start_solve(early.shape, max(MIN_SOLVE_SECONDS, left / 2), alone=False):
+                    running[early.shape] = (early, time.perf_counter())
             if not jobs.running:
                 continue
             shape, bound, free, seconds, error, planner, made, found, step, peak, hand, hints = jobs.next()
@@ -717,36 +758,6 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 _prune(rows[b.shape], b.shape in known, f"bound {b.bound / 1e3:.3f} ms >= {upper / 1e3:.3f} ms, the "
                        f"memory-free plan of {'x'.join(map(str, upper_shape))} that fits")
             keep_planners()
-        solved: dict[tuple[int, ...], Plan] = {}
-        infeasible: list[MemoryBudgetError] = []
-        bounded.sort(key=solve_order)
-
-        def unpromising(b: _Bounded) -> str | None:
-            """Why shape ``b`` is not worth solving now, by the plans found so far, or None."""
-            # Bounds of the objective the plans optimize: the simulated step, or the additive one.
-            objective = [*(p.summary["step_us"] if eta > 0 else additive_solve(p) for p in solved.values()),
-                         *([upper] if upper_shape is not None and upper_shape != b.shape else [])]
-            best_us = min(objective, default=None)
-            if best_us is not None and b.bound >= best_us:
-                return f"bound {b.bound / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
-            # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
-            # best plan found, by its bounds, has nothing to give (on the additive objective too).
-            found_us = min([*(k[0] for s, k in known.items() if s != b.shape),
-                            *(p.summary["step_us"] for p in solved.values())], default=float("inf"))
-            floor_us = plan_floor(b)
-            if floor_us >= found_us:
-                return (f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its bounds) >= "
-                        f"{found_us / 1e3:.3f} ms, the best plan found")
-            # Heuristic (mesh_margin): a solve starts from the shape's hand-written plan and gained
-            # 0-11% on it (LLaMA-70B, 64 and 512 ranks), so one whose plan is mesh_margin slower than
-            # the best found is left as it is (70B's (16, 4), 46% slower: an 11 s solve for nothing).
-            margin = options.mesh_margin
-            if margin is not None and b.shape in known and known[b.shape][0] >= (1 + margin) * found_us:
-                own = known[b.shape][0]
-                return (f"its plan is predicted {own / 1e3:.3f} ms, {own / found_us - 1:.0%} slower than the best "
-                        f"found ({found_us / 1e3:.3f} ms; mesh_margin={margin}, None solves it)")
-            return None
-
         def record(b: _Bounded, started: float, plan) -> None:
             """Shape ``b``'s solve, begun at ``started``: its plan, or the budget it cannot meet."""
             nonlocal dry, paid
@@ -788,7 +799,8 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
         # nothing 0.01% faster, 30 s). Those still running are stopped, the rest not solved.
         gain, dry, paid = DEFAULT_STALL.gain, 0, min((k[0] for k in known.values()), default=float("inf"))
         patience = max(2, jobs.workers)
-        queue, running = list(bounded), {}
+        bounded.sort(key=solve_order)
+        queue = [b for b in bounded if b.shape not in running]
         while (queue or running) and dry < patience:
             i = 0
             while i < len(queue) and dry < patience:
@@ -836,6 +848,14 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 if plan is HELD_NOT:
                     plan = solve_here(b, started, limit - (started - t0))
                 record(b, started, plan)
+                # A solve started before the plans found since is stopped where they leave its shape
+                # nothing to give (LLaMA-70B on 64 ranks: (8, 4, 2), its hand-written plan 24.7% above
+                # the best when started, 26.2% once (8, 2, 4)'s solve beside it ended: 15 s).
+                late = {s: unpromising(c) for s, (c, _) in running.items()}
+                for shape in jobs.abandon([s for s, why in late.items() if why is not None]):
+                    c, began = running.pop(shape)
+                    rows[shape].seconds += time.perf_counter() - began
+                    _prune(rows[shape], shape in known, f"{late[shape]}; its solve stopped")
         why = f"not solved: the last {dry} solves found no plan {gain:.1%} faster than the best " \
             "(the search's stall rule)"
         for shape in jobs.abandon():

@@ -155,19 +155,21 @@ class ShapeWorkers:
             return shape, HELD_NOT
         return shape, reply
 
-    def abandon(self) -> list[tuple]:
-        """Stop every run started and not yet answered: its worker is ended (what it kept is lost:
-        :meth:`run` then answers :data:`HELD_NOT` for those shapes). Returns the shapes whose runs
-        were stopped."""
+    def abandon(self, shapes: Sequence[tuple] | None = None) -> list[tuple]:
+        """Stop the runs started on ``shapes`` (default: every one) and not yet answered: each one's
+        worker is ended (what it kept is lost: :meth:`run` then answers :data:`HELD_NOT` for those
+        shapes). Returns the shapes whose runs were stopped."""
         stopped = []
         for k, shape in sorted(self.running_fn.items()):
+            if shapes is not None and shape not in shapes:
+                continue
             self.procs[k].terminate()
             self.procs[k].join()
             stopped.append(shape)
             for s in [s for s, w in self.holder.items() if w == k]:
                 del self.holder[s]
             self.dead.add(k)
-        self.running_fn.clear()
+            del self.running_fn[k]
         return stopped
 
     def run(self, shape: tuple, fn: Callable, *args):

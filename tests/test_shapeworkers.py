@@ -102,11 +102,13 @@ def test_runs_on_shapes_kept_by_different_workers_run_at_once_and_can_be_stopped
             pool.start((1,), _grow, 1)
         assert not pool.start((9,), _grow, 1)  # kept by none
         assert sorted([pool.next_run(), pool.next_run()]) == [((1,), (1,)), ((2,), (2,))]
-        # A run that will not end is stopped with its worker: what that worker kept is lost.
-        assert pool.start((1,), _hang)
-        assert pool.abandon() == [(1,)]
+        # A run that will not end is stopped with its worker: what that worker kept is lost; a run
+        # not named goes on.
+        assert pool.start((1,), _hang) and pool.start((2,), _grow, 1)
+        assert pool.abandon([(1,)]) == [(1,)]
+        assert pool.next_run() == ((2,), ((2,), 2))
         assert pool.run((1,), _grow, 1) is HELD_NOT and pool.held((1,)) is None
-        assert pool.run((2,), _grow, 1) == ((2,), 2)
+        assert pool.run((2,), _grow, 1) == ((2,), 3)
         pool.submit((3,), 1)  # the worker left takes it
         assert pool.next() == 3 and pool.held((3,)) == k2
     finally:
