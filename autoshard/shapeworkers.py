@@ -13,6 +13,7 @@ in the worker that holds it:
     out = pool.run(shape, fn, *args)    # fn(kept, *args) where ``shape`` is held; HELD_NOT if not
     pool.start(shape, fn, *args)        # the same without waiting (False where not held) ...
     shape, out = pool.next_run()        # ... and its answer, the next of those started
+    pool.abandon([shape])               # stop a run: its worker ends, what it kept is lost
     pool.keep(ranked)                   # each worker keeps at most ``hold`` of these, the first first
 
 Workers are forked, so ``build`` and ``fn`` are module-level functions or closures made before
