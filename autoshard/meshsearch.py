@@ -520,6 +520,12 @@ def _prune(row: ShapeResult, planned: bool, why: str) -> None:
         row.outcome, row.note = "pruned", why
 
 
+def _unsolved(row: ShapeResult, planned: bool, why: str) -> None:
+    """``row`` not solved for ``why``, which is not its plans' (the time, the stall rule): skipped,
+    or still planned by its hand-written plan."""
+    row.note = f"{row.note}; not solved: {why}" if planned else why
+
+
 def _planner_of(shape, planner, free, make_planner, model, example_inputs, options, first, hints=()):
     """The shape's planner: the one that bounded it here, or (bounded in a worker process) built
     again, given the memory-free answer its worker found instead of searching again, and the plans
@@ -711,15 +717,17 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                 # A worker assembles the plan it finds only where it is the best so far (else the
                 # chosen shape's would be built again here to make it).
                 jobs.submit(shape, max(1.0, min(MAX_BOUND_SECONDS, left)), best_known())
-            if not todo and jobs.running and not running and limit - (time.perf_counter() - t0) >= MIN_SOLVE_SECONDS:
-                # Nothing left to bound and a worker idle: it solves one of the two best shapes it
-                # keeps while the last shapes bound, as it would first once they are (LLaMA-70B on
-                # 512 ranks: (64, 4, 2) bounds for 9 s, the other core idle).
-                first_two = [b for b in sorted(bounded, key=solve_order) if b.plan is None and unpromising(b) is None]
-                early = next((b for b in first_two[:2] if jobs.holder_idle(b.shape)), None)
-                left = limit - (time.perf_counter() - t0)
-                if early is not None and jobs.start_solve(early.shape, max(MIN_SOLVE_SECONDS, left / 2), alone=False):
-                    running[early.shape] = (early, time.perf_counter())
+            left = limit - (time.perf_counter() - t0)
+            if not todo and jobs.running and left >= MIN_SOLVE_SECONDS:
+                # Nothing left to bound: an idle worker solves a shape it keeps among those that
+                # would be solved first, at once, once bounding ends (the best, one per worker), while
+                # the last shapes bound (LLaMA-70B on 512 ranks: (64, 4, 2) bounds for 9 s, the other
+                # core idle).
+                leading = [b for b in sorted(bounded, key=solve_order) if b.plan is None and unpromising(b) is None]
+                for b in leading[:jobs.workers]:
+                    if b.shape not in running and jobs.holder_idle(b.shape) \
+                            and jobs.start_solve(b.shape, max(MIN_SOLVE_SECONDS, left / 2), alone=False):
+                        running[b.shape] = (b, time.perf_counter())
             if not jobs.running:
                 continue
             shape, bound, free, seconds, error, planner, made, found, step, peak, hand, hints = jobs.next()
@@ -813,8 +821,7 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                     continue
                 left = limit - (started - t0)
                 if (solved or known or running) and left < MIN_SOLVE_SECONDS:
-                    why = "the time limit is spent: raise time_limit to plan it"
-                    row.note = f"{row.note}; not solved: {why}" if b.shape in known else why
+                    _unsolved(row, b.shape in known, "the time limit is spent: raise time_limit to plan it")
                     queue.pop(i)
                     continue
                 if b.plan is not None:  # its worker made it (its memory-free optimum)
@@ -856,20 +863,18 @@ def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner
                     c, began = running.pop(shape)
                     rows[shape].seconds += time.perf_counter() - began
                     _prune(rows[shape], shape in known, f"{late[shape]}; its solve stopped")
-        why = f"not solved: the last {dry} solves found no plan {gain:.1%} faster than the best " \
-            "(the search's stall rule)"
+        why = f"the last {dry} solves found no plan {gain:.1%} faster than the best (the search's stall rule)"
         for shape in jobs.abandon():
             b, started = running.pop(shape)
             rows[shape].seconds += time.perf_counter() - started
-            rows[shape].note = f"{rows[shape].note}; {why}, its solve stopped" if shape in known else \
-                f"{why}, its solve stopped"
+            _unsolved(rows[shape], shape in known, f"{why}, its solve stopped")
         for b in queue:
             if b.plan is not None:  # its worker made it: no solve to stop
                 record(b, time.perf_counter(), b.plan)
             elif unpromising(b) is not None:
                 _prune(rows[b.shape], b.shape in known, unpromising(b))
             else:
-                rows[b.shape].note = f"{rows[b.shape].note}; {why}" if b.shape in known else why
+                _unsolved(rows[b.shape], b.shape in known, why)
         # The answer: the least predicted step of every plan found (ties: the search order's first).
         steps = {shape: k[0] for shape, k in known.items()}
         for shape, p in solved.items():

@@ -540,6 +540,41 @@ def test_step_floor_bounds_every_split_of_compute_and_communication():
     assert step_floor(100.0, 80.0, 0.9) == pytest.approx(0.1 * 100 + 0.9 * 80)  # at least 80 of it is
 
 
+class _RestartPlanner(_HandWrittenPlanner):
+    """16 ranks: hand-written plans within 10% of each other; solves that pay nothing, pay, then
+    pay nothing twice."""
+
+    hand = {(16,): 5000.0, (2, 8): 300.0, (4, 4): 305.0, (8, 2): 310.0, (2, 2, 4): 315.0, (2, 4, 2): 320.0,
+            (4, 2, 2): 325.0}
+    steps = {(2, 8): 310.0, (4, 4): 280.0, (8, 2): 320.0, (2, 2, 4): 330.0, (2, 4, 2): 340.0, (4, 2, 2): 350.0}
+
+    def solve(self, time_limit):
+        plan = super().solve(time_limit)
+        plan.summary["step_us"] = self.steps[self.shape]
+        return plan
+
+
+def test_the_stall_count_starts_over_after_a_solve_that_pays(world, monkeypatch):
+    """(2, 8)'s solve pays nothing (1), (4, 4)'s pays (0 again, not still 1), (8, 2)'s and
+    (2, 2, 4)'s pay nothing (1, 2): four solves, where a count that only skipped paying solves would
+    have stopped after three."""
+    from types import SimpleNamespace
+
+    import autoshard.meshsearch as ms
+    from autoshard.options import PlanOptions
+
+    world(16)
+    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
+    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
+    plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0), _RestartPlanner)
+    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(2, 8), (4, 4), (8, 2), (2, 2, 4)]
+    assert rows[(4, 4)]["outcome"] == "chosen" and plan.summary["step_us"] == 280.0
+    assert "not solved: the last 2 solves found no plan 0.1% faster" in rows[(2, 4, 2)]["note"]
+
+
 class _SideBySidePlanner(_HandWrittenPlanner):
     """As :class:`_HandWrittenPlanner`; its first two solves meet at a barrier shared by the
     forked workers (they run at once, or the barrier breaks) and report their cores."""
