@@ -13,6 +13,7 @@ Options are :class:`PlanOptions` fields, given as keywords. Progress goes to the
 ``autoshard`` and ``solver`` loggers (INFO).
 """
 
+from autoshard import attention as _attention
 from autoshard.apply import auto_parallel, parallelize
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, MeshError, PlanError, TraceError
 from autoshard.mesh import fake_mesh, parse_mesh
@@ -45,3 +46,6 @@ __all__ = [
     "plan",
     "trace",
 ]
+
+# DTensor rules of the fused attention kernels that torch lacks (the CPU one), for planning and running.
+_attention.register_rules()

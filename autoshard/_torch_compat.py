@@ -272,6 +272,20 @@ def expand_placements(op, schema: OpSchema, info, mesh, out_meta) -> PlacedStrat
     return PlacedStrategies(out)
 
 
+def register_single_dim_rule(op, rule, static_from: int | None = None) -> None:
+    """Register ``rule`` as DTensor's single-dim sharding rule of ``op`` unless DTensor has one
+    (``rule(op, args, kwargs)`` -> placement lists: outputs, then tensor inputs; tensors come as
+    ``TensorMeta``). ``static_from``: the first positional argument whose value, not only its
+    type, changes the rule (DTensor caches by those arguments)."""
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
+
+    if has_rule(op):
+        return
+    info = RuntimeSchemaInfo(static_from) if static_from is not None else None
+    register_single_dim_strategy(op, schema_info=info)(rule)
+
+
 def has_rule(op) -> bool:
     prop = sharding_propagator()
     return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs

@@ -1,7 +1,9 @@
 """Reference models: small, dependency-free, traced to ops DTensor has rules for.
 
-Attention is written as matmul + softmax (the math path): the CPU fused kernel
-``_scaled_dot_product_flash_attention_for_cpu`` has no sharding rule.
+Attention is causal ``F.scaled_dot_product_attention`` (``attention="sdpa"``), as torchtitan's
+models run it: the fused kernel (flash; on a CPU or the meta device torch's flash kernel for
+CPUs), which keeps its output and the row log-sum-exp, not the ``s x s`` scores
+(:mod:`autoshard.attention`). ``attention="math"`` writes it as matmul + softmax + matmul instead.
 """
 
 from __future__ import annotations
@@ -42,17 +44,39 @@ class TransformerConfig:
     """Vocabulary size (0: no embedding or head; inputs are features)."""
     ffn_mult: int = 4
     """FFN hidden width = ffn_mult * dim."""
+    attention: str = "sdpa"
+    """``"sdpa"``: causal ``F.scaled_dot_product_attention`` (a fused kernel); ``"math"``: the same
+    attention as matmul + softmax + matmul (the scores materialized)."""
 
     def __post_init__(self):
+        _check_attention(self.attention)
         if self.dim % self.n_heads:
             raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_layers < 1:
             raise ConfigError(f"n_layers must be >= 1, found {self.n_layers}")
 
 
+ATTENTION = ("sdpa", "math")
+"""How the reference models compute attention (their configs' ``attention``)."""
+
+
+def _check_attention(attention: str) -> None:
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention: expected one of {ATTENTION}, found {attention!r}")
+
+
+def _math_attention(q, k, v, mask=None):
+    """Softmax attention as matmul + softmax + matmul (``mask``: added to the scores)."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(F.softmax(scores, dim=-1), v)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
+        self.attention = cfg.attention
         self.n_heads, self.head_dim = cfg.n_heads, cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -64,8 +88,11 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        out = torch.matmul(F.softmax(scores, dim=-1), v)
+        if self.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mask = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+            out = _math_attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, d))
 
 
@@ -139,8 +166,13 @@ class LlamaConfig:
     """RoPE base frequency."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    attention: str = "sdpa"
+    """``"sdpa"``: causal ``F.scaled_dot_product_attention`` with grouped queries (a fused
+    kernel); ``"math"``: matmul + softmax + matmul over a causal mask buffer, the key/value
+    heads repeated."""
 
     def __post_init__(self):
+        _check_attention(self.attention)
         if self.dim % self.n_heads:
             raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -197,12 +229,14 @@ def _rope_tables(cfg: LlamaConfig):
 
 def _rope_and_mask(cfg) -> dict[str, torch.Tensor]:
     cos, sin, rot = _rope_tables(cfg)
-    mask = torch.full((cfg.max_seq_len, cfg.max_seq_len), float("-inf")).triu(1)
-    return {"rope_cos": cos, "rope_sin": sin, "rope_rot": rot, "causal_mask": mask}
+    out = {"rope_cos": cos, "rope_sin": sin, "rope_rot": rot}
+    if getattr(cfg, "attention", "sdpa") == "math":  # a fused kernel masks by itself
+        out["causal_mask"] = torch.full((cfg.max_seq_len, cfg.max_seq_len), float("-inf")).triu(1)
+    return out
 
 
 def rope_buffers(model: nn.Module, cfg) -> None:
-    """Register a RoPE decoder's tables and causal mask on ``model``."""
+    """Register a RoPE decoder's tables (and, for math attention, its causal mask) on ``model``."""
     for name, value in _rope_and_mask(cfg).items():
         # Non-persistent: derived from the config, never part of a checkpoint.
         model.register_buffer(name, value, persistent=False)
@@ -229,6 +263,7 @@ def init_decoder(model: nn.Module, std: float) -> None:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
+        self.attention = cfg.attention
         self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
@@ -245,11 +280,13 @@ class LlamaAttention(nn.Module):
         q = q * cos + torch.matmul(q, rot) * sin
         k = k * cos + torch.matmul(k, rot) * sin
         rep = self.n_heads // self.n_kv
+        if self.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
+            return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
         if rep > 1:
             k = k[:, :, None].expand(b, self.n_kv, rep, s, self.head_dim).reshape(b, self.n_heads, s, self.head_dim)
             v = v[:, :, None].expand(b, self.n_kv, rep, s, self.head_dim).reshape(b, self.n_heads, s, self.head_dim)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim) + mask[:s, :s]
-        out = torch.matmul(F.softmax(scores, dim=-1), v)
+        out = _math_attention(q, k, v, mask[:s, :s])
         return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
@@ -292,7 +329,7 @@ class Llama(nn.Module):
     def forward(self, tokens):
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin, self.rope_rot, self.causal_mask)
+            x = layer(x, self.rope_cos, self.rope_sin, self.rope_rot, getattr(self, "causal_mask", None))
         return self.head(self.norm(x))
 
     @torch.no_grad()

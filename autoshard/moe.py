@@ -203,7 +203,7 @@ class Moe(nn.Module):
 
     def forward(self, tokens, labels=None):
         x = self.embed(tokens)
-        tables = (self.rope_cos, self.rope_sin, self.rope_rot, self.causal_mask)
+        tables = (self.rope_cos, self.rope_sin, self.rope_rot, getattr(self, "causal_mask", None))
         for layer in self.dense_layers:
             x = layer(x, *tables)
         aux = None if labels is None else x.new_zeros(())

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
+from autoshard.attention import kernel_of
 from autoshard.problem import is_view, matmul_operands, matmul_side, node_flops, op_pricing
 from autoshard.strategies import is_tensor
 from costmodel import compute_time_us
@@ -87,7 +88,7 @@ class Estimator:
         if mm is not None:  # a per-rank program's values are the local pieces
             args = [a for a in node.args if is_tensor(a)]
             side = matmul_side(tuple(_val(args[mm[0]]).shape), tuple(_val(args[mm[1]]).shape))
-        return compute_time_us(flops, nbytes, self.profile, *op_pricing(node, flops), side)
+        return compute_time_us(flops, nbytes, self.profile, *op_pricing(node, flops), side, kernel_of(node.target))
 
     def collective_us(self, node: fx.Node, override_bytes: int | None = None) -> float:
         kind = KIND[node.target]

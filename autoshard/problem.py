@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 import solver
+from autoshard.attention import attention_flops, kernel_of
 from autoshard.errors import AutoshardError, first_line
 from autoshard.imbalance import expert_matmuls, imbalance_scale, move_scale, token_dims
 from autoshard.layers import layer_ties
@@ -177,6 +178,10 @@ def node_flops(node: fx.Node, memo: dict, failures: dict[str, str] | None = None
            tuple(repr(a) for a in node.args if not isinstance(a, fx.Node)))
     if key in memo:
         return memo[key]
+    fused = attention_flops(node)
+    if fused is not None:  # torch's counter ignores causal masks and lacks the CPU kernel
+        memo[key] = fused
+        return fused
     vals = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
     fm = next((a.meta["val"].fake_mode for a in node.all_input_nodes if is_tensor(a)), None)
     flops = 0.0
@@ -303,6 +308,7 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
     flops = node_flops(n, flop_memo, flop_failures)
     dtype, pattern = op_pricing(n, flops, pattern)
     view = is_view(n)
+    kernel = kernel_of(n.target)
     ins_vals = [a.meta["val"] for a in ns.tensor_args]
     c = np.zeros(len(strats))
     usage = np.zeros(len(strats))
@@ -324,7 +330,7 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
         side = None if mm is None else matmul_side(
             s.ins[mm[0]].local_shape(tuple(ins_vals[mm[0]].shape), mesh_shape),
             s.ins[mm[1]].local_shape(tuple(ins_vals[mm[1]].shape), mesh_shape))
-        c[i] = compute_time_us(flops / split, in_b + out_b, profile, dtype, pattern, side)
+        c[i] = compute_time_us(flops / split, in_b + out_b, profile, dtype, pattern, side, kernel)
     return c, usage
 
 

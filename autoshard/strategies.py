@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
+from autoshard.attention import heads_split_evenly, is_fused_attention
 from autoshard.errors import first_line
 from costmodel.spec import Spec
 
@@ -309,7 +310,7 @@ class StrategyEnumerator:
                         results.append(tc.op_strategy(op, self._schema(node, [[s]] + cands[1:]), self.mesh, out_meta))
                     except Exception as exc:  # a spec the rule rejects by raising
                         errors.append(exc)
-        out = [st for st in self._collect(results, node, targs) if executable(node, st)]
+        out = [st for st in self._collect(results, node, targs) if executable(node, st, self.mesh_shape)]
         if not self.partial_inputs:
             out = [st for st in out if not any(i.partial_axes() for i in st.ins)]
         return out
@@ -361,8 +362,11 @@ def _shards_beyond(spec: Spec | None, dim: int) -> bool:
     return spec is not None and any(d is not None and d > dim for d in spec.shard_dims())
 
 
-def executable(node: fx.Node, st: Strategy) -> bool:
-    """Whether DTensor runs ``node`` under ``st`` as the rule says.
+def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None = None) -> bool:
+    """Whether DTensor runs ``node`` under ``st`` as the rule says (on a mesh of ``mesh_shape``).
+
+    Fused attention with grouped queries runs by its rule only where its query heads and its
+    key heads are split into equal parts (:func:`autoshard.attention.heads_split_evenly`).
 
     Most ops run by their rule. Convolutions run by a handler of their own
     (``torch.distributed.tensor._tp_conv``) that reads each spec as one mesh axis per tensor
@@ -371,6 +375,8 @@ def executable(node: fx.Node, st: Strategy) -> bool:
     on a 1-D mesh), and in the backward moves the output's gradient to the input's spec
     whatever the plan says. Strategies outside what it runs correctly are dropped here.
     """
+    if is_fused_attention(node.target):
+        return mesh_shape is None or heads_split_evenly(node, st.ins, mesh_shape)
     if node.target not in _CONV:
         return True
     specs = list(st.ins) + list(st.outs)

@@ -30,6 +30,9 @@ from costmodel.links import LinkModel
 PROFILE_VERSION = 2
 #: Access patterns of memory-bound ops that reach less than a copy's bandwidth (``Profile.mem_efficiency``).
 MEMORY_PATTERNS = ("broadcast", "reduction", "outer_reduction", "normalize", "strided", "transposed", "scatter")
+#: Fused kernels whose FLOPs run at a rate of their own (``Profile.kernel_shares``): fused attention's
+#: forward and backward (flash, memory-efficient, cuDNN, the CPU flash kernel).
+KERNELS = ("attention_forward", "attention_backward")
 #: A pattern a profile does not measure is priced as the one it refines, where that one is measured
 #: (a profile calibrated before ``outer_reduction`` existed prices those as reductions).
 PATTERN_FALLBACK = {"outer_reduction": "reduction"}
@@ -85,6 +88,13 @@ class Profile:
     the ends it stays at the end's. A matmul sharded into thin local pieces (tensor parallelism
     on many ranks) runs below the rate of a well-shaped one. Measured by ``autoshard
     calibrate``; empty: every matmul at the calibrated rate."""
+    kernel_shares: dict = field(default_factory=dict)
+    """Share of the calibrated matmul rate (``tflops(dtype) * compute_efficiency``) that a fused
+    kernel's FLOPs reach, by kernel (:data:`KERNELS`): ``{"attention_forward": 0.6,
+    "attention_backward": 0.5}``. Fused attention does its matmuls in tiles beside an online
+    softmax, the backward recomputing the scores, so it runs below a large matmul's rate. A
+    kernel not named runs at the calibrated rate. Measured by ``autoshard calibrate`` where the
+    device runs the kernel; shipped GPU profiles carry published figures (see ``source``)."""
     kernel_launch_us: float = 5.0
     """Floor on the time of any kernel, microseconds."""
     host_op_us: float = 0.0
@@ -166,6 +176,11 @@ class Profile:
                 and not isinstance(v, bool) and 0 < v <= 4 for k, v in self.matmul_shares.items()):
             raise CostModelError(f"profile {self.name!r}: matmul_shares must map sides (positive integers, as "
                                  f"strings) to shares of the calibrated rate in (0, 4], found {self.matmul_shares!r}")
+        if not isinstance(self.kernel_shares, dict) or not all(
+                k in KERNELS and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 4
+                for k, v in self.kernel_shares.items()):
+            raise CostModelError(f"profile {self.name!r}: kernel_shares must map kernels {KERNELS} to shares of "
+                                 f"the calibrated rate in (0, 4], found {self.kernel_shares!r}")
         ordered = sorted(self.matmul_shares.items(), key=lambda kv: int(kv[0]))
         object.__setattr__(self, "matmul_shares", dict(ordered))
         # (log side, share) per point: the planner asks once per strategy of every matmul.
@@ -199,7 +214,8 @@ class Profile:
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items()
              if k not in ("collectives", "samples", "step_samples", "refinements", "dtype_tflops", "host_op_us",
-                          "host_view_us", "mem_efficiency", "matmul_shares", "all_to_all_by_gather")}
+                          "host_view_us", "mem_efficiency", "matmul_shares", "all_to_all_by_gather",
+                          "kernel_shares")}
         # Absent when empty or 0: older profiles keep their JSON form, hence their digest.
         if self.mem_efficiency:
             d["mem_efficiency"] = dict(sorted(self.mem_efficiency.items()))
@@ -211,6 +227,8 @@ class Profile:
             d["all_to_all_by_gather"] = True
         if self.matmul_shares:
             d["matmul_shares"] = dict(self.matmul_shares)
+        if self.kernel_shares:
+            d["kernel_shares"] = dict(sorted(self.kernel_shares.items()))
         if self.dtype_tflops:
             d["dtype_tflops"] = dict(sorted(self.dtype_tflops.items()))
         d["collectives"] = [f.to_json() for f in self.collectives]
@@ -244,6 +262,11 @@ class Profile:
             if x <= x1:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         return pts[-1][1]
+
+    def kernel_share(self, kernel: str | None) -> float:
+        """The share of the calibrated rate a fused kernel reaches (``kernel_shares``; 1 for
+        None or a kernel not named)."""
+        return self.kernel_shares.get(kernel, 1.0) if kernel else 1.0
 
     def host_us(self, kind: str) -> float:
         """Host time to issue an op of this :func:`~costmodel.ops.host_kind`, microseconds."""

@@ -244,9 +244,9 @@ def test_meta_device_model_is_sharded_at_load(world, how):
         assert sharded, "the plan under test shards nothing"
 
 
-def _hf_model(arch, dropout=0.0):
-    """A small Hugging Face model built from its config class (eager attention: the fused CPU
-    kernel has no sharding rule)."""
+def _hf_model(arch, dropout=0.0, attention=None):
+    """A small Hugging Face model built from its config class, with its default attention
+    (``sdpa``: the fused kernel) unless ``attention`` names another (``"eager"``)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
@@ -265,12 +265,15 @@ def _hf_model(arch, dropout=0.0):
                                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **small)
     elif arch == "qwen2":  # biased q/k/v projections, grouped-query attention
         cfg = transformers.Qwen2Config(intermediate_size=176, num_key_value_heads=2, **small)
+    elif arch == "mistral":  # grouped-query attention, a sliding window wider than the sequence
+        cfg = transformers.MistralConfig(intermediate_size=176, num_key_value_heads=2, sliding_window=128, **small)
     elif arch == "gpt_neox":  # fused qkv projection, partial rotary, parallel residual
         cfg = transformers.GPTNeoXConfig(intermediate_size=176, hidden_dropout=dropout, attention_dropout=dropout,
                                          **small)
     else:
         raise ValueError(arch)
-    cfg._attn_implementation = "eager"
+    if attention is not None:
+        cfg._attn_implementation = attention
     if arch == "vit":
         return transformers.ViTForImageClassification(cfg)
     if arch == "bert":
@@ -284,7 +287,7 @@ def _hf_input(arch):
     return tokens()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "vit", "qwen2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "vit", "qwen2", "mistral", "gpt_neox"])
 def test_hugging_face_models_run_as_planned(world, arch):
     """Real models nobody here wrote: rotary tables, positions and masks built inside forward,
     a ModelOutput, (GPT-2) an LM head tied to the embedding, (BERT) an encoder-only stack,
@@ -328,12 +331,14 @@ def test_hugging_face_models_run_as_planned(world, arch):
             assert full(loss).item() == pytest.approx(ref_losses[step], rel=1e-5, abs=1e-5)
             opt.step()
         # Adam moves every element by about lr whatever its gradient's size, so float32 rounding
-        # in a gradient near zero shows in its parameter: 2% of lr over three steps (HF GPT-2's
-        # worst element: 1.2e-4), against steps of up to 3e-2 that a wrong gradient would skew.
+        # in a gradient near zero shows in its parameter: a few elements move up to 5% of lr over
+        # three steps (HF GPT-2 with the fused kernel: 22 of 16,384 elements of its embedding
+        # beyond 5e-5, the worst 3.3e-4), where a wrong gradient skews most elements by up to 3e-2.
         ref_params = dict(ref.named_parameters())
         for fqn, p in sharded.named_parameters():
-            err = (full(p.detach()) - ref_params[fqn].detach()).abs().max().item()
-            assert err <= 2e-4, f"{fqn}: max |sharded - single| = {err:.3g} after 3 AdamW steps"
+            err = (full(p.detach()) - ref_params[fqn].detach()).abs()
+            assert err.max().item() <= 1e-3, f"{fqn}: max |sharded - single| = {err.max():.3g} after 3 AdamW steps"
+            assert (err > 2e-4).float().mean().item() <= 0.01, f"{fqn}: {(err > 2e-4).sum()} elements moved > 2e-4"
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])

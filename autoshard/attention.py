@@ -1,0 +1,195 @@
+"""Fused attention (``F.scaled_dot_product_attention``'s kernels): sharding rules, FLOPs, kernels.
+
+``F.scaled_dot_product_attention`` traced on the meta device or a CPU runs torch's fused CPU
+kernel ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward), as a CUDA trace
+runs the flash, memory-efficient or cuDNN kernel. Every one of them keeps only its output and
+the row log-sum-exp (``lse``, float32, ``(B, H, L)``) for the backward, which recomputes the
+scores block by block: memory linear in the sequence, FLOPs quadratic.
+
+Sharding rules of the CPU kernel (DTensor has rules for the CUDA kernels only), per mesh axis,
+with ``q: (B, Hq, L, E)``, ``k: (B, Hkv, S, E)``, ``v: (B, Hkv, S, Ev)``, ``Hkv | Hq`` (grouped
+queries), ``mask`` broadcastable to ``(B, Hq, L, S)``:
+
+- batch: ``q, k, v, out, lse`` and every gradient ``S(0)``; the mask ``S(0)`` where it has a
+  batch dim of its own, else ``R``;
+- heads: the same on dim 1, the mask's head dim ``S`` where it has one. With grouped queries a
+  head split is right only when it splits ``Hq`` and ``Hkv`` evenly (query head ``h`` reads
+  key head ``h // (Hq / Hkv)``): :func:`heads_split_evenly` drops the others
+  (``strategies.executable``);
+- queries (not causal): ``q, out, lse, grad_q`` split on the query sequence (``S(2)``), ``k, v``
+  replicated; in the backward ``grad_k`` and ``grad_v`` are partial sums (each rank's queries
+  contribute to every key). A causal kernel masks by local positions, so a query split would
+  shift the diagonal: not offered there (ring attention is what splits a causal sequence).
+
+Nothing else is legal: the head dim is contracted inside the softmax, and a split of the keys'
+sequence needs the softmax's running maximum and sum merged across ranks (ring attention).
+
+FLOPs (:func:`attention_flops`): forward ``2 B Hq L S (E + Ev)`` (scores and their product with
+``v``), backward ``2 B Hq L S (3 E + 2 Ev)`` (the scores recomputed, ``dP``, ``dV``, ``dQ``,
+``dK``), both times the share of the ``L x S`` scores a causal mask keeps (``(L+1)/2L`` when
+``L = S``). Torch's FLOP counter ignores the causal mask and has no formula for the CPU kernel.
+The kernels reach their own share of the matmul rate (``Profile.kernel_shares``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from autoshard import _torch_compat as tc
+from costmodel.profile import KERNELS
+
+aten = torch.ops.aten
+
+#: The fused forward kernels of ``F.scaled_dot_product_attention``.
+FORWARD = (aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default)
+#: Their backward kernels.
+BACKWARD = (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            aten._scaled_dot_product_flash_attention_backward.default,
+            aten._scaled_dot_product_efficient_attention_backward.default,
+            aten._scaled_dot_product_cudnn_attention_backward.default)
+FUSED = frozenset(FORWARD + BACKWARD)
+
+#: ``Profile.kernel_shares`` keys of the two kernels.
+KERNEL_FORWARD, KERNEL_BACKWARD = KERNELS
+
+
+def is_fused_attention(target) -> bool:
+    """Whether an op is one of the fused attention kernels (forward or backward)."""
+    return target in FUSED
+
+
+def kernel_of(target) -> str | None:
+    """The ``Profile.kernel_shares`` key an op is priced by (None: not a fused kernel)."""
+    if target in FORWARD:
+        return KERNEL_FORWARD
+    if target in BACKWARD:
+        return KERNEL_BACKWARD
+    return None
+
+
+def bound_args(target, args, kwargs) -> dict:
+    """The op's arguments by schema name (``query``, ``key``, ``value``, ``is_causal``,
+    ``attn_mask`` / ``attn_bias`` ...), defaults filled in."""
+    out = {}
+    for k, a in enumerate(target._schema.arguments):
+        if k < len(args) and not a.kwarg_only:
+            out[a.name] = args[k]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def _shape(x):
+    v = x.meta.get("val") if isinstance(x, fx.Node) else x
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def causal_share(q_len: int, k_len: int) -> float:
+    """Share of the ``q_len x k_len`` scores a causal mask keeps (query ``i`` sees keys
+    ``0..i``, the top-left alignment of torch's ``is_causal``)."""
+    if q_len <= 0 or k_len <= 0:
+        return 0.0
+    m = min(q_len, k_len)
+    kept = m * (m + 1) // 2 + (q_len - m) * k_len
+    return kept / (q_len * k_len)
+
+
+def attention_flops(node: fx.Node) -> float | None:
+    """FLOPs of a fused attention node (forward or backward, formulas in the module doc); None
+    for other ops or shapes not of rank 4."""
+    target = node.target
+    if target not in FUSED:
+        return None
+    args = bound_args(target, node.args, node.kwargs)
+    q, k, v = (_shape(args.get(n)) for n in ("query", "key", "value"))
+    if not (q and k and v) or len(q) != 4 or len(k) != 4 or len(v) != 4:
+        return None
+    b, h, length, e = q
+    s, ev = k[2], v[3]
+    share = causal_share(length, s) if args.get("is_causal") else 1.0
+    per = 2.0 * b * h * length * s * share
+    return per * (e + ev) if target in FORWARD else per * (3 * e + 2 * ev)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding rules of the CPU kernel (DTensor's single-dim form: outputs, then tensor inputs).
+
+
+def _mask_placement(mask, q_dims: int, q_size: int, dim: int):
+    """The mask's placement when ``q`` is split on ``dim`` (of ``(B, H, L, S)``): split on its own
+    matching dim where that dim is not broadcast, else replicated."""
+    shape = tuple(mask.shape)
+    own = dim - (q_dims - len(shape))  # the mask broadcasts from the right
+    if own >= 0 and shape[own] == q_size and q_size > 1:
+        return tc.Shard(own)
+    return tc.Replicate()
+
+
+def _cpu_rules(args: dict, backward: bool) -> list[list]:
+    q, mask = args["query"], args.get("attn_mask")
+    Shard, Replicate, Partial = tc.Shard, tc.Replicate, tc.Partial
+    rules = []
+    for dim in (0, 1):
+        n_out = 3 if backward else 2
+        n_in = 6 if backward else 3
+        rule = [Shard(dim)] * (n_out + n_in)
+        if mask is not None:
+            rule.append(_mask_placement(mask, len(q.shape), q.shape[dim], dim))
+        rules.append(rule)
+    if not args.get("is_causal"):
+        if backward:  # grad_q, grad_k, grad_v | grad_out, q, k, v, out, lse
+            rule = [Shard(2), Partial(), Partial(), Shard(2), Shard(2), Replicate(), Replicate(), Shard(2), Shard(2)]
+        else:  # out, lse | q, k, v
+            rule = [Shard(2), Shard(2), Shard(2), Replicate(), Replicate()]
+        if mask is not None:
+            rule.append(_mask_placement(mask, len(q.shape), q.shape[2], 2))
+        rules.append(rule)
+    return rules
+
+
+def _cpu_forward_rule(op, args_schema, kwargs_schema):
+    return _cpu_rules(bound_args(op, args_schema, kwargs_schema), backward=False)
+
+
+def _cpu_backward_rule(op, args_schema, kwargs_schema):
+    return _cpu_rules(bound_args(op, args_schema, kwargs_schema), backward=True)
+
+
+def register_rules() -> None:
+    """Give the CPU kernel and its backward DTensor sharding rules (once; DTensor's own rule
+    wins where a torch version ships one)."""
+    # is_causal (forward arg 4, backward arg 7) changes the rule: DTensor caches by the
+    # arguments from these positions on.
+    tc.register_single_dim_rule(aten._scaled_dot_product_flash_attention_for_cpu.default, _cpu_forward_rule,
+                                static_from=3)
+    tc.register_single_dim_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                                _cpu_backward_rule, static_from=6)
+
+
+def heads_split_evenly(node: fx.Node, specs, mesh_shape) -> bool:
+    """Whether a strategy of a fused attention node splits the heads of its query and of its
+    keys into as many equal parts (grouped queries need it: module doc). ``specs``: the
+    strategy's input specs, in the node's tensor-argument order."""
+    args = bound_args(node.target, node.args, node.kwargs)
+    targs = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: targs.append(a) if isinstance(a, fx.Node) and isinstance(
+        a.meta.get("val"), torch.Tensor) else None)
+    pos = {a: k for k, a in enumerate(targs)}
+    q, k = args.get("query"), args.get("key")
+    if q not in pos or k not in pos:
+        return True
+    hq, hk = _shape(q)[1], _shape(k)[1]
+    if hq == hk:
+        return True
+    for node_arg, heads in ((q, hq), (k, hk)):
+        spec = specs[pos[node_arg]]
+        parts = math.prod(mesh_shape[a] for a, d in enumerate(spec.shard_dims()) if d == 1)
+        if heads % parts:
+            return False
+    return True
