@@ -193,3 +193,87 @@ def heads_split_evenly(node: fx.Node, specs, mesh_shape) -> bool:
         if heads % parts:
             return False
     return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the traced kernel on the ranks' device.
+#
+# A plan is traced on the meta device or a CPU, so its attention nodes are the CPU kernel's. On
+# a CUDA mesh each rank runs its shard with the CUDA kernel of the same semantics, on local
+# tensors: every strategy of the rule above is local (no collective inside the op), so each
+# rank's shard of the outputs is the kernel's output on its shards of the inputs.
+
+CPU_FORWARD, CPU_BACKWARD = FORWARD[0], BACKWARD[0]
+
+
+def device_kernel(target, device_type: str):
+    """The local function that runs a traced CPU attention kernel on ``device_type`` (same
+    arguments, same outputs, local tensors); None where the node runs as traced."""
+    if device_type == "cpu" or target not in (CPU_FORWARD, CPU_BACKWARD):
+        return None
+    return _cuda_forward if target is CPU_FORWARD else _cuda_backward
+
+
+def _flash_fits(q, k, attn_mask, is_causal) -> bool:
+    """Whether the CUDA flash kernel computes what the CPU kernel does: no mask, half precision,
+    a head dim it takes, and (causal) as many queries as keys: flash aligns a causal mask to the
+    bottom right, the CPU kernel to the top left."""
+    e = q.shape[-1]
+    return (attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
+            and not (is_causal and q.shape[2] != k.shape[2]))
+
+
+def _no_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        # Never traced so: SDPA with dropout runs the math path on a CPU, which is what is planned.
+        raise NotImplementedError(f"fused attention with dropout_p={dropout_p} on CUDA ranks: the plan's backward "
+                                  "would need the forward's random state")
+
+
+def _sdpa(q, k, v, attn_mask, is_causal, scale):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _cuda_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """``(out, lse)`` of the CPU kernel's schema by CUDA kernels: flash where it fits (its own
+    log-sum-exp, grouped queries natively); otherwise SDPA's choice of kernel, whose
+    log-sum-exp the backward does not read (it recomputes the forward)."""
+    _no_dropout(dropout_p)
+    if _flash_fits(q, k, attn_mask, is_causal):
+        out, lse, *_ = aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                                     None, q.shape[2], k.shape[2], 0.0, is_causal, False, scale=scale)
+        return out.transpose(1, 2), lse
+    out = _sdpa(q, k, v, attn_mask, is_causal, scale)
+    return out, torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+
+
+def _cuda_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    """``(grad_q, grad_k, grad_v)`` of the CPU kernel's schema by CUDA kernels (the path
+    :func:`_cuda_forward` took)."""
+    _no_dropout(dropout_p)
+    if _flash_fits(q, k, attn_mask, is_causal):
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
+        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        grads = aten._flash_attention_backward(grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), out.transpose(1, 2), lse, None, None, q.shape[2],
+                                               k.shape[2], 0.0, is_causal, rng, unused, scale=scale)
+        return tuple(g.transpose(1, 2) for g in grads)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        again = _sdpa(*leaves, attn_mask, is_causal, scale)
+        return tuple(torch.autograd.grad(again, leaves, grad_out))
+
+
+def local_placements(target, q_placements, k_placements) -> list[tuple]:
+    """Placements of a CPU attention kernel's outputs from its query's and key's, as its rule
+    gives them (for a plan that names no spec of the node): the forward's ``out`` and ``lse``
+    and the backward's ``grad_q`` follow the query, ``grad_k`` and ``grad_v`` the key, partial
+    on an axis that splits the queries alone."""
+    if target is CPU_FORWARD:
+        return [tuple(q_placements)] * 2
+    grad_kv = tuple(tc.Partial() if isinstance(pq, tc.Shard) and pq.dim == 2 else pk
+                    for pq, pk in zip(q_placements, k_placements))
+    return [tuple(q_placements), grad_kv, grad_kv]

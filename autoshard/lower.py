@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
-from autoshard import rng
+from autoshard import attention, rng
 from autoshard.errors import PlanError
 from autoshard.planfile import Plan
 from autoshard.recompute import NONE, Recompute, recomputed
@@ -250,10 +250,28 @@ class Lowering:
                     return self._move(v, next(it)) if isinstance(v, torch.Tensor) else v
 
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), arg)
+            kernel = attention.device_kernel(n.target, self.mesh.device_type)
+            if kernel is not None:
+                env[n] = self._local_kernel(n, kernel, args, kwargs, entry)
+                continue
             out = n.target(*args, **kwargs)
             if isinstance(out, DTensor) and "out" in entry and _spec_of(out) != Spec.parse(entry["out"]):
                 self.off_plan.append(n.name)
             env[n] = out
+
+    def _local_kernel(self, n: fx.Node, kernel, args, kwargs, entry: dict) -> tuple:
+        """A traced CPU attention kernel run by the mesh's device's kernel on each rank's shards
+        (:func:`autoshard.attention.device_kernel`), its outputs in the planned placements."""
+        if "out" in entry:
+            placements = [tc.placements_for(Spec.parse(s), self.mesh) for s in entry["out"]]
+        else:
+            bound = attention.bound_args(n.target, args, kwargs)
+            placements = attention.local_placements(n.target, bound["query"].placements, bound["key"].placements)
+        args, kwargs = torch.utils._pytree.tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v,
+                                                    (tuple(args), dict(kwargs)))
+        outs = kernel(*args, **kwargs)
+        return tuple(DTensor.from_local(o, self.mesh, p, run_check=False, shape=v.shape, stride=v.stride())
+                     for o, p, v in zip(outs, placements, n.meta["val"]))
 
     def _random(self, n: fx.Node, env: dict, entry: dict | None):
         """A random op on this rank's shard, keyed so that replicas draw alike (:mod:`autoshard.rng`)."""

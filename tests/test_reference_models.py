@@ -305,6 +305,8 @@ def test_hugging_face_models_run_as_planned(world, arch):
     plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
                           loss_fn=loss_fn, memory_budget=None, seed_baselines=False)
     assert any("S(" in str(plan.param_spec(f)) for f in plan.params), "the plan under test shards nothing"
+    fallback = plan.summary.get("fallback_ops") or {}
+    assert not any("attention" in op for op in fallback), fallback
     ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), loss_fn)
     ref = copy.deepcopy(model)
     ref_losses, _ = reference_adamw(ref, (x,), loss_fn)
@@ -322,6 +324,10 @@ def test_hugging_face_models_run_as_planned(world, arch):
             torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
         if arch == "gpt2":
             assert sharded.lm_head.weight is sharded.transformer.wte.weight
+        program = next(iter(sharded.forward.programs.values()))
+        for part in (program.forward_program(0), program.backward_program(0)):
+            ops = {str(n.target) for n in part.gm.graph.nodes}
+            assert any("_scaled_dot_product_flash_attention_for_cpu" in op for op in ops), "no fused kernel runs"
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
         for step in range(3):
             if step:
