@@ -24,10 +24,11 @@ queries), ``mask`` broadcastable to ``(B, Hq, L, S)``:
 Nothing else is legal: the head dim is contracted inside the softmax, and a split of the keys'
 sequence needs the softmax's running maximum and sum merged across ranks (ring attention).
 
-FLOPs (:func:`attention_flops`): forward ``2 B Hq L S (E + Ev)`` (scores and their product with
-``v``), backward ``2 B Hq L S (3 E + 2 Ev)`` (the scores recomputed, ``dP``, ``dV``, ``dQ``,
-``dK``), both times the share of the ``L x S`` scores a causal mask keeps (``(L+1)/2L`` when
-``L = S``). Torch's FLOP counter ignores the causal mask and has no formula for the CPU kernel.
+FLOPs (:func:`attention_flops`, by :func:`costmodel.compute.attention_flops`): forward
+``2 B Hq L S (E + Ev)`` (scores and their product with ``v``), backward ``2 B Hq L S (3 E + 2 Ev)``
+(the scores recomputed, ``dP``, ``dV``, ``dQ``, ``dK``), both times the share of the ``L x S``
+scores a causal mask keeps (``(L+1)/2L`` when ``L = S``). Torch's FLOP counter ignores the
+causal mask and has no formula for the CPU kernel.
 The kernels reach their own share of the matmul rate (``Profile.kernel_shares``).
 """
 
@@ -39,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
+from costmodel.compute import attention_flops as fused_flops
 from costmodel.profile import KERNELS
 
 aten = torch.ops.aten
@@ -90,16 +92,6 @@ def _shape(x):
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def causal_share(q_len: int, k_len: int) -> float:
-    """Share of the ``q_len x k_len`` scores a causal mask keeps (query ``i`` sees keys
-    ``0..i``, the top-left alignment of torch's ``is_causal``)."""
-    if q_len <= 0 or k_len <= 0:
-        return 0.0
-    m = min(q_len, k_len)
-    kept = m * (m + 1) // 2 + (q_len - m) * k_len
-    return kept / (q_len * k_len)
-
-
 def attention_flops(node: fx.Node) -> float | None:
     """FLOPs of a fused attention node (forward or backward, formulas in the module doc); None
     for other ops or shapes not of rank 4."""
@@ -110,11 +102,7 @@ def attention_flops(node: fx.Node) -> float | None:
     q, k, v = (_shape(args.get(n)) for n in ("query", "key", "value"))
     if not (q and k and v) or len(q) != 4 or len(k) != 4 or len(v) != 4:
         return None
-    b, h, length, e = q
-    s, ev = k[2], v[3]
-    share = causal_share(length, s) if args.get("is_causal") else 1.0
-    per = 2.0 * b * h * length * s * share
-    return per * (e + ev) if target in FORWARD else per * (3 * e + 2 * ev)
+    return fused_flops(q[0], q[1], q[2], k[2], q[3], v[3], bool(args.get("is_causal")), target in BACKWARD)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,10 +199,10 @@ def device_kernel(target, device_type: str):
     arguments, same outputs, local tensors); None where the node runs as traced."""
     if device_type == "cpu" or target not in (CPU_FORWARD, CPU_BACKWARD):
         return None
-    return _cuda_forward if target is CPU_FORWARD else _cuda_backward
+    return cuda_forward if target is CPU_FORWARD else cuda_backward
 
 
-def _flash_fits(q, k, attn_mask, is_causal) -> bool:
+def flash_fits(q, k, attn_mask, is_causal) -> bool:
     """Whether the CUDA flash kernel computes what the CPU kernel does: no mask, half precision,
     a head dim it takes, and (causal) as many queries as keys: flash aligns a causal mask to the
     bottom right, the CPU kernel to the top left."""
@@ -237,12 +225,12 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _cuda_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+def cuda_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     """``(out, lse)`` of the CPU kernel's schema by CUDA kernels: flash where it fits (its own
     log-sum-exp, grouped queries natively); otherwise SDPA's choice of kernel, whose
     log-sum-exp the backward does not read (it recomputes the forward)."""
     _no_dropout(dropout_p)
-    if _flash_fits(q, k, attn_mask, is_causal):
+    if flash_fits(q, k, attn_mask, is_causal):
         out, lse, *_ = aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                                      None, q.shape[2], k.shape[2], 0.0, is_causal, False, scale=scale)
         return out.transpose(1, 2), lse
@@ -250,11 +238,11 @@ def _cuda_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, sc
     return out, torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
 
 
-def _cuda_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+def cuda_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
     """``(grad_q, grad_k, grad_v)`` of the CPU kernel's schema by CUDA kernels (the path
-    :func:`_cuda_forward` took)."""
+    :func:`cuda_forward` took)."""
     _no_dropout(dropout_p)
-    if _flash_fits(q, k, attn_mask, is_causal):
+    if flash_fits(q, k, attn_mask, is_causal):
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
         unused = torch.zeros((), dtype=torch.uint64, device=q.device)
         grads = aten._flash_attention_backward(grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2),

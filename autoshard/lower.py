@@ -54,6 +54,10 @@ class Split:
     """Parameter FQN -> the node of its gradient (only parameters the loss reaches)."""
 
 
+#: Views whose result depends on the input's memory layout (:meth:`Lowering._call`).
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 class LowerError(PlanError):
     """A plan that cannot be lowered to per-rank programs (names the node and the reason)."""
 
@@ -168,6 +172,14 @@ def _spec_of(t: DTensor) -> Spec:
     return spec
 
 
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
 def move(t, want: Spec, planner: RedistributePlanner, mesh):
     """``t`` in spec ``want`` by the planner's own steps (DTensor's placement methods on the
     planned axes or flattened groups); a plain tensor (a constant or a factory op's result, the
@@ -183,8 +195,12 @@ def move(t, want: Spec, planner: RedistributePlanner, mesh):
         return t
     shape = tuple(t.shape)
     local = execute_plan(t.to_local(), planner.plan(have, want, shape, t.element_size()), mesh, shape)
+    # A collective hands back a contiguous shard: so is the value now, whatever layout it was
+    # traced in (a fused attention kernel's output keeps its heads inside its sequence), or a
+    # view traced on that layout would be handed a shard it cannot view (:meth:`Lowering._call`).
+    stride = _contiguous_stride(shape) if local.is_contiguous() else t.stride()
     return DTensor.from_local(local, mesh, tc.placements_for(want, mesh), run_check=False, shape=t.shape,
-                              stride=t.stride())
+                              stride=stride)
 
 
 class Lowering:
@@ -254,10 +270,22 @@ class Lowering:
             if kernel is not None:
                 env[n] = self._local_kernel(n, kernel, args, kwargs, entry)
                 continue
-            out = n.target(*args, **kwargs)
+            out = self._call(n, args, kwargs)
             if isinstance(out, DTensor) and "out" in entry and _spec_of(out) != Spec.parse(entry["out"]):
                 self.off_plan.append(n.name)
             env[n] = out
+
+    def _call(self, n: fx.Node, args, kwargs):
+        """``n``'s op on DTensors. A view traced on its producer's own memory layout (a fused
+        attention kernel's output, its heads inside its sequence) cannot view that value once a
+        redistribute moved it (contiguous again): it views a contiguous copy, as ``reshape``
+        does (one copy, where a move and such a view meet)."""
+        try:
+            return n.target(*args, **kwargs)
+        except (RuntimeError, ValueError) as exc:
+            if n.target not in _VIEWS or not isinstance(args[0], DTensor) or "view" not in str(exc):
+                raise
+        return n.target(args[0].contiguous(), *args[1:], **kwargs)
 
     def _local_kernel(self, n: fx.Node, kernel, args, kwargs, entry: dict) -> tuple:
         """A traced CPU attention kernel run by the mesh's device's kernel on each rank's shards

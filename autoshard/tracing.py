@@ -285,10 +285,21 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
         raise TraceError(
             f"{type(model).__name__}.forward failed on example inputs of shapes {shapes}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{_data_dependent_hint(exc)}"
+            f"{_flex_attention_hint(exc)}"
         ) from exc
     return RawTrace(gm=gm, param_fqns=names_p, buffer_fqns=names_b, trainable=trainable, input_names=input_names,
                     groups=groups, leaves=seen.get("leaves", []), tree=seen.get("tree"),
                     grads=dict(seen.get("grads", {})), fake_mode=fm)
+
+
+def _flex_attention_hint(exc: Exception) -> str:
+    """What to do about FlexAttention, which a training step cannot be traced through here."""
+    if "FlexAttention" not in str(exc) and "flex_attention" not in str(exc):
+        return ""
+    return ("\n  FlexAttention cannot be planned with torch " + torch.__version__.split("+")[0] + ": its backward has "
+            "no implementation for the CPU or meta device that a plan is traced on, and DTensor has no sharding rule "
+            "for its higher-order op. Plan the model with F.scaled_dot_product_attention (is_causal=True, or a "
+            "boolean/additive attn_mask for document masking): the same fused attention, planned and run as such.")
 
 
 def _data_dependent_hint(exc: Exception) -> str:

@@ -20,10 +20,9 @@ Then the cases at scale (``--no-scale`` skips them):
 - LLaMA-70B shapes on (8, 8, 8) = 512 ranks with global batch 512 x 2048: compared the same
   way (ours seeded by the baselines), then planned twice more without the seeds, which must
   land within 5% of the best baseline and give the same plan in both runs;
-- LLaMA-8B with sequence 8192 (global batch 64) on (8, 8), 80 GiB: no plan fits without
-  recomputing activations (the reference models' attention is the math path, whose scores
-  are batch x heads x seq x seq), so the baseline to beat is ``fsdp_tp_ac`` (FSDP+TP with
-  full activation checkpointing) and ours chooses its recomputation with the plan.
+- LLaMA-8B with sequence 8192 (global batch 64) on (8, 8), 80 GiB: a long sequence, where
+  activations weigh most and ours chooses its recomputation with the plan (the baselines
+  include ``fsdp_tp_ac``, FSDP+TP with full activation checkpointing).
 
 Then the mixture-of-experts cases (``--no-moe`` skips them, ``--only-moe`` runs them alone),
 on (8, 8) with global batch 64 x 2048, where the baselines gain expert parallelism (``ep_tp``:

@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from costmodel.collectives import MeshTopology
+from costmodel.compute import attention_flops
 from costmodel.errors import CostModelError
 from costmodel.fit import fit_collective
 from costmodel.links import LinkModel
-from costmodel.profile import Profile, load_profile
+from costmodel.profile import KERNELS, Profile, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,9 @@ class SweepResult:
     matmul_sizes: dict = field(default_factory=dict)
     """Achieved TFLOP/s of square matmuls in the planning dtype by side, the calibration size's
     included (:func:`matmul_sides`)."""
+    attention_tflops: tuple | None = None
+    """Achieved TFLOP/s of fused causal attention's forward and backward in the planning dtype
+    (:func:`measure_attention`)."""
 
 
 #: Sides of the matmuls that calibrate the rate by size, as multiples of ``matmul_size``, by
@@ -245,6 +249,13 @@ def matmul_shares(rates: dict, n: int) -> dict[str, float]:
     return {str(side): round(rate / base, 4) for side, rate in sorted(rates.items()) if rate > 0}
 
 
+def kernel_shares(attention_tflops: tuple[float, float], matmul_tflops: float) -> dict[str, float]:
+    """``Profile.kernel_shares`` from fused attention's measured forward and backward rates: each
+    over the calibration matmul's rate (shares kept within the profile's bounds)."""
+    return {kernel: round(min(4.0, max(1e-3, rate / matmul_tflops)), 4)
+            for kernel, rate in zip(KERNELS, attention_tflops) if rate > 0}
+
+
 def measure_matmul(device, n: int, dtype, lockstep: bool = False) -> float:
     """Achieved TFLOP/s of an n x n matmul, best of a few runs, the device's time alone
     (:meth:`Timer.device_best`): inside a step the host runs ahead, and its issue of each op is
@@ -256,6 +267,39 @@ def measure_matmul(device, n: int, dtype, lockstep: bool = False) -> float:
     timer = Timer(torch.device(device))
     fn = lambda: torch.mm(a, b, out=out)  # noqa: E731
     return 2 * n**3 / (lockstep_seconds(timer, fn) if lockstep else timer.device_best(fn)) / 1e12
+
+
+#: Shape of the attention that calibrates ``Profile.kernel_shares`` by device type: (batch,
+#: heads, sequence, head dim), causal. A GPU's is a LLaMA-shaped layer's (head dim 128) at a
+#: sequence people train at; a CPU's is small enough for a CI machine.
+ATTENTION_SHAPES = {"cuda": (2, 16, 4096, 128), "cpu": (2, 4, 512, 64)}
+
+
+def measure_attention(device, dtype, lockstep: bool = False) -> tuple[float, float]:
+    """Achieved TFLOP/s of fused causal attention (``F.scaled_dot_product_attention``: flash on
+    GPUs, torch's flash kernel for CPUs), forward and backward, FLOPs counted as the planner
+    counts them (:func:`costmodel.compute.attention_flops`), at :data:`ATTENTION_SHAPES`. The
+    backward's time is a forward and backward less a forward."""
+    import torch.nn.functional as F
+
+    b, h, n, e = ATTENTION_SHAPES.get(torch.device(device).type, ATTENTION_SHAPES["cpu"])
+    q, k, v = (torch.randn(b, h, n, e, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, n, e, device=device, dtype=dtype)
+    timer = Timer(torch.device(device))
+
+    def forward():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    seconds = (lambda fn: lockstep_seconds(timer, fn)) if lockstep else timer.best
+    fwd_s, both_s = seconds(forward), seconds(both)
+    bwd_s = max(both_s - fwd_s, 1e-9)
+    return (attention_flops(b, h, n, n, e, e, True, False) / fwd_s / 1e12,
+            attention_flops(b, h, n, n, e, e, True, True) / bwd_s / 1e12)
 
 
 def measure_bandwidth(device, nbytes: int, lockstep: bool = False) -> float:
@@ -513,6 +557,9 @@ def sweep(mesh, cfg: CalibrationConfig, devices_per_node: int) -> SweepResult:
             if result.matmul_sizes:
                 say("matmul rate by side: " + ", ".join(f"{side} {rate:.3f}"
                                                         for side, rate in result.matmul_sizes.items()) + " TFLOP/s")
+            result.attention_tflops = measure_attention(device, planning, lockstep)
+            say(f"fused attention: forward {result.attention_tflops[0]:.3f}, backward "
+                f"{result.attention_tflops[1]:.3f} TFLOP/s")
             name = str(other).removeprefix("torch.")
             result.other_tflops[name] = measure_matmul(device, cfg.matmul_size, other, lockstep)
             say(f"matmul {cfg.matmul_size}^3 in {name}: {result.other_tflops[name]:.3f} TFLOP/s")
@@ -600,6 +647,8 @@ def build_profile(result: SweepResult, mesh, base: Profile, backend: str, device
         eff = changes["compute_efficiency"]
         changes["dtype_tflops"] = {**base.dtype_tflops,
                                    **{d: r / eff for d, r in result.other_tflops.items() if r > 0}}
+        if result.attention_tflops:
+            changes["kernel_shares"] = kernel_shares(result.attention_tflops, result.matmul_tflops)
         shares = matmul_shares(result.matmul_sizes, result.matmul_side)
         if len(shares) > 1:
             changes["matmul_shares"] = shares

@@ -23,3 +23,23 @@ def compute_time_us(flops: float, nbytes: float, profile: Profile, dtype: str | 
                           * profile.kernel_share(kernel))
     t_mem = nbytes / (profile.bandwidth_gbps(pattern) * 1e3)
     return max(t_flops, t_mem, profile.kernel_launch_us)
+
+
+def causal_share(q_len: int, k_len: int) -> float:
+    """Share of the ``q_len x k_len`` attention scores a causal mask keeps (query ``i`` sees
+    keys ``0..i``, the top-left alignment of torch's ``is_causal``)."""
+    if q_len <= 0 or k_len <= 0:
+        return 0.0
+    m = min(q_len, k_len)
+    kept = m * (m + 1) // 2 + (q_len - m) * k_len
+    return kept / (q_len * k_len)
+
+
+def attention_flops(batch: int, heads: int, q_len: int, k_len: int, head_dim: int, v_dim: int, causal: bool,
+                    backward: bool) -> float:
+    """FLOPs of fused attention over ``heads`` query heads: forward ``2 B H L S (E + Ev)`` (the
+    scores and their product with the values), backward ``2 B H L S (3 E + 2 Ev)`` (the scores
+    recomputed, then dP, dV, dQ, dK), times the share of the scores a causal mask keeps (the
+    kernels skip masked blocks)."""
+    per = 2.0 * batch * heads * q_len * k_len * (causal_share(q_len, k_len) if causal else 1.0)
+    return per * (3 * head_dim + 2 * v_dim if backward else head_dim + v_dim)

@@ -7,10 +7,11 @@ from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import autoshard
-from autoshard.attention import attention_flops, causal_share
+from autoshard.attention import attention_flops
 from autoshard.models import llama
 from autoshard.strategies import StrategyEnumerator
 from autoshard.tracing import trace
+from costmodel.compute import causal_share
 
 FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
@@ -157,13 +158,13 @@ def test_cuda_kernels_compute_what_the_cpu_kernel_does():
         g = torch.randn_like(out)
         want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             g, q, k, v, out, lse, 0.0, causal, attn_mask=m)
-        got_out, _ = attention._cuda_forward(q, k, v, 0.0, causal, attn_mask=m)
+        got_out, _ = attention.cuda_forward(q, k, v, 0.0, causal, attn_mask=m)
         torch.testing.assert_close(got_out, out)
-        got = attention._cuda_backward(g, q, k, v, out, lse, 0.0, causal, attn_mask=m)
+        got = attention.cuda_backward(g, q, k, v, out, lse, 0.0, causal, attn_mask=m)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
-        attention._cuda_forward(q, k, v, 0.1, True)
+        attention.cuda_forward(q, k, v, 0.1, True)
 
 
 def test_cuda_flash_path_has_the_cpu_kernels_shapes():
@@ -176,13 +177,13 @@ def test_cuda_flash_path_has_the_cpu_kernels_shapes():
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(2, 8, 16, 64, device="cuda", dtype=torch.bfloat16)
         k = torch.empty(2, 2, 16, 64, device="cuda", dtype=torch.bfloat16)
-        assert attention._flash_fits(q, k, None, True)
-        out, lse = attention._cuda_forward(q, k, k, 0.0, True)
+        assert attention.flash_fits(q, k, None, True)
+        out, lse = attention.cuda_forward(q, k, k, 0.0, True)
         assert out.shape == q.shape and lse.shape == (2, 8, 16) and lse.dtype == torch.float32
-        dq, dk, dv = attention._cuda_backward(out, q, k, k, out, lse, 0.0, True)
+        dq, dk, dv = attention.cuda_backward(out, q, k, k, out, lse, 0.0, True)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
     assert attention.device_kernel(FWD, "cpu") is None
-    assert attention.device_kernel(FWD, "cuda") is attention._cuda_forward
+    assert attention.device_kernel(FWD, "cuda") is attention.cuda_forward
 
 
 def test_lowered_programs_run_another_devices_kernel_as_planned(world, monkeypatch):
@@ -204,8 +205,8 @@ def test_lowered_programs_run_another_devices_kernel_as_planned(world, monkeypat
             return fn(*args, **kwargs)
         return run
 
-    kernels = {attention.CPU_FORWARD: counted(attention._cuda_forward),
-               attention.CPU_BACKWARD: counted(attention._cuda_backward)}
+    kernels = {attention.CPU_FORWARD: counted(attention.cuda_forward),
+               attention.CPU_BACKWARD: counted(attention.cuda_backward)}
     monkeypatch.setattr(attention, "device_kernel", lambda target, device_type: kernels.get(target))
     model, x = llama("tiny", n_heads=4, n_kv_heads=2), torch.randint(0, 256, (8, 32))
 
@@ -224,4 +225,24 @@ def test_lowered_programs_run_another_devices_kernel_as_planned(world, monkeypat
         for fqn, p in sharded.named_parameters():
             torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
     # Each layer's forward and backward, lowered once per rank.
-    assert calls.count("_cuda_forward") == calls.count("_cuda_backward") == 2 * 4, calls
+    assert calls.count("cuda_forward") == calls.count("cuda_backward") == 2 * 4, calls
+
+
+def test_flex_attention_is_refused_with_what_is_missing():
+    """FlexAttention's backward has no CPU or meta implementation in this torch: the trace fails
+    with an error that says so and names the fused SDPA form to plan instead."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    class Flex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            b, n, d = x.shape
+            q = self.w(x).view(b, n, 4, 16).transpose(1, 2)
+            mask = create_block_mask(lambda b_, h, i, j: i >= j, None, None, n, n, device=x.device)
+            return flex_attention(q, q, q, block_mask=mask).transpose(1, 2).reshape(b, n, d)
+
+    with pytest.raises(autoshard.TraceError, match="FlexAttention cannot be planned .* F.scaled_dot_product_attention"):
+        trace(Flex(), (torch.randn(2, 128, 64),))

@@ -95,7 +95,9 @@ def _check_model(model, x, shape, names, only=None):
                                        msg=lambda m: f"{n.name} {op} in {ins} out {planned}: {m}")
             sharded += "S(" in planned or any("S(" in s for s in ins)
     if only is None:
-        assert len(cases) > 50 and sharded > 10, (len(cases), sharded)
+        # The tiny models' plans hold 45-60 distinct cases (fused attention is one op where
+        # the math path was a dozen); a check that ran a handful would prove little.
+        assert len(cases) > 40 and sharded > 10, (len(cases), sharded)
     else:
         assert sharded, cases
 

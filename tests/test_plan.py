@@ -250,7 +250,10 @@ def test_a_hand_written_plan_predicted_faster_than_the_proved_optimum_is_the_pla
     labelled; without seeds the solve's own plan comes back."""
     world(4)
     torch.manual_seed(0)
-    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128)
+    # Math attention: a case where the additive optimum and the simulated step disagree (with the
+    # fused kernel this model's solve is itself the fastest plan).
+    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128,
+                  attention="math")
     inputs = (torch.randint(0, 2048, (16, 128)),)
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
     own = autoshard.plan(model, inputs, mesh, profile="cpu-gloo", time_limit=10, memory_budget=None,
@@ -326,7 +329,10 @@ def test_hints_from_another_planner_start_every_solve_and_bound_its_answer(world
     again.hint([(name, np.asarray(choice, dtype=np.int32)) for name, choice in found])
     plan = again.solve(memory_budget=budget, time_limit=2)
     assert given and all(names.count("solve") >= 2 for names in given)  # the hand-written plans' solves too
-    assert additive_solve(plan) <= additive_solve(worker) * (1 + 1e-9)
+    # The worker's plan (after its overlap rounds) is the start: its objective and predicted step
+    # bound the new solve's (the first round's additive step need not: it starts elsewhere).
+    assert plan.solver["objective"] <= worker.solver["objective"] * (1 + 1e-9)
+    assert plan.summary["step_us"] <= worker.summary["step_us"] * (1 + 1e-9)
     assert [name for name, _ in again.known_choices()][-2:] == ["solve", "solve"]
     with pytest.raises(autoshard.ConfigError, match=r"hint 'short': expected a choice per problem node \(at least"):
         again.hint([("short", np.zeros(3, dtype=np.int32))])
