@@ -204,11 +204,19 @@ def device_kernel(target, device_type: str):
 
 def flash_fits(q, k, attn_mask, is_causal) -> bool:
     """Whether the CUDA flash kernel computes what the CPU kernel does: no mask, half precision,
-    a head dim it takes, and (causal) as many queries as keys: flash aligns a causal mask to the
-    bottom right, the CPU kernel to the top left."""
+    a head dim it takes, (causal) as many queries as keys (flash aligns a causal mask to the
+    bottom right, the CPU kernel to the top left), a device that has it."""
     e = q.shape[-1]
     return (attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
-            and not (is_causal and q.shape[2] != k.shape[2]))
+            and not (is_causal and q.shape[2] != k.shape[2]) and _has_flash(q.device))
+
+
+def _has_flash(device) -> bool:
+    """Whether the CUDA device runs the flash kernel (Ampere and later; True where no CUDA
+    device answers: tracing on fake CUDA tensors)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return device.type == "cuda"
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _no_dropout(dropout_p: float) -> None:
