@@ -105,6 +105,25 @@ def attention_flops(node: fx.Node) -> float | None:
     return fused_flops(q[0], q[1], q[2], k[2], q[3], v[3], bool(args.get("is_causal")), target in BACKWARD)
 
 
+def attention_summary(nodes, chosen, profile) -> dict:
+    """What a plan says of its fused attention (``Plan.summary["attention"]``; empty without
+    any): ``kernels`` (forward kernels planned), ``splits`` (the query's spec -> kernels so
+    split) and ``kernel_shares`` (the profile's shares of the matmul rate the kernels are priced
+    at; absent: at the matmul rate)."""
+    splits: dict[str, int] = {}
+    for n, st in zip(nodes, chosen):
+        if n.op == "call_function" and n.target in FORWARD:
+            key = str(st.ins[0])
+            splits[key] = splits.get(key, 0) + 1
+    if not splits:
+        return {}
+    out = {"kernels": sum(splits.values()), "splits": dict(sorted(splits.items()))}
+    shares = {k: profile.kernel_share(k) for k in KERNELS if k in profile.kernel_shares}
+    if shares:
+        out["kernel_shares"] = shares
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Sharding rules of the CPU kernel (DTensor's single-dim form: outputs, then tensor inputs).
 

@@ -79,7 +79,8 @@ class Plan:
     redistributes: list[dict] = field(default_factory=list)
     """Every non-free redistribute: node, arg, from, to, steps, us."""
     summary: dict = field(default_factory=dict)
-    """Predicted step_us, compute_us, comm_us, peak_mem_bytes; counts; every fallback:
+    """Predicted step_us, compute_us, comm_us, peak_mem_bytes; counts; fused attention (its
+    kernels, their splits, the rate they are priced at); every fallback:
     fallback_ops (op -> nodes replicated for want of a sharding rule), rule_errors (op -> what
     its rule raised), flops_uncounted (op -> why its FLOPs are costed as 0)."""
     solver: dict = field(default_factory=dict)
@@ -236,6 +237,14 @@ class Plan:
             tried = ", ".join(f"{m} {v / 1e3:.1f} ms" if isinstance(v, (int, float)) else f"{m} {v}"
                               for m, v in s["recompute_tried"].items())
             lines.append(f"  recompute modes tried: {tried}")
+        if s.get("attention"):
+            att = s["attention"]
+            splits = ", ".join(f"{spec} x{k}" for spec, k in att["splits"].items())
+            shares = att.get("kernel_shares")
+            rate = (", priced at " + " / ".join(f"{v:g}" for v in shares.values()) + " ("
+                    + " / ".join(k.removeprefix("attention_") for k in shares) + ") of the matmul rate") \
+                if shares else ", priced at the matmul rate"
+            lines.append(f"  fused attention: {att['kernels']} kernels, query split {splits}{rate}")
         if s.get("fallback_ops"):
             lines.append(f"  ops with no sharding rule (replicated): {s['fallback_ops']}")
         for op, err in (s.get("rule_errors") or {}).items():

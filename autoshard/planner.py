@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import solver
+from autoshard.attention import attention_summary
 from autoshard.baselines import baseline_pins, baseline_recompute, baselines_for
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.gcpause import fewer_gc_passes
@@ -683,6 +684,9 @@ def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profi
         "recompute": {"mode": rc.mode, "nodes": rc.count, "layers": len(rc.nodes),
                       "compute_us": round(float(sum(gp.compute_us[c][choice[c]] for c in gp.copy_of)), 3)},
     }
+    attention = attention_summary(gp.nodes[:gp.num_originals], chosen, prof)
+    if attention:
+        summary["attention"] = attention
     if gp.imbalance:
         summary["load_imbalance"] = dict(gp.imbalance)
     summary["simulated"] = {"step_us": round(tl.step_us, 3), "exposed_comm_us": round(max(0.0, tl.exposed_us), 3),

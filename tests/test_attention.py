@@ -104,6 +104,9 @@ def test_fused_attention_is_planned_not_replicated(world):
                           memory_budget=None)
     assert not any("attention" in op for op in plan.summary.get("fallback_ops", {})), plan.summary["fallback_ops"]
     assert any("attention" in op for op in (n.get("op", "") for n in plan.nodes.values()))
+    att = plan.summary["attention"]
+    assert att["kernels"] == 2 and sum(att["splits"].values()) == 2 and "kernel_shares" not in att
+    assert "fused attention: 2 kernels, query split" in plan.describe()
     tg = trace(model, (x,))
     fwd, bwd = attention_flops(_attention_node(tg)), attention_flops(_attention_node(tg, True))
     b, h, s, e = 8, 4, 32, 16
