@@ -32,6 +32,7 @@ from autoshard import attention, rng
 from autoshard.errors import PlanError
 from autoshard.planfile import Plan
 from autoshard.recompute import NONE, Recompute, recomputed
+from autoshard.strategies import skipped_by_cat
 from autoshard.tracing import TracedGraph
 from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, make_groups
 from costmodel.profile import Profile
@@ -280,6 +281,9 @@ class Lowering:
         attention kernel's output, its heads inside its sequence) cannot view that value once a
         redistribute moved it (contiguous again): it views a contiguous copy, as ``reshape``
         does (one copy, where a move and such a view meet)."""
+        if skipped_by_cat(n):  # cat skips them; planned replicated and empty, DTensor's rule would not
+            kept = [v for a, v in zip(n.args[0], args[0]) if a not in skipped_by_cat(n)]
+            args = (kept, *args[1:])
         try:
             return n.target(*args, **kwargs)
         except (RuntimeError, ValueError) as exc:

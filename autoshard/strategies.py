@@ -257,6 +257,9 @@ class StrategyEnumerator:
             # Factory ops (zeros, arange, ...) read no tensor: each rank can make any shard of
             # the result locally, so every non-partial spec is free to produce.
             return [Strategy(outs=(s,), ins=()) for s in self.specs_for(val, partial=False)]
+        if op is torch.ops.aten.lift_fresh_copy.default and len(targs) == 1:
+            # A constant built inside forward, copied as it is: any spec in is the same spec out.
+            return [Strategy(outs=(s,), ins=(s,)) for s in self.specs_for(_val(targs[0]), partial=False)]
         if not isinstance(op, torch._ops.OpOverload) or not tc.has_rule(op):
             return []
         cands = [self.specs_for(_val(a), partial=self.partial_inputs) for a in targs]
@@ -266,11 +269,14 @@ class StrategyEnumerator:
         lists = [a for a in node.args if isinstance(a, (list, tuple)) and any(is_tensor(x) for x in a)]
         if lists and not all(is_tensor(a[0]) for a in lists):
             return []  # optional-tensor lists (index, index_put): not planned yet (fallback replicate)
+        skipped = skipped_by_cat(node)
+        if skipped:
+            return self._cat_without(node, targs, skipped, errors)
         if lists:
             # A list of tensors (cat, stack): DTensor's rules merge the list's specs into one
             # strategy, so ask once per spec, every tensor argument of the same rank given it.
-            # Tensors of other ranks in the list (a KV cache's empty start, which cat skips):
-            # DTensor's rule makes them follow the others' specs and then cannot move them.
+            # Tensors of other ranks in the list: DTensor's rule makes them follow the others'
+            # specs and then cannot move them.
             ndim = _val(targs[0]).ndim
             if any(_val(a).ndim != ndim for a in targs):
                 return []
@@ -315,6 +321,23 @@ class StrategyEnumerator:
             out = [st for st in out if not any(i.partial_axes() for i in st.ins)]
         return out
 
+    def _cat_without(self, node: fx.Node, targs: list[fx.Node], skipped: list[fx.Node],
+                     errors: list[Exception]) -> list[Strategy]:
+        """``cat``'s strategies with the empty 1-D tensors it skips left out (a KV cache's empty
+        start: Hugging Face's decoders concatenate every layer's keys and values to one in
+        training too): the others' strategies, each skipped tensor replicated (no bytes). The
+        lowering runs the ``cat`` without them (:func:`autoshard.lower.Lowering`)."""
+        kept = [a for a in targs if a not in skipped]
+        if not kept:
+            return []
+        shim = _Shim(node.target, (list(kept), *node.args[1:]), node.kwargs, node.meta)
+        r = Spec(("R",) * len(self.mesh_shape))
+        out = []
+        for st in self._enumerate(shim, kept, errors):
+            it = iter(st.ins)
+            out.append(Strategy(outs=st.outs, ins=tuple(r if a in skipped else next(it) for a in targs)))
+        return out
+
     def _collect(self, results, node, targs) -> list[Strategy]:
         seen, out = set(), []
         multi = isinstance(_val(node), (tuple, list))
@@ -348,6 +371,28 @@ class StrategyEnumerator:
                     seen.add(strat)
                     out.append(strat)
         return out
+
+
+@dataclass
+class _Shim:
+    """A node's stand-in with other arguments (what the strategy enumeration reads of a node)."""
+
+    target: object
+    args: tuple
+    kwargs: dict
+    meta: dict
+
+
+def skipped_by_cat(node) -> list:
+    """The tensors of a ``cat`` node that ``cat`` skips: 1-D and empty, in a list of tensors of
+    more dims (torch's legacy rule, which a KV cache's empty start relies on)."""
+    if node.target is not torch.ops.aten.cat.default or not isinstance(node.args[0], (list, tuple)):
+        return []
+    vals = [(a, _val(a)) for a in node.args[0] if is_tensor(a)]
+    empty = [a for a, v in vals if v.ndim == 1 and v.numel() == 0]
+    if not empty or all(v.ndim == 1 for _, v in vals):
+        return []
+    return empty
 
 
 _CONV = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
