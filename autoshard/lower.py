@@ -281,9 +281,9 @@ class Lowering:
         attention kernel's output, its heads inside its sequence) cannot view that value once a
         redistribute moved it (contiguous again): it views a contiguous copy, as ``reshape``
         does (one copy, where a move and such a view meet)."""
-        if skipped_by_cat(n):  # cat skips them; planned replicated and empty, DTensor's rule would not
-            kept = [v for a, v in zip(n.args[0], args[0]) if a not in skipped_by_cat(n)]
-            args = (kept, *args[1:])
+        skipped = skipped_by_cat(n)
+        if skipped:  # cat skips them; planned replicated and empty, DTensor's rule would not
+            args = ([v for a, v in zip(n.args[0], args[0]) if a not in skipped], *args[1:])
         try:
             return n.target(*args, **kwargs)
         except (RuntimeError, ValueError) as exc:
