@@ -13,15 +13,15 @@ Options are :class:`PlanOptions` fields, given as keywords. Progress goes to the
 ``autoshard`` and ``solver`` loggers (INFO).
 """
 
-from autoshard import attention as _attention
 from autoshard.apply import auto_parallel, parallelize
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, MeshError, PlanError, TraceError
+from autoshard.graph import attention as _attention
+from autoshard.graph.tracing import trace
 from autoshard.mesh import fake_mesh, parse_mesh
 from autoshard.options import PlanOptions
 from autoshard.planfile import PLAN_VERSION, ParamPlacement, Plan
-from autoshard.planner import Planner, compare, plan
-from autoshard.replay import PlannedStep
-from autoshard.tracing import trace
+from autoshard.planning.planner import Planner, compare, plan
+from autoshard.runtime.replay import PlannedStep
 
 __version__ = "0.1.0"
 

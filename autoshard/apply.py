@@ -1,8 +1,8 @@
 """Apply a plan: parameters become DTensors, the model's forward and backward run the plan.
 
 ``parallelize`` shards the parameters and buffers as planned and replaces the model's
-``forward`` with the plan's lowered per-rank programs (:mod:`autoshard.lower`,
-:mod:`autoshard.runtime`): every redistribute is the planner's own steps, and
+``forward`` with the plan's lowered per-rank programs (:mod:`autoshard.runtime.lower`,
+:mod:`autoshard.runtime.program`): every redistribute is the planner's own steps, and
 ``loss.backward()`` on any loss of the outputs runs the lowered backward.
 """
 
@@ -17,8 +17,8 @@ from autoshard.errors import ConfigError, MeshError, PlanError
 from autoshard.gcpause import fewer_gc_passes
 from autoshard.mesh import axis_names_of, check_mesh, several_processes
 from autoshard.planfile import Plan
-from autoshard.runtime import StepFunction
-from autoshard.shards import distribute, unsharded_meta_copy
+from autoshard.runtime.program import StepFunction
+from autoshard.runtime.shards import distribute, unsharded_meta_copy
 from costmodel.spec import Spec
 
 
@@ -91,8 +91,8 @@ class _PlannedForward:
         self.programs: dict[tuple, object] = {}
 
     def program(self, inputs: list[torch.Tensor], constants: dict):
-        from autoshard.runtime import PlannedProgram
-        from autoshard.tracing import trace
+        from autoshard.graph.tracing import trace
+        from autoshard.runtime.program import PlannedProgram
 
         names = self.plan.keyword_inputs
         key = (tuple((tuple(x.shape), x.dtype) for x in inputs), repr(sorted(constants.items())))
@@ -143,7 +143,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
     stays one DTensor); each tensor argument of ``forward``, positional or keyword (as planned
     with ``example_kwargs``), is distributed with its planned spec (from the full tensor given
     on every rank; other keyword values must be those planned with). ``forward`` runs the plan's lowered
-    forward program (:mod:`autoshard.lower`, lowered on first call per input shape) and
+    forward program (:mod:`autoshard.runtime.lower`, lowered on first call per input shape) and
     returns the model's outputs as DTensors in their planned placements; ``backward`` on any
     loss of them runs the lowered backward program and leaves each gradient in its
     parameter's placement.
@@ -155,7 +155,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
     reduce-scatters, parameter all-gathers) are merged into buckets of up to this many MiB
     (torch's bucketing passes on the lowered programs; 0 with ``overlap=False``: exactly one
     collective per planned step). ``overlap``: torch's overlap scheduler starts each collective
-    early and waits late, costed by the plan's profile (:mod:`autoshard.passes`).
+    early and waits late, costed by the plan's profile (:mod:`autoshard.runtime.passes`).
     ``compile``: ``torch.compile`` each rank's lowered forward and backward program (``True``:
     Inductor; a string names another backend, e.g. ``"aot_eager"``), whole-graph, static shapes,
     compiled on first use. On real processes only: under LocalTensorMode the programs of every
@@ -240,7 +240,7 @@ def auto_parallel(model: nn.Module, example_inputs, mesh, *, compute_loss: bool 
     import torch.distributed as dist
 
     from autoshard.options import resolve
-    from autoshard.planner import plan as make_plan
+    from autoshard.planning.planner import plan as make_plan
 
     opts = resolve(options, plan_options)
     if isinstance(example_inputs, torch.Tensor):

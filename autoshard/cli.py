@@ -208,9 +208,9 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
 def cmd_demo(args) -> int:
     import torch
 
-    from autoshard.catalog import parse_reference, reference
     from autoshard.errors import AutoshardError
     from autoshard.models import Transformer, TransformerConfig
+    from autoshard.models.catalog import parse_reference, reference
 
     sized = [f"--{k}" for k in ("dim", "heads", "vocab") if getattr(args, k) is not None]
     if sized and args.model != "gpt":
@@ -275,9 +275,9 @@ def cmd_lower(args) -> int:
     import autoshard
     from autoshard._torch_compat import quiet_tracing
     from autoshard.errors import AutoshardError
+    from autoshard.graph.tracing import trace
     from autoshard.planfile import Plan
-    from autoshard.runtime import PlannedProgram
-    from autoshard.tracing import trace
+    from autoshard.runtime.program import PlannedProgram
 
     plan = Plan.load(args.plan)
     world = math.prod(plan.mesh_shape)
@@ -443,8 +443,8 @@ def _plan_on_server(args) -> int:
     if not args.model:
         raise AutoshardError("--server needs --model (a reference model as data: llama-8b, gpt2-small, ...); "
                              "a MODULE:FACTORY cannot be sent to a service")
-    from autoshard.catalog import parse_reference
     from autoshard.mesh import parse_mesh
+    from autoshard.models.catalog import parse_reference
 
     family, preset = parse_reference(args.model)
 
@@ -522,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(d, "dp=8,tp=8", "bfloat16")
     d.add_argument("--model", default="llama-8b", metavar="FAMILY-PRESET|gpt",
                    help="reference shapes (default llama-8b; llama-1b/70b/405b, gpt2-small/medium, moe-tiny, "
-                        "moe-mixtral-8x7b, moe-deepseek-v3: autoshard.catalog), or gpt: a small GPT sized by "
+                        "moe-mixtral-8x7b, moe-deepseek-v3: autoshard.models.catalog), or gpt: a small GPT sized by "
                         "--dim/--heads/--vocab")
     d.add_argument("--layers", type=int, default=None, help="depth (default: the preset's; gpt: 2)")
     d.add_argument("--dim", type=int, default=None, help="--model gpt only (default 1024)")

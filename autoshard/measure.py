@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import ConfigError, PlanError
-from autoshard.passes import KIND
 from autoshard.planfile import Plan
+from autoshard.runtime.passes import KIND
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -87,7 +87,7 @@ class Measurement:
     """One row per (kind, group): ``predicted`` and ``measured`` :class:`CollectiveStats` as dicts."""
     simulated: dict = field(default_factory=dict)
     """The lowered programs that ran, simulated on a compute and a communication stream
-    (:mod:`autoshard.simulate`): ``step_us``, ``compute_us``, ``comm_us``, ``exposed_us``,
+    (:mod:`autoshard.planning.simulate`): ``step_us``, ``compute_us``, ``comm_us``, ``exposed_us``,
     ``host_idle_us``."""
     step_samples: list = field(default_factory=list)
     """In-step collective times ``[kind, group, group_size, bytes, us]``: per message, the
@@ -420,7 +420,7 @@ def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = M
     times, log = run_steps(sharded, tuple(inputs), cfg, mesh, kwargs)
     simulated = None
     if dist.get_rank() == 0:
-        from autoshard.simulate import simulate_step
+        from autoshard.planning.simulate import simulate_step
 
         program = next(iter(sharded.forward.programs.values()))
         tl = simulate_step(program, 0)
@@ -435,7 +435,7 @@ def refine_profile(m: Measurement, plan: Plan, profile, source: str):
     the lowered programs that ran as the profile prices them; the plan's where they were not
     simulated). Returns (refined profile, one row per refitted fit, what became of compute:
     ``compute xF``, or why it was kept)."""
-    from autoshard.lower import plan_profile
+    from autoshard.runtime.lower import plan_profile
     from costmodel.collectives import MeshTopology
     from costmodel.refine import refine, refine_compute
 

@@ -50,7 +50,7 @@ class PlanOptions:
     unroll_layers: bool = True
     """With ``tie_layers``, a group of 8 or more layers is traced three and four layers deep and
     the three-layer graph unrolled to the full depth, when it then equals the four-layer trace
-    node for node (:mod:`autoshard.unroll`; 26 s -> 4 s for LLaMA-70B's 80 layers). ``False``
+    node for node (:mod:`autoshard.graph.unroll`; 26 s -> 4 s for LLaMA-70B's 80 layers). ``False``
     traces every layer: for a model whose layers' graphs depend on their index in a way the
     first four layers do not show."""
 
@@ -63,7 +63,7 @@ class PlanOptions:
     the tensor keywords of ``example_kwargs`` in their order."""
 
     recompute: str = "auto"
-    """Activation checkpointing of the repeated layers (:mod:`autoshard.recompute`): ``"none"``
+    """Activation checkpointing of the repeated layers (:mod:`autoshard.graph.recompute`): ``"none"``
     keeps every activation the backward reads; ``"selective"`` keeps matmul and attention
     outputs and recomputes the rest; ``"full"`` keeps each layer's input and recomputes its
     forward; ``"auto"`` lets the plan choose: ``none`` when its plan is the memory-free optimum
@@ -71,7 +71,7 @@ class PlanOptions:
     equal share of what is left of ``time_limit``."""
 
     load_imbalance: float = 1.0
-    """Busiest expert-parallel rank's token load over the mean (:mod:`autoshard.imbalance`):
+    """Busiest expert-parallel rank's token load over the mean (:mod:`autoshard.planning.imbalance`):
     expert matmuls and the tokens moved into them cost this much more where a plan shards the
     experts. 1.0 is exact for capacity-based dispatch (every expert runs its padded capacity);
     raise it to cost a dropless runtime or routing measured to be skewed."""
@@ -91,7 +91,7 @@ class PlanOptions:
     profile so priced (``Profile.priced_as``)."""
 
     overlap_objective: bool = False
-    """The objective follows the step simulated with overlap (:mod:`autoshard.overlap`): after
+    """The objective follows the step simulated with overlap (:mod:`autoshard.planning.overlap`): after
     the additive solve, each redistribute is re-weighed by the compute that can hide it in the
     plan's simulation and the problem solved again, up to ``overlap.MAX_ROUNDS`` times within
     ``time_limit``; the plan of least simulated step is kept (LLaMA-8B on (8, 8): 591.1 ->
@@ -103,12 +103,12 @@ class PlanOptions:
     bucket_mb: float = 25.0
     """The executor's bucket cap the predicted step assumes (``parallelize(bucket_mb=...)``, whose
     default this is): independent collectives of one kind and group that run one after another
-    are merged into one of up to this many MiB (:mod:`autoshard.buckets`), one latency each.
+    are merged into one of up to this many MiB (:mod:`autoshard.runtime.buckets`), one latency each.
     0: every redistribute's collectives run as planned, one by one."""
 
     mesh_margin: float | None = 0.25
     """With ``mesh="auto"``: a shape of k axes is not bounded where every shape of k - 1 axes it
-    refines (:func:`autoshard.meshsearch.coarsenings`) is bounded, and each has a plan predicted
+    refines (:func:`autoshard.planning.meshsearch.coarsenings`) is bounded, and each has a plan predicted
     at least ``1 + mesh_margin`` times the best plan of k - 1 axes (or, bounded without a plan, a
     bound ``1 + mesh_margin`` times the least of them), or was pruned; and a shape whose plan
     (its hand-written one, where memory binds) is predicted ``1 + mesh_margin`` times the best plan

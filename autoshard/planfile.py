@@ -20,7 +20,7 @@ from costmodel.spec import Spec
 
 PLAN_VERSION = 1
 
-#: Activation checkpointing modes a plan can carry (:mod:`autoshard.recompute`).
+#: Activation checkpointing modes a plan can carry (:mod:`autoshard.graph.recompute`).
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -88,7 +88,7 @@ class Plan:
     model: dict = field(default_factory=dict)
     """``{"class": name, "fingerprint": sha256 of FQNs and shapes}``."""
     recompute: dict = field(default_factory=lambda: {"mode": "none", "nodes": {}, "at": {}})
-    """Activation checkpointing (:class:`autoshard.recompute.Recompute`): the mode, and per
+    """Activation checkpointing (:class:`autoshard.graph.recompute.Recompute`): the mode, and per
     repeated layer the nodes its backward recomputes and the backward node they run before."""
     input_names: list[str] = field(default_factory=list)
     """Name of each input: ``input{k}`` for positional input k, else the keyword (empty in plans

@@ -25,7 +25,7 @@ def build(seed: int, dim: int, layers: int, vocab: int, model: str = "gpt2"):
     """The model to train: a GPT-style decoder, or (``moe``) the reference mixture of experts
     with four experts, two per token, room for every choice (capacity factor 2)."""
     from autoshard.models import Transformer, TransformerConfig
-    from autoshard.moe import moe
+    from autoshard.models.moe import moe
 
     torch.manual_seed(seed)
     if model == "moe":
@@ -47,7 +47,7 @@ def loss_fn(logits):
 def train(model, data, lr: float, report: bool, opt=None, start: int = 0, planned_step=None):
     """AdamW steps on ``data``; prints ``step N loss X`` (N from ``start``) when ``report``.
 
-    With ``planned_step`` (an :class:`autoshard.replay.PlannedStep`), forward and backward
+    With ``planned_step`` (an :class:`autoshard.runtime.replay.PlannedStep`), forward and backward
     run the planned graph with the planner's own redistributes."""
     opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
     for step, tokens in enumerate(data, start=start):
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                          "from this sharded checkpoint, then train steps --start-step onwards")
     ap.add_argument("--start-step", type=int, default=0)
     ap.add_argument("--replay", action="store_true",
-                    help="run the planned graph op by op with the planner's redistributes (autoshard.replay)")
+                    help="run the planned graph op by op with the planner's redistributes (autoshard.runtime.replay)")
     ap.add_argument("--recompute", default="auto", choices=RECOMPUTE,
                     help="activation checkpointing of the repeated layers, planned (needs --layers 2 or more)")
     ap.add_argument("--compile", default=None, metavar="BACKEND",
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         model = autoshard.parallelize(model, plan, mesh, compile=args.compile or False)
     planned = None
     if args.replay:
-        from autoshard.replay import PlannedStep
+        from autoshard.runtime.replay import PlannedStep
 
         planned = PlannedStep(model, plan, mesh, (data[0],), loss_fn, profile=args.profile)
     opt = train(model, data, args.lr, report=dist.get_rank() == 0, opt=opt, start=args.start_step,

@@ -33,8 +33,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
-from autoshard.baselines import baseline_pins  # noqa: E402
 from autoshard.models import llama  # noqa: E402
+from autoshard.planning.baselines import baseline_pins  # noqa: E402
 
 
 def _plan(attention: str, seq: int, batch: int, ranks: int, args):

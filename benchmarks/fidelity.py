@@ -14,7 +14,7 @@ same run.
 Per plan: the additive step (nothing overlapped), the plan's predicted step (its overlap
 simulation on the planned graph, priced with the calibrated overlap share:
 ``plan.summary["step_us"]``), the simulated step of the lowered programs that ran
-(:mod:`autoshard.simulate`: bucketing and overlap, one compute and one communication stream,
+(:mod:`autoshard.planning.simulate`: bucketing and overlap, one compute and one communication stream,
 same share), the measured step, and communication three ways. Last line, for each of the three
 predictions: the median |predicted / measured - 1| over every plan, and how many of the plan
 pairs (same model) whose measured steps differ by more than 15% it orders rightly.

@@ -61,7 +61,7 @@ def _models_module():
         from autoshard import models
         return models
     except ImportError as e:
-        print(f"autoshard does not import here ({e}); loading autoshard/models.py alone", flush=True)
+        print(f"autoshard does not import here ({e}); loading autoshard/models/dense.py alone", flush=True)
     pkg = types.ModuleType("autoshard")
     pkg.__path__ = [str(ROOT / "autoshard")]
     sys.modules["autoshard"] = pkg
@@ -70,9 +70,9 @@ def _models_module():
     errors = types.ModuleType("autoshard.errors")
     errors.ConfigError = type("ConfigError", (ValueError,), {})
     sys.modules["autoshard.errors"] = errors
-    spec = importlib.util.spec_from_file_location("autoshard.models", ROOT / "autoshard" / "models.py")
+    spec = importlib.util.spec_from_file_location("autoshard.models.dense", ROOT / "autoshard" / "models" / "dense.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["autoshard.models"] = mod
+    sys.modules["autoshard.models.dense"] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -119,7 +119,7 @@ def time_step(name: str, steps: int, warmup: int = 3) -> dict[str, list[float]]:
     inputs = tuple(t.cuda() for t in inputs)
 
     def eager():
-        # The planner's default loss (autoshard.tracing.default_loss) for a tensor output.
+        # The planner's default loss (autoshard.graph.tracing.default_loss) for a tensor output.
         model(*inputs).float().mean().backward()
         for p in model.parameters():
             p.grad = None

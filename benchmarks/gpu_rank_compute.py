@@ -19,7 +19,7 @@ and strides).
 ``measure`` (torch and CUDA only) times each program with CUDA events after warm-up (median of
 ``--steps``) and each distinct matmul alone.
 
-``predict`` prices the same programs by the executor's estimator (:class:`autoshard.passes.Estimator`,
+``predict`` prices the same programs by the executor's estimator (:class:`autoshard.runtime.passes.Estimator`,
 the simulation's walk of host, compute and communication streams, collectives free as on the
 GPU) under the calibrated profile ``--measured`` carries, with and without its matmul curve
 (``Profile.matmul_shares``): per program and per matmul, predicted over measured. Last line: the
@@ -106,7 +106,7 @@ def _inputs_meta(gm) -> list[dict]:
 
 def _matmul(n) -> dict | None:
     """Node ``n`` as a matmul to time alone (op, operand shapes and strides, dtype), or None."""
-    from autoshard.problem import matmul_operands
+    from autoshard.graph.pricing import matmul_operands
 
     if n.op != "call_function" or matmul_operands(n) is None:
         return None
@@ -130,11 +130,11 @@ def _model(name: str):
 
 def programs(name: str, plans: dict):
     """plan name -> rank 0's planned program of model ``name`` under that plan
-    (``autoshard.runtime.PlannedProgram``, scheduled by the plan's own profile)."""
+    (``autoshard.runtime.program.PlannedProgram``, scheduled by the plan's own profile)."""
     import autoshard
     from autoshard._torch_compat import quiet_tracing
-    from autoshard.runtime import PlannedProgram
-    from autoshard.tracing import trace
+    from autoshard.graph.tracing import trace
+    from autoshard.runtime.program import PlannedProgram
 
     _, _, _, shape, axes = MODELS[name]
     model, inputs = _model(name)
@@ -323,8 +323,8 @@ def measure(args) -> None:
 
 
 def predict(args) -> None:
-    from autoshard.passes import Estimator
-    from autoshard.simulate import simulate
+    from autoshard.planning.simulate import simulate
+    from autoshard.runtime.passes import Estimator
     from costmodel import load_profile
 
     measured = json.loads(Path(args.measured).read_text())

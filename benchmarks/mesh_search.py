@@ -34,10 +34,10 @@ def run_case(case: str, time_limit: float) -> dict:
     import torch
 
     import autoshard
-    from autoshard.catalog import reference
     from autoshard.errors import MemoryBudgetError
-    from autoshard.meshsearch import axis_names, mesh_shapes
-    from autoshard.strategies import clear_shared_cache
+    from autoshard.graph.strategies import clear_shared_cache
+    from autoshard.models.catalog import reference
+    from autoshard.planning.meshsearch import axis_names, mesh_shapes
     from costmodel import load_profile
 
     preset, ranks = case.split(":")

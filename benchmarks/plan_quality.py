@@ -47,9 +47,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
-from autoshard.baselines import EXPERTS, has_experts  # noqa: E402
 from autoshard.models import gpt2, llama  # noqa: E402
-from autoshard.moe import moe  # noqa: E402
+from autoshard.models.moe import moe  # noqa: E402
+from autoshard.planning.baselines import EXPERTS, has_experts  # noqa: E402
 
 #: name -> (factory of a model for a sequence length, default sequence length).
 MODELS = {
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--overlap-objective", action="store_true",
                     help="every plan (ours and the hand-written ones) follows the simulated step: overlap rounds")
     ap.add_argument("--load-imbalance", type=float, default=1.0,
-                    help="busiest expert-parallel rank's load over the mean (autoshard.imbalance)")
+                    help="busiest expert-parallel rank's load over the mean (autoshard.planning.imbalance)")
     args = ap.parse_args()
     if args.compute_dtype == "traced":
         args.compute_dtype = None

@@ -7,7 +7,7 @@ Each case plans a model on the meta device (no weights) for a fake mesh, h100-sx
 its 80 GB as the budget, in a process of its own (so peak RSS is the case's own):
 LLaMA-3-8B on (8, 8) with global batch 64 x 2048, LLaMA-3-70B on (8, 8, 8) with 512 x 2048,
 LLaMA-3.1-405B on (8, 16, 8) with 1024 x 2048, and DeepSeek-V3 shapes (mixture of experts,
-61 layers: 3 dense, 58 with 256 experts, :mod:`autoshard.moe`) on (8, 8) with 64 x 2048 and
+61 layers: 3 dense, 58 with 256 experts, :mod:`autoshard.models.moe`) on (8, 8) with 64 x 2048 and
 no memory budget (its parameters, gradients and Adam state alone need >= 84 GB per rank on
 64 ranks, even in bf16: no 64-rank plan fits 80 GB). Per case: seconds per phase
 (trace, strategies and costs, solve, plan assembly), the end-to-end total, the plan's
@@ -45,7 +45,7 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str, over
     import torch
 
     import autoshard
-    from autoshard.catalog import reference
+    from autoshard.models.catalog import reference
 
     name, _, mesh_text = case.partition(":")
     family, preset, default_shape, batch, budget = CASES[name]

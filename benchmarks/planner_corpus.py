@@ -50,7 +50,7 @@ def build(name: str) -> solver.Problem:
     import torch.distributed as dist
 
     import autoshard
-    from autoshard.catalog import reference
+    from autoshard.models.catalog import reference
 
     family, preset, layers, shape, batch, seq, share = CASES[name]
     if dist.is_initialized():

@@ -69,7 +69,7 @@ class Profile:
     """Fraction of peak a well-shaped kernel reaches."""
     mem_efficiency: dict = field(default_factory=dict)
     """Share of ``mem_bandwidth_gbps`` that a memory-bound op reaches, by its access pattern
-    (:data:`MEMORY_PATTERNS`, :func:`autoshard.problem.memory_pattern`): ``broadcast`` (an
+    (:data:`MEMORY_PATTERNS`, :func:`autoshard.graph.pricing.memory_pattern`): ``broadcast`` (an
     operand smaller than the output, re-read: norms' weights, rotary tables, biases),
     ``reduction`` (an output smaller than an input: sums, means), ``outer_reduction`` (a
     reduction that keeps the last dim: sums over the batch, as bias and norm-weight gradients
@@ -100,7 +100,7 @@ class Profile:
     host_op_us: float = 0.0
     """Host time to issue one op of the step's program (Python, dispatcher, launch; views too),
     microseconds. A GPU runs an op no sooner than the host has issued it and every op before
-    it, so a program of small ops lasts as long as their issue (:mod:`autoshard.simulate`'s host
+    it, so a program of small ops lasts as long as their issue (:mod:`autoshard.planning.simulate`'s host
     stream). Measured by ``autoshard calibrate`` on GPUs (a toy training step traced and replayed);
     0 models no host stream: a CPU device runs each op on the issuing thread, where
     ``kernel_launch_us`` floors it, and shipped GPU profiles leave it to calibration."""
@@ -120,7 +120,7 @@ class Profile:
     """Share of the communication that compute running beside it could hide which it does hide:
     1 when a collective and compute share nothing, 0 when they contend for everything (each then
     adds its whole time to the step). A step is priced as ``additive - overlap * (additive -
-    perfectly overlapped)`` (:mod:`autoshard.simulate`). Measured by ``autoshard calibrate`` (a
+    perfectly overlapped)`` (:mod:`autoshard.planning.simulate`). Measured by ``autoshard calibrate`` (a
     collective beside matmuls against each alone); the default is an assumption for GPUs, whose
     collective kernels take some SMs and memory bandwidth from compute."""
     source: str = ""

@@ -7,10 +7,10 @@ from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import autoshard
-from autoshard.attention import attention_flops
+from autoshard.graph.attention import attention_flops
+from autoshard.graph.strategies import StrategyEnumerator
+from autoshard.graph.tracing import trace
 from autoshard.models import llama
-from autoshard.strategies import StrategyEnumerator
-from autoshard.tracing import trace
 from costmodel.compute import causal_share
 
 FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -152,7 +152,7 @@ def test_cuda_kernels_compute_what_the_cpu_kernel_does():
     """The functions that run a traced CPU kernel on CUDA ranks: where flash cannot take the
     case (a mask, float32) SDPA runs and the backward recomputes; its output and gradients
     equal the CPU kernel's (run here on CPU tensors)."""
-    from autoshard import attention
+    from autoshard.graph import attention
 
     q, k, v = _qkv()
     mask = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(3))
@@ -175,7 +175,7 @@ def test_cuda_flash_path_has_the_cpu_kernels_shapes():
     and gradients in the CPU kernel's shapes and dtypes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autoshard import attention
+    from autoshard.graph import attention
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(2, 8, 16, 64, device="cuda", dtype=torch.bfloat16)
@@ -197,7 +197,7 @@ def test_lowered_programs_run_another_devices_kernel_as_planned(world, monkeypat
 
     from helpers import reference_step
 
-    from autoshard import attention
+    from autoshard.graph import attention
 
     world(4)
     calls = []

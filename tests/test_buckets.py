@@ -9,11 +9,11 @@ import torch
 
 import autoshard
 import solver
-from autoshard.buckets import plan_buckets
+from autoshard.graph.tracing import PHASE, trace
 from autoshard.models import Transformer, TransformerConfig
-from autoshard.runtime import PlannedProgram
-from autoshard.simulate import run_order, simulate_plan, simulate_step
-from autoshard.tracing import PHASE, trace
+from autoshard.planning.simulate import run_order, simulate_plan, simulate_step
+from autoshard.runtime.buckets import plan_buckets
+from autoshard.runtime.program import PlannedProgram
 from costmodel import MeshTopology, Spec, load_profile
 
 Edge = namedtuple("Edge", "consumer arg producer out")

@@ -104,8 +104,8 @@ def test_memory_bound_ops_are_priced_at_their_access_patterns_bandwidth():
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoshard.passes import Estimator
-    from autoshard.problem import memory_pattern
+    from autoshard.graph.pricing import memory_pattern
+    from autoshard.runtime.passes import Estimator
 
     def step(x, w, y, idx):
         return (x + y, x * w, x.sum(-1), torch.softmax(x, -1), x.t().contiguous(),
@@ -216,8 +216,8 @@ def test_a_matmul_is_priced_at_the_rate_of_its_size():
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoshard.passes import Estimator
-    from autoshard.problem import matmul_operands, matmul_side
+    from autoshard.graph.pricing import matmul_operands, matmul_side
+    from autoshard.runtime.passes import Estimator
 
     # Bandwidth without bound: these small matmuls are priced by their FLOPs alone.
     base = dataclasses.replace(load_profile("h100-sxm"), kernel_launch_us=0.0, mem_bandwidth_gbps=1e9)

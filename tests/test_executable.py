@@ -10,10 +10,10 @@ from torch.distributed.tensor import DTensor
 
 import autoshard
 from autoshard import _torch_compat as tc
-from autoshard.lower import move
+from autoshard.graph.tracing import trace
 from autoshard.models import gpt2, llama
-from autoshard.moe import moe
-from autoshard.tracing import trace
+from autoshard.models.moe import moe
+from autoshard.runtime.lower import move
 from costmodel import MeshTopology, RedistributePlanner, Spec
 
 # Random ops draw a different stream sharded than whole: checked by the training tests instead.
@@ -113,7 +113,7 @@ def test_every_planned_strategy_of_the_reference_models_runs_as_planned(world, s
 
 def test_every_planned_strategy_of_a_vision_model_runs_as_planned(world):
     """A patch convolution: DTensor runs convolutions by a handler of its own, narrower than the
-    rule the planner reads (autoshard.strategies.executable)."""
+    rule the planner reads (autoshard.graph.strategies.executable)."""
     world(4)
     from test_reference_models import _hf_input, _hf_model
 

@@ -6,6 +6,9 @@
 - ``solver`` never imports torch; ``costmodel`` and ``solver`` never import ``autoshard``,
   and neither imports the other (``autoshard -> costmodel``, ``autoshard -> solver``).
 - No import cycle between the project's modules, function-level imports included.
+- ``autoshard``'s layers import downwards only (:data:`LAYERS`): the reference models and the
+  traced graph build on the core alone, the runtime on the graph, the planner on the runtime and
+  the graph; the entry points at the top (the API, the CLI, the service) on anything.
 """
 
 from __future__ import annotations
@@ -93,6 +96,55 @@ def test_dependency_direction():
             if top == "costmodel" and dep in ("autoshard", "solver"):
                 bad.append(f"{me} imports {module}")
     assert bad == [], bad
+
+
+#: Layer of ``autoshard`` -> the layers it may import (itself included). A module not named
+#: here is an entry point (``autoshard.apply``, ``autoshard.cli``, ``autoshard.serve`` ...).
+CORE = {f"autoshard.{m}" for m in ("errors", "units", "planfile", "options", "mesh", "gcpause", ADAPTER)}
+LAYERS = {
+    "core": {"core"},
+    "autoshard.models": {"core", "autoshard.models"},
+    "autoshard.graph": {"core", "autoshard.graph"},
+    "autoshard.runtime": {"core", "autoshard.graph", "autoshard.runtime"},
+    "autoshard.planning": {"core", "autoshard.graph", "autoshard.runtime", "autoshard.planning"},
+}
+
+
+def layer_of(module: str) -> str | None:
+    if module in CORE:
+        return "core"
+    return next((layer for layer in LAYERS if module == layer or module.startswith(layer + ".")), None)
+
+
+def layer_breaches(me: str, tree: ast.Module) -> list[str]:
+    mine = layer_of(me)
+    if mine is None:
+        return []
+    out = []
+    for module, name, _as in _imports(tree):
+        if module.split(".")[0] != "autoshard":
+            continue
+        full = f"{module}.{name}" if name and f"{module}.{name}" in PACKAGE_MODULES else module
+        theirs = layer_of(full)
+        if full != "autoshard" and theirs not in LAYERS[mine]:
+            out.append(f"{me} ({mine}) imports {full} ({theirs or 'an entry point'})")
+        elif full == "autoshard":
+            out.append(f"{me} ({mine}) imports the package's public face")
+    return out
+
+
+def test_layers_import_downwards():
+    found = [b for me, tree in sorted(PACKAGE_MODULES.items()) for b in layer_breaches(me, tree)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_layer_checker_sees_a_breach():
+    tree = ast.parse("from autoshard.planning.problem import build_problem\nfrom autoshard.graph import rng\n"
+                     "from autoshard import apply\n")
+    assert layer_breaches("autoshard.runtime.lower", tree) == [
+        "autoshard.runtime.lower (autoshard.runtime) imports autoshard.planning.problem (autoshard.planning)",
+        "autoshard.runtime.lower (autoshard.runtime) imports autoshard.apply (an entry point)"]
+    assert layer_breaches("autoshard.cli", tree) == []
 
 
 def test_no_import_cycles():

@@ -8,9 +8,9 @@ import torch
 from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, reference_step
 
 import autoshard
-from autoshard.lower import collectives
+from autoshard.graph.tracing import trace
 from autoshard.models import llama
-from autoshard.tracing import trace
+from autoshard.runtime.lower import collectives
 
 COLLECTIVE_STEPS = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all"}
 

@@ -5,9 +5,9 @@ import torch
 from helpers import SHARDING_PROFILE, spy_on_starts
 
 import autoshard
-from autoshard.meshsearch import coarsenings, may_start, mesh_shapes, next_to_bound, search_order
 from autoshard.models import llama
-from autoshard.overlap import additive_solve
+from autoshard.planning.meshsearch import coarsenings, may_start, mesh_shapes, next_to_bound, search_order
+from autoshard.planning.overlap import additive_solve
 
 
 def test_shapes_are_factorizations_with_the_inner_axis_in_a_node():
@@ -55,7 +55,7 @@ def test_memory_free_optimum_that_fits_is_the_plan(world):
     world(4)
     model = llama("tiny", n_layers=2)
     tokens = torch.randint(0, 256, (8, 16))
-    from autoshard.planner import Planner
+    from autoshard.planning.planner import Planner
 
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
     screened = Planner(model, (tokens,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
@@ -103,7 +103,7 @@ def test_auto_mesh_plan_is_the_best_shape_and_lists_every_shape(world):
 def test_shapes_bounded_in_worker_processes_as_here(world, monkeypatch):
     """Forked workers bound shapes (build, memory-free optimum) exactly as this process does:
     the same bounds, outcomes and answer."""
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
 
     world(8)
     with torch.device("meta"):
@@ -127,8 +127,8 @@ def _memory_binding_search(world, monkeypatch, held: int):
     """A search of 4 ranks where memory binds, (2, 2) bounded in a forked worker that keeps up to
     ``held`` planners: the plan, its rows by shape, the starts of every solve here, and the mesh
     shapes of the planners built here."""
-    import autoshard.meshsearch as ms
-    from autoshard.planner import Planner
+    import autoshard.planning.meshsearch as ms
+    from autoshard.planning.planner import Planner
 
     world(4)
     model = llama("tiny", n_layers=2)
@@ -182,7 +182,7 @@ def test_no_bounding_workers_beside_a_real_process_group(tmp_path, monkeypatch):
 
     import torch.distributed as dist
 
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
 
     monkeypatch.setattr(importlib.import_module("solver.solve"), "cores", lambda: 8)
     if dist.is_initialized():
@@ -238,7 +238,7 @@ def test_where_memory_binds_bounding_stops_at_half_and_two_shapes_share_the_solv
     its plan may prune; the next, the last worth solving, gets all that is left."""
     from types import SimpleNamespace
 
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
     from autoshard.options import PlanOptions
 
     world(8)
@@ -294,7 +294,7 @@ def _search_fitting(world, monkeypatch, planner_cls):
     table by shape."""
     from types import SimpleNamespace
 
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
     from autoshard.options import PlanOptions
 
     world(8)
@@ -385,7 +385,7 @@ def _search_scripted(monkeypatch, planner, **options):
     one process: the plan and its table's rows by shape."""
     from types import SimpleNamespace
 
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
     from autoshard.options import PlanOptions
 
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
@@ -411,7 +411,7 @@ def test_shapes_that_refine_only_slow_shapes_are_not_bounded(world, monkeypatch)
     every shape, here finding the (contrived) faster one."""
     from types import SimpleNamespace
 
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
     from autoshard.options import PlanOptions
 
     world(16)
@@ -524,7 +524,7 @@ def test_step_floor_bounds_every_split_of_compute_and_communication():
     such split meets it."""
     import numpy as np
 
-    from autoshard.simulate import step_floor
+    from autoshard.planning.simulate import step_floor
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -560,7 +560,7 @@ def test_the_stall_count_starts_over_after_a_solve_that_pays(world, monkeypatch)
     have stopped after three."""
     from types import SimpleNamespace
 
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
     from autoshard.options import PlanOptions
 
     world(16)
@@ -603,7 +603,7 @@ def test_shapes_kept_by_different_workers_are_solved_side_by_side_on_a_core_each
     import os
     from types import SimpleNamespace
 
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
     from autoshard.options import PlanOptions
 
     world(8)
@@ -633,7 +633,7 @@ def test_a_shape_refining_only_shapes_bounded_far_above_the_least_is_not_bounded
     29% above (2, 8), and (4, 4), whose plan is 67% slower than the best."""
     from types import SimpleNamespace
 
-    import autoshard.meshsearch as ms
+    import autoshard.planning.meshsearch as ms
     from autoshard.options import PlanOptions
 
     class Planless(_RefiningPlanner):

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh
 
 import autoshard
-from autoshard.baselines import EXPERT_BASELINES, baseline_pins, baselines_for
 from autoshard.errors import ConfigError
 from autoshard.models import llama
-from autoshard.moe import MoeConfig, moe
+from autoshard.models.moe import MoeConfig, moe
+from autoshard.planning.baselines import EXPERT_BASELINES, baseline_pins, baselines_for
 from costmodel import LinkModel
 
 # Slow compute (shard the work) and slow links (bytes decide): moving tokens to their
@@ -123,8 +123,8 @@ def test_expert_parallel_training_matches_single_device(world, shape, names):
 def test_unrolled_trace_equals_full_trace(with_labels):
     """Nine MoE layers traced three and four deep and unrolled, with or without the
     load-balance loss threaded through the layers, equal the full trace."""
-    from autoshard.tracing import trace
-    from autoshard.unroll import compare, trace_unrolled
+    from autoshard.graph.tracing import trace
+    from autoshard.graph.unroll import compare, trace_unrolled
 
     torch.manual_seed(0)
     model = moe("tiny", n_layers=9)
@@ -189,7 +189,7 @@ def test_every_expert_parallel_all_to_all_moves_a_token_tensor(world):
     """The tensors the imbalance factor prices as routed tokens cover every all_to_all over the
     expert axis of an expert-parallel plan (dispatch, combine and their gradients), each with
     the dim the plan splits the experts on."""
-    from autoshard.imbalance import expert_matmuls, token_dims
+    from autoshard.planning.imbalance import expert_matmuls, token_dims
 
     world(4)
     torch.manual_seed(0)
@@ -284,5 +284,5 @@ def test_data_dependent_routing_is_a_clear_error(world):
     world(4)
     model = _hf_moe("mixtral", "eager")
     with pytest.raises(autoshard.TraceError, match=r"(?s)DynamicOutputShapeException.*static shapes.*batched_mm"
-                                                   r".*autoshard.moe.MoeLayer"):
+                                                   r".*autoshard.models.moe.MoeLayer"):
         autoshard.plan(model, (tokens(1),), autoshard.fake_mesh((2, 2), ("dp", "tp")), memory_budget=None)

@@ -11,8 +11,8 @@ import torch
 import autoshard
 import solver
 from autoshard.models import llama
-from autoshard.overlap import additive_solve, refine, reweighed
-from autoshard.simulate import plan_slack, simulate_plan
+from autoshard.planning.overlap import additive_solve, refine, reweighed
+from autoshard.planning.simulate import plan_slack, simulate_plan
 
 Edge = namedtuple("Edge", "producer consumer arg out")
 

@@ -9,7 +9,7 @@ from helpers import SHARDING_PROFILE, spy_on_starts, tiny_llama_on_2x2
 import autoshard
 from autoshard import MeshError, PlanError, TraceError
 from autoshard.models import MLP, Transformer, TransformerConfig, llama
-from autoshard.overlap import additive_solve
+from autoshard.planning.overlap import additive_solve
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_planner_traces_once_and_solves_many_times(mesh64, monkeypatch):
     model, inputs = MLP(dim=256, hidden=1024), (torch.randn(64, 256),)
     planner = autoshard.Planner(model, inputs, mesh64, memory_budget=None, time_limit=20)
     traces, real = [], autoshard.trace
-    monkeypatch.setattr("autoshard.planner.trace", lambda *a, **k: traces.append(a) or real(*a, **k))
+    monkeypatch.setattr("autoshard.planning.planner.trace", lambda *a, **k: traces.append(a) or real(*a, **k))
     free = planner.solve()
     pinned = planner.solve(pins={"fc1.weight": "S(0)S(0)"})
     assert str(pinned.param_spec("fc1.weight")) == "S(0)S(0)" and str(free.param_spec("fc1.weight")) != "S(0)S(0)"
@@ -184,7 +184,7 @@ def test_unproved_plans_are_seeded_by_the_hand_written_ones(mesh64, monkeypatch,
                                     "time_limit": 1.0})
         return real(problem, **kw)
 
-    monkeypatch.setattr("autoshard.planner.solver.solve", first_is_poor)
+    monkeypatch.setattr("autoshard.planning.planner.solver.solve", first_is_poor)
     plan = autoshard.plan(model, inputs, mesh64, profile=SHARDING_PROFILE, time_limit=20,
                           export_problem=str(tmp_path / "p.json.gz"))
     assert calls[0] is False and True in calls  # the first solve, then the baselines (pinned)
@@ -209,7 +209,7 @@ def test_every_fallback_is_counted_in_the_summary(mesh64, monkeypatch, caplog):
     """A sharding rule that raises and an op whose FLOPs cannot be counted are both in the plan
     summary, described, and logged: never silently an empty rule or a free op."""
     import autoshard._torch_compat as tc
-    import autoshard.problem
+    import autoshard.planning.problem
 
     real = tc.op_strategy
 
@@ -229,7 +229,7 @@ def test_every_fallback_is_counted_in_the_summary(mesh64, monkeypatch, caplog):
             return False
 
     monkeypatch.setattr(tc, "op_strategy", broken_relu)
-    monkeypatch.setattr(autoshard.problem, "FlopCounterMode", NoFlops)
+    monkeypatch.setattr(autoshard.planning.problem, "FlopCounterMode", NoFlops)
     model, inputs = MLP(dim=64, hidden=128), (torch.randn(64, 64),)
     with caplog.at_level("WARNING", logger="autoshard"):
         plan = autoshard.plan(model, inputs, mesh64, memory_budget=None, time_limit=10)

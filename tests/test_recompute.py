@@ -10,10 +10,10 @@ from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_loc
 
 import autoshard
 from autoshard.errors import ConfigError, MemoryBudgetError, PlanError
+from autoshard.graph.recompute import EXPENSIVE, choose
+from autoshard.graph.tracing import trace
 from autoshard.models import MLP, llama
 from autoshard.planfile import Plan
-from autoshard.recompute import EXPENSIVE, choose
-from autoshard.tracing import trace
 from solver.evaluate import evaluate
 
 
@@ -46,7 +46,7 @@ def test_modes_recompute_what_they_say():
             assert tg.phase(n) == "forward"
             # A layer's output feeds the next layer's forward: kept, never recomputed.
             assert all(tg.phase(u) == "backward" or u.name in names for u in n.users
-                       if autoshard.layers.node_layer(u) != (layer, "fwd")), n.name
+                       if autoshard.graph.layers.node_layer(u) != (layer, "fwd")), n.name
     # Layers are recomputed alike (the same number of nodes each), in graph order.
     assert len(full_.nodes["layers.0"]) == len(full_.nodes["layers.1"])
 

@@ -90,7 +90,7 @@ def test_repeated_layers_are_tied(world):
     x = torch.empty(64, 64, dtype=torch.long, device="meta")
     tg = autoshard.trace(model, (x,))
     assert tg.layer_groups == [[f"layers.{i}" for i in range(4)]]
-    from autoshard.problem import build_problem
+    from autoshard.planning.problem import build_problem
     from costmodel import load_profile
 
     gp = build_problem(tg, mesh, load_profile("h100-sxm"), None)
@@ -171,7 +171,7 @@ def test_ours_is_never_dearer_than_a_baseline(world):
 
 
 def test_pins_name_parameters_modules_or_patterns():
-    from autoshard.pins import resolve_pins
+    from autoshard.planning.pins import resolve_pins
 
     fqns = ["embed.weight", "layers.0.attn.wq.weight", "layers.0.attn.wk.weight", "layers.1.attn.wq.weight",
             "layers.10.attn.wq.weight", "head.weight"]

@@ -9,7 +9,7 @@ from test_reference_models import lm_loss, plan_tiny, tiny
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autoshard
-from autoshard.replay import PlannedStep
+from autoshard.runtime.replay import PlannedStep
 
 MESHES = [((2, 2), ("dp", "tp")), ((2, 2, 2), ("rep", "dp", "tp"))]
 
@@ -66,7 +66,7 @@ def test_bucketed_gradient_reductions_give_the_same_training(world):
     run as a few flat all-reduces (one when the bucket holds everything) and training is
     unchanged: loss and parameters after 3 AdamW steps equal the unbucketed run's."""
     world(4)
-    from autoshard.baselines import baseline_pins
+    from autoshard.planning.baselines import baseline_pins
 
     mesh_shape, names = (4,), ("dp",)
     pins, inputs = baseline_pins("ddp", tiny("llama"), 1)
@@ -137,7 +137,7 @@ def test_planned_step_keeps_non_default_shard_orders(world):
                                   "RS(1)S(1)[2,1]"])
 def test_shard_orders_round_trip_through_dtensor_placements(world, text):
     from autoshard._torch_compat import from_placements, placements_for
-    from autoshard.shards import distribute
+    from autoshard.runtime.shards import distribute
     from costmodel import Spec
 
     world(8)

@@ -4,7 +4,7 @@ where it is kept; errors come back as themselves."""
 import pytest
 
 from autoshard.errors import MemoryBudgetError
-from autoshard.shapeworkers import HELD_NOT, ShapeWorkers
+from autoshard.planning.shapeworkers import HELD_NOT, ShapeWorkers
 
 
 def _build(shape, scale):

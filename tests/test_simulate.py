@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.graph.tracing import trace
 from autoshard.models import llama
-from autoshard.problem import GraphProblem
-from autoshard.runtime import PlannedProgram
-from autoshard.simulate import simulate_plan, simulate_step
-from autoshard.tracing import trace
+from autoshard.planning.problem import GraphProblem
+from autoshard.planning.simulate import simulate_plan, simulate_step
+from autoshard.runtime.program import PlannedProgram
 from costmodel import load_profile
 from costmodel.ops import host_kind
 
@@ -88,7 +88,7 @@ def test_views_of_a_gathered_bucket_member_become_reshapes():
 
     import torch.fx as fx
 
-    from autoshard.passes import reshape_strided_bucket_slices
+    from autoshard.runtime.passes import reshape_strided_bucket_slices
 
     aten = torch.ops.aten
     g = fx.Graph()
@@ -116,8 +116,8 @@ def test_host_stream_bounds_a_program_of_small_ops_by_their_issue():
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoshard.passes import Estimator
-    from autoshard.simulate import simulate
+    from autoshard.planning.simulate import simulate
+    from autoshard.runtime.passes import Estimator
     from costmodel import load_profile
 
     def chain(x):
@@ -148,8 +148,8 @@ def test_the_host_issues_a_view_at_its_own_time_and_a_getitem_free():
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoshard.passes import Estimator
-    from autoshard.simulate import simulate
+    from autoshard.planning.simulate import simulate
+    from autoshard.runtime.passes import Estimator
 
     def chain(x):
         for _ in range(50):

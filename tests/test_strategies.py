@@ -10,10 +10,10 @@ import torch
 
 import autoshard
 from autoshard import _torch_compat as tc
+from autoshard.graph.strategies import StrategyEnumerator, clear_shared_cache, mesh_signature
+from autoshard.graph.tracing import trace
 from autoshard.models import gpt2, llama
-from autoshard.moe import moe
-from autoshard.strategies import StrategyEnumerator, clear_shared_cache, mesh_signature
-from autoshard.tracing import trace
+from autoshard.models.moe import moe
 
 
 def _models():

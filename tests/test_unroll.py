@@ -8,13 +8,13 @@ import torch.nn as nn
 
 import autoshard
 from autoshard.errors import ConfigError
+from autoshard.graph.tracing import trace
+from autoshard.graph.unroll import compare, trace_unrolled
 from autoshard.models import gpt2, llama
-from autoshard.tracing import trace
-from autoshard.unroll import compare, trace_unrolled
 
 
 def _both(model, inputs, caplog, **kw):
-    with caplog.at_level(logging.INFO, logger="autoshard.unroll"):
+    with caplog.at_level(logging.INFO, logger="autoshard.graph.unroll"):
         caplog.clear()
         fast = trace_unrolled(model, inputs, **kw)
         said = caplog.text

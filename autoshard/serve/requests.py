@@ -102,7 +102,7 @@ def build_model(spec: ModelSpec, batch: int, seq: int):
 
     with torch.device("meta"):
         if spec.reference is not None:
-            from autoshard.catalog import reference
+            from autoshard.models.catalog import reference
 
             model = reference(spec.reference, spec.preset, seq=seq, **spec.overrides)
         else:

@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from autoshard._torch_compat import from_placements, placements_for, quiet_tracing
 from autoshard.errors import ConfigError, PlanError
+from autoshard.graph.tracing import trace
 from autoshard.planfile import Plan
-from autoshard.shards import distribute, unsharded_meta_copy
-from autoshard.tracing import trace
+from autoshard.runtime.shards import distribute, unsharded_meta_copy
 from costmodel import MeshTopology, RedistributePlanner, Spec, load_profile, start_step
 from costmodel.profile import Profile
 
@@ -92,7 +92,7 @@ class PlannedStep:
         self._sunk = self._sinkable_views() if bucket_bytes else set()
 
     def _move(self, t, want: Spec):
-        from autoshard.lower import move
+        from autoshard.runtime.lower import move
 
         out = move(t, want, self.planner, self.mesh)
         self.moves += out is not t and isinstance(t, DTensor)

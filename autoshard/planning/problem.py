@@ -17,33 +17,32 @@ Memory (bytes per device): each node's output shard is live from the node to
 its last use; parameters, their optimizer state and buffers for the whole step;
 gradients from their producer to the end of the step. View ops alias their input:
 they add nothing, and reading a view keeps its source alive (:func:`node_intervals`).
-Recomputed activations (:mod:`autoshard.recompute`) are copies of their nodes, live
+Recomputed activations (:mod:`autoshard.graph.recompute`) are copies of their nodes, live
 in the backward only.
 """
 
 from __future__ import annotations
 
-import logging
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode
 
 import solver
-from autoshard.attention import attention_flops, kernel_of
-from autoshard.errors import AutoshardError, first_line
-from autoshard.imbalance import expert_matmuls, imbalance_scale, move_scale, token_dims
-from autoshard.layers import layer_ties
-from autoshard.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
-from autoshard.tracing import TracedGraph
+from autoshard.errors import AutoshardError
+from autoshard.graph.attention import kernel_of
+from autoshard.graph.layers import layer_ties
+from autoshard.graph.pricing import is_view, matmul_operands, matmul_side, memory_pattern, node_flops, op_pricing
+from autoshard.graph.recompute import Recompute, recomputed
+from autoshard.graph.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
+from autoshard.graph.tracing import TracedGraph
+from autoshard.planning.imbalance import expert_matmuls, imbalance_scale, move_scale, token_dims
 from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
-from costmodel.ops import host_kind, is_view_target
+from costmodel.ops import host_kind
 from costmodel.spec import shard_dim
 
-log = logging.getLogger(__name__)
 
 @dataclass
 class ArgEdge:
@@ -74,21 +73,21 @@ class GraphProblem:
     flops_uncounted: dict[str, str] = field(default_factory=dict)
     """Op name -> why its FLOPs could not be counted (costed as 0)."""
     copy_of: dict[int, int] = field(default_factory=dict)
-    """Recomputed copy's ILP index -> its original's (:func:`autoshard.recompute.with_recompute`);
+    """Recomputed copy's ILP index -> its original's (:func:`with_recompute`);
     copies come after every original node."""
     imbalance: dict = field(default_factory=dict)
     """``{"factor": f, "expert_matmuls": n}`` where the graph has expert matmuls
-    (:mod:`autoshard.imbalance`); empty otherwise."""
+    (:mod:`autoshard.planning.imbalance`); empty otherwise."""
     host_by_kind: dict = field(default_factory=dict)
     """Host time to issue a node by its :func:`~costmodel.ops.host_kind` (the profile's
-    :meth:`~costmodel.Profile.host_us`): :mod:`autoshard.simulate`'s host stream; empty: none."""
+    :meth:`~costmodel.Profile.host_us`): :mod:`autoshard.planning.simulate`'s host stream; empty: none."""
     topo: MeshTopology | None = None
     """The mesh's link classes, where the problem was built for one: with ``profile``, what a
     redistribute's steps are (:func:`costmodel.plan_steps`)."""
     profile: Profile | None = None
     """The profile the problem was costed with."""
     bucket_mb: float = 0.0
-    """The executor's bucket cap the plan's simulation assumes (:mod:`autoshard.buckets`); 0:
+    """The executor's bucket cap the plan's simulation assumes (:mod:`autoshard.runtime.buckets`); 0:
     none."""
     _issue: list | None = field(default=None, init=False, repr=False, compare=False)
     _order: list | None = field(default=None, init=False, repr=False, compare=False)
@@ -170,138 +169,6 @@ class _RedistCost:
         return small[np.ix_([u_pos[s] for s in srcs], [v_pos[s] for s in dsts])]
 
 
-def node_flops(node: fx.Node, memo: dict, failures: dict[str, str] | None = None) -> float:
-    """FLOPs of one traced op, counted on its fake values (memoized in ``memo`` by op, argument
-    shapes and literal arguments). An op fake tensors cannot run counts 0 FLOPs; its name and
-    the error go to ``failures`` (the plan summary's ``flops_uncounted``) and to the log."""
-    key = (node.target, tuple(tuple(a.meta["val"].shape) for a in node.all_input_nodes if is_tensor(a)),
-           tuple(repr(a) for a in node.args if not isinstance(a, fx.Node)))
-    if key in memo:
-        return memo[key]
-    fused = attention_flops(node)
-    if fused is not None:  # torch's counter ignores causal masks and lacks the CPU kernel
-        memo[key] = fused
-        return fused
-    vals = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-    fm = next((a.meta["val"].fake_mode for a in node.all_input_nodes if is_tensor(a)), None)
-    flops = 0.0
-    if fm is not None:
-        try:
-            with fm, FlopCounterMode(display=False) as fc:
-                node.target(*vals[0], **vals[1])
-            flops = float(fc.get_total_flops())
-        except Exception as exc:  # an op fake tensors cannot run: costed as free, and said so
-            flops = 0.0
-            name = str(node.target)
-            if failures is not None and name not in failures:
-                failures[name] = first_line(exc)
-                log.warning(f"FLOPs of {name} could not be counted (costed as 0): {failures[name]}")
-    memo[key] = flops
-    return flops
-
-
-def node_dtype(node: fx.Node) -> str | None:
-    """The dtype an op computes in, as ``Profile.tflops`` names it (``"bfloat16"``): its first
-    floating-point output's, else its first floating-point input's (None: no such tensor)."""
-    out = node.meta.get("val")
-    vals = list(out) if isinstance(out, (list, tuple)) else [out]
-    vals += [a.meta.get("val") for a in node.all_input_nodes]
-    for v in vals:
-        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
-            return str(v.dtype).removeprefix("torch.")
-    return None
-
-
-#: Ops that normalize along a dim (a reduction, then an elementwise pass), by name.
-_NORMALIZING = ("softmax", "norm")
-#: Reductions, by name: one that keeps its input's last dim reads across rows (``outer_reduction``).
-_REDUCING = ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "prod", "logsumexp", "any", "all")
-#: Ops that accumulate rows at indices (an embedding's gradient), by name.
-_SCATTERING = ("embedding_dense_backward", "index_add", "scatter_add", "index_put")
-#: Ops that lay their inputs side by side: each input read once, though smaller than the output
-#: (not a broadcast: on an H200 `cat` ran at 2.1x the speed the broadcast share priced it at).
-_CONCATENATING = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
-
-
-def memory_pattern(node: fx.Node) -> str | None:
-    """The access pattern of a memory-bound op (``Profile.mem_efficiency``): ``normalize``
-    (softmax or a norm, forward or backward), ``scatter`` (rows accumulated at indices),
-    ``outer_reduction`` (a reduction that keeps its input's last dim), ``reduction`` (any other
-    output smaller than an input),
-    ``transposed`` (an operand of more than one element whose last dim is not contiguous),
-    ``strided`` (one not contiguous whose last dim is), ``broadcast`` (an operand of more than
-    one element but fewer than the output, re-read; not a concatenation's); None: a contiguous
-    elementwise op or copy."""
-    out = node.meta.get("val")
-    outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
-    ins = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
-    if not outs or not ins:
-        return None
-    if any(k in str(node.target) for k in _NORMALIZING):
-        return "normalize"
-    name = str(node.target).split(".")[1] if str(node.target).startswith("aten.") else str(node.target)
-    if any(k in name for k in _SCATTERING):
-        return "scatter"
-    numel = max(o.numel() for o in outs)
-    big = max(ins, key=lambda v: v.numel())
-    if numel < big.numel():
-        out = max(outs, key=lambda o: o.numel())
-        if name in _REDUCING and big.dim() > 1 and out.dim() and out.shape[-1] == big.shape[-1] > 1:
-            return "outer_reduction"
-        return "reduction"
-    if any(v.numel() > 1 and v.dim() and v.shape[-1] > 1 and v.stride()[-1] != 1 for v in ins):
-        return "transposed"
-    if any(v.numel() > 1 and not v.is_contiguous() for v in ins):
-        return "strided"
-    if node.target not in _CONCATENATING and any(1 < v.numel() < numel for v in ins):
-        return "broadcast"
-    return None
-
-
-_UNKNOWN = object()
-
-
-def op_pricing(node: fx.Node, flops: float, pattern=_UNKNOWN) -> tuple[str | None, str | None]:
-    """``(dtype, pattern)`` to price ``node`` by (``costmodel.compute_time_us``): an op with
-    FLOPs at its dtype's rate, one without at its access pattern's bandwidth (``pattern``: its
-    :func:`memory_pattern` where the caller has it)."""
-    if flops > 0:
-        return node_dtype(node), None
-    return None, memory_pattern(node) if pattern is _UNKNOWN else pattern
-
-
-#: Matmuls by op: the positions of their operands A ([..., M, K]) and B ([..., K, N]) in ``args``.
-_MATMULS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2),
-            torch.ops.aten.bmm.default: (0, 1), torch.ops.aten.baddbmm.default: (1, 2)}
-
-
-def matmul_operands(node: fx.Node) -> tuple[int, int] | None:
-    """Where a matmul's operands A and B are among the node's tensor arguments (in
-    ``strategies._tensor_args`` order: ``args`` first); None for other ops."""
-    pos = _MATMULS.get(node.target)
-    if pos is None:
-        return None
-    index = [k for k, a in enumerate(node.args) if is_tensor(a)]
-    if pos[0] not in index or pos[1] not in index:
-        return None
-    return index.index(pos[0]), index.index(pos[1])
-
-
-def matmul_side(a_shape, b_shape) -> float | None:
-    """The side of the cube of a matmul's M x N x K times its batch entries
-    (``Profile.matmul_share``): a batched matmul's entries run side by side, so it fills the
-    device as one matmul of its whole volume does."""
-    batch = max(math.prod(a_shape[:-2]), math.prod(b_shape[:-2]))
-    volume = batch * a_shape[-2] * a_shape[-1] * b_shape[-1]
-    return volume ** (1 / 3) if volume > 0 else None
-
-
-def is_view(node: fx.Node) -> bool:
-    """Whether ``node`` aliases its input (no kernel, no memory): view ops, ``detach`` and
-    ``_unsafe_view``."""
-    return is_view_target(node.target)
-
-
 def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_failures, pattern):
     """Compute time and output bytes per device of each strategy of a call_function node
     (``pattern``: its :func:`memory_pattern`)."""
@@ -339,7 +206,7 @@ def live_root(a: fx.Node, recomputed=None, in_backward=None) -> tuple[fx.Node, b
 
     Through ``getitem`` to the producer, through views to their source: a view aliases its
     source, so reading it keeps the source alive. ``recomputed``: the nodes a backward
-    recomputes (:func:`autoshard.recompute.recomputed`), read from the backward
+    recomputes (:func:`autoshard.graph.recompute.recomputed`), read from the backward
     (``in_backward(node)`` tells the backward's own views, which alias what they view): a
     recomputed value is held by the recomputed copy of its source, unless the chain reaches
     a value that is kept."""
@@ -423,7 +290,7 @@ def build_problem(
     bucket_mb: float = 0.0,
 ) -> GraphProblem:
     """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``; ``load_imbalance``
-    scales expert-parallel work (:mod:`autoshard.imbalance`)."""
+    scales expert-parallel work (:mod:`autoshard.planning.imbalance`)."""
     mesh_shape = tuple(mesh.shape)
     topo = MeshTopology(mesh_shape, profile.devices_per_node)
     redist = _RedistCost(topo, profile)
@@ -580,3 +447,42 @@ def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,
             )
         problem_pins[v] = hit[0]
     return problem_pins
+
+
+def with_recompute(gp: GraphProblem, tg: TracedGraph, rc: Recompute) -> GraphProblem:
+    """``gp`` with ``rc``'s recomputation: a tied copy per recomputed node (its compute and its
+    input redistributes charged again, its memory live in the backward only) and every
+    interval re-derived (:func:`node_intervals`)."""
+    rec = recomputed(tg.gm, rc)
+    if not rec:
+        return gp
+    nodes = gp.nodes[:gp.num_originals]
+    originals, copy_iv = node_intervals(tg, nodes, rec)
+    copied = [v for v, n in enumerate(nodes) if n in rec]
+    copy_index = {v: len(nodes) + k for k, v in enumerate(copied)}
+    p = gp.problem
+    edges, mats = list(gp.edges), list(p.edge_costs)
+    for e, ae in enumerate(gp.edges):
+        if ae.arg >= 0 and ae.consumer in copy_index:
+            # A recomputed op reads the recomputed value where its producer is recomputed too.
+            u = copy_index.get(ae.producer, ae.producer)
+            edges.append(ArgEdge(copy_index[ae.consumer], ae.arg, u, ae.out))
+            mats.append(p.edge_costs[e])
+    grouped = {v for group in p.ties for v in group}
+    ties = [group + [copy_index[v] for v in group if v in copy_index] for group in p.ties]
+    ties += [[v, copy_index[v]] for v in copied if v not in grouped]
+    problem = dataclasses.replace(
+        p,
+        node_costs=p.node_costs + [gp.compute_us[v] for v in copied],  # a layer never holds the loss
+        node_usages=p.node_usages + [p.node_usages[v] for v in copied],
+        intervals=np.concatenate([originals, copy_iv]),
+        edges=np.array([(e.producer, e.consumer) for e in edges], dtype=np.int64).reshape(-1, 2),
+        edge_costs=mats,
+        node_names=p.node_names + [f"{nodes[v].name}@recompute" for v in copied],
+        ties=ties,
+    )
+    return dataclasses.replace(
+        gp, problem=problem, nodes=nodes + [nodes[v] for v in copied],
+        strategies=gp.strategies + [gp.strategies[v] for v in copied], edges=edges,
+        compute_us=gp.compute_us + [gp.compute_us[v] for v in copied],
+        copy_of={c: v for v, c in copy_index.items()})

@@ -1,14 +1,14 @@
 """Run a lowered plan as the model's forward and backward.
 
 :class:`PlannedProgram` owns the per-rank programs of one (plan, mesh, input signature)
-(:mod:`autoshard.lower`): the forward maps the local shards of the parameters, buffers and
+(:mod:`autoshard.runtime.lower`): the forward maps the local shards of the parameters, buffers and
 inputs to the model's outputs and the saved activations; the backward maps the saved
 activations and the outputs' gradients to the parameters' gradients, each in its
 parameter's planned spec. :class:`StepFunction` makes the pair one autograd function, so
 ``loss.backward()`` on any loss computed from the outputs runs the planned backward.
 
 On real processes a rank lowers and runs its own program. Under LocalTensorMode every
-rank's program is lowered and all run side by side (:func:`autoshard.spmd.run_ranks`).
+rank's program is lowered and all run side by side (:func:`autoshard.runtime.spmd.run_ranks`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
-from autoshard import rng
 from autoshard.errors import PlanError
-from autoshard.lower import Lowering, RankProgram, split
+from autoshard.graph import rng
+from autoshard.graph.recompute import Recompute
+from autoshard.graph.tracing import TracedGraph
 from autoshard.mesh import several_processes
-from autoshard.passes import optimize
 from autoshard.planfile import Plan
-from autoshard.recompute import Recompute
-from autoshard.spmd import run_ranks
-from autoshard.tracing import TracedGraph
+from autoshard.runtime.lower import Lowering, RankProgram, split
+from autoshard.runtime.passes import optimize
+from autoshard.runtime.spmd import run_ranks
 from costmodel import Spec
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class PlannedProgram:
         return self._backward[rank]
 
     def _optimize(self, program: RankProgram) -> None:
-        """Bucket and overlap the program's collectives (:mod:`autoshard.passes`): the same bytes
+        """Bucket and overlap the program's collectives (:mod:`autoshard.runtime.passes`): the same bytes
         in fewer collectives (DDP's gradient buckets, FSDP's per-layer gathers), each started
         early and waited for late."""
         program.gm = optimize(program.gm, self.lowering.profile, self.bucket_mb, self.overlap)
@@ -129,7 +129,7 @@ class PlannedProgram:
 
     def collective_counts(self, rank: int | None = None) -> dict[str, int]:
         """Collectives per kind (``all_reduce`` ...) in one rank's lowered forward and backward."""
-        from autoshard.lower import collectives
+        from autoshard.runtime.lower import collectives
 
         rank = self._any_rank() if rank is None else rank
         counts: dict[str, int] = {}
@@ -142,8 +142,8 @@ class PlannedProgram:
     def describe(self, rank: int | None = None) -> str:
         """One rank's programs in a few lines: sizes, then every collective in program order with
         its group, bytes, and how many nodes run between it and its wait (the overlap window)."""
-        from autoshard.lower import collectives
-        from autoshard.passes import KIND
+        from autoshard.runtime.lower import collectives
+        from autoshard.runtime.passes import KIND
 
         rank = self._any_rank() if rank is None else rank
         lines = []
@@ -170,7 +170,7 @@ class PlannedProgram:
         return ranks[0] if ranks else (dist.get_rank() if dist.is_initialized() else 0)
 
     def _next_seed(self) -> int:
-        """The run seed of the next forward (:mod:`autoshard.rng`): the same on every rank, rank 0's
+        """The run seed of the next forward (:mod:`autoshard.graph.rng`): the same on every rank, rank 0's
         initial seed plus the number of forwards run so far."""
         if self._base_seed is None:
             with tc.outside_local_tensor_mode():  # LocalTensorMode answers with a per-rank seed

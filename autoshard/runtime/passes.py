@@ -1,6 +1,6 @@
 """Bucketing and overlap on a lowered per-rank program, costed by the plan's profile.
 
-A lowered program (:mod:`autoshard.lower`) issues each collective where DTensor's
+A lowered program (:mod:`autoshard.runtime.lower`) issues each collective where DTensor's
 redistribution put it and waits for it right away. Two of torch's own FX passes then
 reorder it, with the same cost model the planner used as their runtime estimator:
 
@@ -32,9 +32,9 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
-from autoshard.attention import kernel_of
-from autoshard.problem import is_view, matmul_operands, matmul_side, node_flops, op_pricing
-from autoshard.strategies import is_tensor
+from autoshard.graph.attention import kernel_of
+from autoshard.graph.pricing import is_view, matmul_operands, matmul_side, node_flops, op_pricing
+from autoshard.graph.strategies import is_tensor
 from costmodel import compute_time_us
 from costmodel.ops import host_kind
 from costmodel.profile import Profile
@@ -68,7 +68,7 @@ class Estimator:
         self._issue: dict = {}
 
     def issue_us(self, node: fx.Node) -> float:
-        """Host time to issue ``node`` (:mod:`autoshard.simulate`'s host stream)."""
+        """Host time to issue ``node`` (:mod:`autoshard.planning.simulate`'s host stream)."""
         us = self._issue.get(node.target)
         if us is None:
             us = self._issue[node.target] = self.profile.host_us(host_kind(node.target))

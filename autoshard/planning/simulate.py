@@ -3,7 +3,7 @@
 Two walks share the model: :func:`simulate` over a rank's lowered program (after torch's
 bucketing and overlap passes: the program that runs), and :func:`simulate_plan` over the
 planned graph itself, any size, at plan time: the executor's buckets found on the planned graph
-(:mod:`autoshard.buckets`, one collective each), every other redistribute issued as soon as its
+(:mod:`autoshard.runtime.buckets`, one collective each), every other redistribute issued as soon as its
 data is ready, and a view (an op of no compute) there when its inputs are, so that only its
 readers wait (the overlap scheduler waits for a collective just before the first op that
 computes on it; a gradient's transpose waiting for its reduction held the whole backward).
@@ -12,7 +12,7 @@ The plan's own prediction adds every op's compute and every redistribute's time.
 that runs is different: torch's bucketing merged collectives (one latency per bucket), and the
 overlap scheduler issues each collective early and waits for it late. This walks a rank's
 lowered forward and backward programs in their order, with the plan's profile pricing each node
-(:class:`autoshard.passes.Estimator`, the same figures the scheduler used):
+(:class:`autoshard.runtime.passes.Estimator`, the same figures the scheduler used):
 
     compute node      c   : t_c <- t_c + compute(c)
     collective k issued   : start_k = max(t_c, t_m);  t_m <- start_k + collective(k)
@@ -47,7 +47,7 @@ exposed communication. ``h = 0`` (CPU devices, uncalibrated GPU profiles) is the
 between when its redistribute could start (its producer done, the communication stream free)
 and when its consumer would run (a gradient's move: when the compute stream ends). An edge of
 time ``c`` then costs ``c - eta * min(c, slack)``: the re-weighed edge costs the overlap-aware
-objective is solved with (:mod:`autoshard.overlap`).
+objective is solved with (:mod:`autoshard.planning.overlap`).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autoshard.buckets import Buckets, plan_buckets
-from autoshard.passes import KIND, Estimator
-from autoshard.tracing import node_phase
+from autoshard.graph.tracing import node_phase
+from autoshard.runtime.buckets import Buckets, plan_buckets
+from autoshard.runtime.passes import KIND, Estimator
 from costmodel.profile import Profile
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -159,7 +159,7 @@ def step_floor(additive_us: float, compute_us: float, share: float) -> float:
 
 
 def simulate_step(program, rank: int, profile: Profile | None = None) -> Timeline:
-    """Forward then backward of a :class:`autoshard.runtime.PlannedProgram` for ``rank``, priced
+    """Forward then backward of a :class:`autoshard.runtime.program.PlannedProgram` for ``rank``, priced
     by ``profile`` (default: the plan's, which the programs were scheduled with) and its overlap
     share."""
     profile = profile or program.lowering.profile
@@ -170,7 +170,7 @@ def simulate_step(program, rank: int, profile: Profile | None = None) -> Timelin
 
 def run_order(gp) -> list[int]:
     """The planned graph's nodes in the order they run (:meth:`GraphProblem.run_order
-    <autoshard.problem.GraphProblem.run_order>`)."""
+    <autoshard.planning.problem.GraphProblem.run_order>`)."""
     return gp.run_order()
 
 
@@ -225,7 +225,7 @@ def simulate_plan(gp, choice, overlap: float = 1.0, buckets: Buckets | None = No
     backward and only ends the step. Node times are the problem's own costs (compute, plus the
     loss's reduction), edge times its edge costs.
 
-    ``buckets`` (:func:`autoshard.buckets.plan_buckets`): redistributes the executor merges. A
+    ``buckets`` (:func:`autoshard.runtime.buckets.plan_buckets`): redistributes the executor merges. A
     bucket is one collective, issued once its members' producers have all run (a backward
     bucket not before the backward starts), read by each member's consumer; its readers run
     after its last producer. Default: the buckets of the problem's ``bucket_mb``."""

@@ -2,7 +2,7 @@ r"""Trace a deep model at the cost of a shallow one: trace three layers, unroll 
 
 Tracing runs every op of the step through ``make_fx`` (about 1 ms an op here), so a
 model of N identical layers costs N times one layer: 26 s for LLaMA-70B's 80. The
-layers of a group (:func:`autoshard.layers.layer_groups`) run the same code on
+layers of a group (:func:`autoshard.graph.layers.layer_groups`) run the same code on
 parameters of the same shapes, so the step's graph repeats: with ``L_u`` the nodes of
 layer u's forward (or backward) and the nodes between two layers' blocks counted with
 the block after them, the trace of an N-layer model is
@@ -40,8 +40,8 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import TraceError, first_line
-from autoshard.layers import layer_groups, node_layer, retagged
-from autoshard.tracing import RawTrace, TracedGraph, check_inputs, finish, raw_trace
+from autoshard.graph.layers import layer_groups, node_layer, retagged
+from autoshard.graph.tracing import RawTrace, TracedGraph, check_inputs, finish, raw_trace
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def truncated(model: torch.nn.Module, groups: list[list[str]], depth: int):
 
 
 def trace_unrolled(model: torch.nn.Module, example_inputs, loss_fn=None, example_kwargs=None) -> TracedGraph:
-    """:func:`autoshard.tracing.trace` (layers tied), each group of :data:`MIN_LAYERS` or more
+    """:func:`autoshard.graph.tracing.trace` (layers tied), each group of :data:`MIN_LAYERS` or more
     layers unrolled from three when that reproduces the four-layer trace, else traced whole."""
     example_inputs = check_inputs(example_inputs)
     groups = layer_groups(model)

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoshard.errors import ConfigError
-from autoshard.models import LlamaAttention, LlamaBlock, LlamaConfig, RMSNorm, SwiGLU, init_decoder, rope_buffers
+from autoshard.models.dense import LlamaAttention, LlamaBlock, LlamaConfig, RMSNorm, SwiGLU, init_decoder, rope_buffers
 
 
 @dataclass

@@ -21,22 +21,22 @@ import numpy as np
 import torch
 
 import solver
-from autoshard.attention import attention_summary
-from autoshard.baselines import baseline_pins, baseline_recompute, baselines_for
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.gcpause import fewer_gc_passes
+from autoshard.graph.attention import attention_summary
+from autoshard.graph.recompute import NONE, Recompute, choose, recomputed
+from autoshard.graph.tracing import trace
+from autoshard.graph.unroll import trace_unrolled
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
-from autoshard.overlap import MAX_ROUNDS, additive_solve, relaxed
-from autoshard.overlap import refine as refine_overlap
-from autoshard.pins import resolve_pins, to_spec
 from autoshard.planfile import RECOMPUTE_MODES, ParamPlacement, Plan
-from autoshard.problem import GraphProblem, build_problem, pin_indices
-from autoshard.recompute import NONE, Recompute, choose, recomputed, with_recompute
-from autoshard.simulate import problem_buckets, simulate_plan, step_floor
-from autoshard.tracing import trace
+from autoshard.planning.baselines import baseline_pins, baseline_recompute, baselines_for
+from autoshard.planning.overlap import MAX_ROUNDS, additive_solve, relaxed
+from autoshard.planning.overlap import refine as refine_overlap
+from autoshard.planning.pins import resolve_pins, to_spec
+from autoshard.planning.problem import GraphProblem, build_problem, pin_indices, with_recompute
+from autoshard.planning.simulate import problem_buckets, simulate_plan, step_floor
 from autoshard.units import human_bytes
-from autoshard.unroll import trace_unrolled
 from costmodel import MeshTopology, Profile, load_profile, plan_steps
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ ASSEMBLY_OF_BUILD = 0.5
 #: Share of ``time_limit`` for all the hand-written plans together when ``seed_baselines`` is on
 #: (solved only when the solve's cheap stages prove nothing); the solve has the rest.
 BASELINES_SHARE = 0.25
-#: The optimality gap the overlap rounds' re-solves stop at (:func:`autoshard.overlap.refine`):
+#: The optimality gap the overlap rounds' re-solves stop at (:func:`autoshard.planning.overlap.refine`):
 #: a round's re-weighed objective only approximates the simulated step, so a round's answer
 #: within this share of its bound is as good as its optimum.
 ROUND_GAP = 1e-3
@@ -66,14 +66,14 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *
     ``time_limit``, ``profile``, ...), applied over ``options``. One call of
     ``Planner(model, example_inputs, mesh, ...).solve()``; ``plan.solver["source"]`` names the
     stage or start the answer came from. ``mesh="auto"`` with ``ranks=N`` chooses the mesh
-    shape too (:mod:`autoshard.meshsearch`: every shape of N ranks planned within ``time_limit``,
+    shape too (:mod:`autoshard.planning.meshsearch`: every shape of N ranks planned within ``time_limit``,
     the table in ``plan.summary["mesh_search"]``; axes named ``axis0``, ``axis1`` ...).
     """
     if isinstance(mesh, str):
         if mesh != "auto" or ranks is None:
             raise ConfigError(f"mesh: expected a DeviceMesh, or 'auto' with ranks=N, found {mesh!r} "
                               f"with ranks={ranks}")
-        from autoshard.meshsearch import search
+        from autoshard.planning.meshsearch import search
 
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
@@ -237,7 +237,7 @@ class Planner:
         ``1 - eta`` (the profile's overlap share): its ``lower_bound`` bounds every plan's
         predicted (simulated) step in any recompute mode, as a step hides at most ``eta`` of its
         communication, ``S >= compute + (1 - eta) * communication``
-        (:mod:`autoshard.overlap`), and recomputation only adds. With ``eta = 0`` it is
+        (:mod:`autoshard.planning.overlap`), and recomputation only adds. With ``eta = 0`` it is
         :meth:`memory_free`'s problem."""
         opts = self._options(overrides).replace(recompute="none")
         problem = relaxed(self.problem(**_solve_fields(opts)), self.profile.overlap)
@@ -374,7 +374,7 @@ class Planner:
     @fewer_gc_passes()
     def compare(self, baselines: Sequence[str] | None = None, **overrides) -> dict[str, Plan | str]:
         """Our plan and each hand-written baseline (default: every one that applies to the model,
-        :func:`~autoshard.baselines.baselines_for`), costed alike.
+        :func:`~autoshard.planning.baselines.baselines_for`), costed alike.
 
         ``"autoshard"`` is what :meth:`solve` returns under the same options (pins included),
         unless a baseline that the options allow (no input specs given, its recompute mode the
@@ -382,7 +382,7 @@ class Planner:
         (or, with ``overlap_objective``, follows the simulation from its own additive optimum),
         so a pinned plan may overlap more. That baseline's plan then is ours, and :meth:`solve`
         returns it from then on. A baseline fixes the parameter
-        and input specs as people write them by hand (see :mod:`autoshard.baselines`; the pins
+        and input specs as people write them by hand (see :mod:`autoshard.planning.baselines`; the pins
         given win over its own) and the solver chooses the rest. A baseline that does not fit
         the memory budget maps to the error's message.
         """
@@ -409,7 +409,7 @@ class Planner:
         compute without recomputation (a plan in a recompute mode adds its recomputed copies'
         cheapest compute to both, :meth:`recompute_floor`); a hand-written plan whose predicted
         step they bound at or above ``below``, or above the best of those solved before it
-        (:func:`~autoshard.simulate.step_floor`), is not solved."""
+        (:func:`~autoshard.planning.simulate.step_floor`), is not solved."""
         opts = self._options(overrides)
         if not opts.seed_baselines or opts.input_specs is not None:
             return None

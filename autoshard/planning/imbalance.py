@@ -2,7 +2,7 @@
 
 Where a plan shards the expert dimension over a mesh axis (expert parallelism), each rank runs
 its own experts on the tokens routed to them. With capacity-based dispatch (the reference
-:class:`autoshard.moe.MoeLayer`) every expert processes exactly its capacity, padded, so every
+:class:`autoshard.models.moe.MoeLayer`) every expert processes exactly its capacity, padded, so every
 rank does the same work: the factor 1.0 is exact. A dropless runtime, or routing measured to
 be skewed, gives the busiest rank ``f`` times the mean load, and a step waits for that rank:
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autoshard.baselines import EXPERTS
+from autoshard.planning.baselines import EXPERTS
 from costmodel.spec import shard_dim
 
 aten = torch.ops.aten

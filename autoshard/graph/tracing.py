@@ -18,7 +18,7 @@ from torch.func import functional_call
 from autoshard import _torch_compat as tc
 from autoshard._torch_compat import FakeTensorMode, make_fx
 from autoshard.errors import TraceError
-from autoshard.layers import layer_groups, tag_layers
+from autoshard.graph.layers import layer_groups, tag_layers
 
 PHASE = "autoshard_phase"
 """``node.meta["custom"]`` key of the step's phase that created the node."""
@@ -58,7 +58,7 @@ class TracedGraph:
     grad_of: dict[str, fx.Node] = field(default_factory=dict)
     """Parameter FQN -> the node producing its gradient (absent when unused)."""
     layer_groups: list[list[str]] = field(default_factory=list)
-    """Repeated layers whose traced nodes are tagged (see :mod:`autoshard.layers`)."""
+    """Repeated layers whose traced nodes are tagged (see :mod:`autoshard.graph.layers`)."""
     outputs: list = field(default_factory=list)
     """The model's output leaves (its pytree flattened): the node of each tensor leaf, the
     value itself for any other leaf."""
@@ -165,7 +165,7 @@ def _to_fake(fm: FakeTensorMode, t: torch.Tensor, device: torch.device, requires
 class RawTrace:
     """What ``make_fx`` returned for one training step, before the graph is tidied
     (:func:`finish`): the graph and the trace's own nodes of the model's outputs and of
-    their gradients. :mod:`autoshard.unroll` builds deep models' raw traces from shallow ones."""
+    their gradients. :mod:`autoshard.graph.unroll` builds deep models' raw traces from shallow ones."""
 
     gm: fx.GraphModule
     param_fqns: list[str]
@@ -192,7 +192,7 @@ def trace(
     ``example_kwargs``: keyword arguments of ``forward``; tensors become inputs of the step
     (after the positional ones, in the dict's order), anything else is a constant of the trace.
     With ``tie_layers``, the nodes of repeated layers are tagged so that the
-    planner can tie them. :func:`autoshard.unroll.trace_unrolled` traces deep models faster.
+    planner can tie them. :func:`autoshard.graph.unroll.trace_unrolled` traces deep models faster.
     """
     example_inputs = check_inputs(example_inputs)
     groups = layer_groups(model) if tie_layers else []
@@ -245,7 +245,7 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
         kwargs = {**constants, **dict(zip(kw_names, xs[len(positional):]))}
         state = {**dict(zip(names_p, ps)), **dict(zip(names_b, bs))}
         # The phase of each traced op is what lets a plan be split into the model's forward
-        # and backward programs, with the loss left to the caller (autoshard.lower).
+        # and backward programs, with the loss left to the caller (autoshard.runtime.lower).
         tc.node_meta_custom()[PHASE] = "forward"
         out = functional_call(model, state, tuple(positional), kwargs)
         leaves, seen["tree"] = torch.utils._pytree.tree_flatten(out)
@@ -310,7 +310,7 @@ def _data_dependent_hint(exc: Exception) -> str:
     return ("\n  the model's shapes depend on its tensors' values (nonzero, masked indexing, a loop over the "
             "experts a batch reaches), and a plan is made for static shapes. For a mixture of experts: a Hugging "
             "Face model plans with its static-shape experts, `config._experts_implementation = \"batched_mm\"` "
-            "(or \"grouped_mm\" in bf16) before building it; or swap its MoE block for autoshard.moe.MoeLayer "
+            "(or \"grouped_mm\" in bf16) before building it; or swap its MoE block for autoshard.models.moe.MoeLayer "
             "(capacity-based dispatch), which is what expert parallelism is planned for.")
 
 

@@ -5,7 +5,7 @@ The solver's objective is additive. A plan ``x`` (a strategy per node) costs
     A(x) = sum_v c_v(x_v) + sum_(e = u->v) M_e(x_u, x_v)
 
 but the step runs each redistribute beside the compute that does not need it yet. The step
-predicted is the simulation (:mod:`autoshard.simulate`)
+predicted is the simulation (:mod:`autoshard.planning.simulate`)
 
     S(x) = A(x) - eta * H(x)
 
@@ -15,7 +15,7 @@ depends on what the whole plan queues on the one communication stream. So the ob
 the simulation by rounds (:func:`refine`). Round 0 is the additive solve. Round ``r >= 1``, from
 the plans ``x_0 .. x_{r-1}``:
 
-    s_e   = min over q < r of slack_e(x_q)              (:func:`autoshard.simulate.plan_slack`)
+    s_e   = min over q < r of slack_e(x_q)              (:func:`autoshard.planning.simulate.plan_slack`)
     M'_e  = M_e - eta * min(M_e, s_e)                   (:func:`reweighed`; forbidden stays so)
     x_r   = argmin sum_v c_v(x_v) + sum_e M'_e(x_u, x_v)
             subject to the same memory rows, pins and ties (a re-solve started from x_{r-1})
@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 import solver
-from autoshard.simulate import plan_slack, simulate_plan
+from autoshard.planning.simulate import plan_slack, simulate_plan
 
 log = logging.getLogger(__name__)
 

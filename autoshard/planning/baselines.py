@@ -62,7 +62,7 @@ def baselines_for(model: nn.Module) -> tuple[str, ...]:
 
 
 def baseline_recompute(name: str) -> str:
-    """The activation checkpointing a hand-written plan uses (:mod:`autoshard.recompute`)."""
+    """The activation checkpointing a hand-written plan uses (:mod:`autoshard.graph.recompute`)."""
     return "full" if name.endswith("_ac") else "none"
 
 

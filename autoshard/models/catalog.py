@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autoshard.errors import ConfigError
-from autoshard.models import GPT2_PRESETS, LLAMA_PRESETS, gpt2, llama
-from autoshard.moe import MOE_PRESETS, moe
+from autoshard.models.dense import GPT2_PRESETS, LLAMA_PRESETS, gpt2, llama
+from autoshard.models.moe import MOE_PRESETS, moe
 
 
 def families() -> dict[str, tuple]:

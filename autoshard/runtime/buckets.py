@@ -1,7 +1,7 @@
 """The executor's collective buckets, found on the planned graph.
 
 A lowered program's collectives are merged by Inductor's bucketing passes
-(:func:`autoshard.passes.optimize`, ``bucket_mb``): in the program's order, each kind's
+(:func:`autoshard.runtime.passes.optimize`, ``bucket_mb``): in the program's order, each kind's
 collectives (all_reduce, all_gather, reduce_scatter) are split into runs of consecutive ones
 with one key (group, dtype and, for reductions, the reduce op); within a run, buckets fill
 greedily up to the cap, and a collective that depends on the bucket being filled stays out of
@@ -9,7 +9,7 @@ it. A bucket is one collective at its members' total bytes: one latency instead 
 which on gloo (about a millisecond each) is most of a small model's communication.
 
 :func:`plan_buckets` applies the same rules to a plan's redistributes in planned-graph order
-(:func:`autoshard.simulate.run_order` gives it), with a redistribute's collectives where the
+(:func:`autoshard.planning.simulate.run_order` gives it), with a redistribute's collectives where the
 lowered program puts them: before its consumer, in the consumer's program (forward or
 backward); the gradients' moves to their parameters' specs at the end of the backward, in the
 parameters' order (the program's outputs), where the runs are long. Each collective of a
@@ -22,7 +22,7 @@ gradient's move has no reader in the step). The search for that only walks nodes
 producer's position in the order (a topological order: every path to a node runs through
 earlier ones), so it is linear per bucket.
 
-How the walk prices a bucket (:func:`autoshard.simulate.simulate_plan`): its collective is
+How the walk prices a bucket (:func:`autoshard.planning.simulate.simulate_plan`): its collective is
 issued once every member's input is there (the overlap scheduler starts it as early as that),
 a backward bucket not before the backward starts; each member's consumer waits for it.
 """
@@ -33,7 +33,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from autoshard.tracing import node_phase
+from autoshard.graph.tracing import node_phase
 from costmodel import MeshTopology, plan_steps
 from costmodel.profile import Profile
 from costmodel.spec import partial_op

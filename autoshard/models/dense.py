@@ -3,7 +3,7 @@
 Attention is causal ``F.scaled_dot_product_attention`` (``attention="sdpa"``), as torchtitan's
 models run it: the fused kernel (flash; on a CPU or the meta device torch's flash kernel for
 CPUs), which keeps its output and the row log-sum-exp, not the ``s x s`` scores
-(:mod:`autoshard.attention`). ``attention="math"`` writes it as matmul + softmax + matmul instead.
+(:mod:`autoshard.graph.attention`). ``attention="math"`` writes it as matmul + softmax + matmul instead.
 """
 
 from __future__ import annotations

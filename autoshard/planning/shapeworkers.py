@@ -1,6 +1,6 @@
 """Forked worker processes that build each mesh shape once and keep it for the work that follows.
 
-A mesh search (:mod:`autoshard.meshsearch`) bounds every shape: it builds the shape's problem and
+A mesh search (:mod:`autoshard.planning.meshsearch`) bounds every shape: it builds the shape's problem and
 solves it with memory ignored (and, where memory binds, its hand-written plans). The few shapes
 worth solving are then solved; built again in the searching process, each solve first paid for
 the build and the stages the bounding had done (LLaMA-70B on a 3-D mesh: about 3 s of a 10 s

@@ -28,12 +28,12 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
-from autoshard import attention, rng
 from autoshard.errors import PlanError
+from autoshard.graph import attention, rng
+from autoshard.graph.recompute import NONE, Recompute, recomputed
+from autoshard.graph.strategies import skipped_by_cat
+from autoshard.graph.tracing import TracedGraph
 from autoshard.planfile import Plan
-from autoshard.recompute import NONE, Recompute, recomputed
-from autoshard.strategies import skipped_by_cat
-from autoshard.tracing import TracedGraph
 from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, make_groups
 from costmodel.profile import Profile
 
@@ -188,7 +188,7 @@ def move(t, want: Spec, planner: RedistributePlanner, mesh):
     if not isinstance(t, torch.Tensor):
         return t
     if not isinstance(t, DTensor):
-        from autoshard.shards import distribute
+        from autoshard.runtime.shards import distribute
 
         return distribute(t, mesh, want, src_data_rank=None)
     have = _spec_of(t)
@@ -293,7 +293,7 @@ class Lowering:
 
     def _local_kernel(self, n: fx.Node, kernel, args, kwargs, entry: dict) -> tuple:
         """A traced CPU attention kernel run by the mesh's device's kernel on each rank's shards
-        (:func:`autoshard.attention.device_kernel`), its outputs in the planned placements."""
+        (:func:`autoshard.graph.attention.device_kernel`), its outputs in the planned placements."""
         if "out" in entry:
             placements = [tc.placements_for(Spec.parse(s), self.mesh) for s in entry["out"]]
         else:
@@ -306,7 +306,7 @@ class Lowering:
                      for o, p, v in zip(outs, placements, n.meta["val"]))
 
     def _random(self, n: fx.Node, env: dict, entry: dict | None):
-        """A random op on this rank's shard, keyed so that replicas draw alike (:mod:`autoshard.rng`)."""
+        """A random op on this rank's shard, keyed so that replicas draw alike (:mod:`autoshard.graph.rng`)."""
         x = env[n.args[0]]
         if entry is not None:
             x = self._move(x, Spec.parse(entry["in"][0]))
@@ -423,7 +423,7 @@ def _load(name) -> Profile:
 
 def collectives(gm: fx.GraphModule) -> list[fx.Node]:
     """The collective nodes of a per-rank program, in order."""
-    from autoshard.spmd import collective_ops
+    from autoshard.runtime.spmd import collective_ops
 
     ops = collective_ops()
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]

@@ -14,29 +14,26 @@ Random and in-place ops are always kept, never recomputed (a recomputed draw wou
 and so is every value a layer hands to anything outside it (its output).
 
 :func:`choose` finds, for one mode, the nodes each layer recomputes and where its backward
-starts needing them. In the problem (:func:`with_recompute`) each recomputed node gets a
+starts needing them. In the problem (:func:`autoshard.planning.problem.with_recompute`) each recomputed node gets a
 *copy*: tied to the original (so it takes the same strategy), charged the original's compute
 and its input redistributes once more, and live in the backward from the layer's recompute
 point to its last backward use, while the original now dies at its last forward use. The
-lowering (:func:`autoshard.lower.split`) runs the same nodes again in the backward program at
+lowering (:func:`autoshard.runtime.lower.split`) runs the same nodes again in the backward program at
 that point, with the planned specs, so what runs is what was costed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.fx as fx
 
-from autoshard import rng
-from autoshard.layers import node_layer
+from autoshard.graph import rng
+from autoshard.graph.layers import node_layer
+from autoshard.graph.tracing import TracedGraph
 from autoshard.planfile import RECOMPUTE_MODES
-from autoshard.problem import ArgEdge, GraphProblem, node_intervals
-from autoshard.tracing import TracedGraph
 
 MODES = RECOMPUTE_MODES
 
@@ -144,42 +141,3 @@ def recomputed(gm: fx.GraphModule, rc: Recompute) -> dict[fx.Node, fx.Node]:
     """Recomputed node -> the backward node its layer's recompute runs before."""
     by_name = {n.name: n for n in gm.graph.nodes}
     return {by_name[name]: by_name[rc.at[fqn]] for fqn, names in rc.nodes.items() for name in names}
-
-
-def with_recompute(gp: GraphProblem, tg: TracedGraph, rc: Recompute) -> GraphProblem:
-    """``gp`` with ``rc``'s recomputation: a tied copy per recomputed node (its compute and its
-    input redistributes charged again, its memory live in the backward only) and every
-    interval re-derived (:func:`autoshard.problem.node_intervals`)."""
-    rec = recomputed(tg.gm, rc)
-    if not rec:
-        return gp
-    nodes = gp.nodes[:gp.num_originals]
-    originals, copy_iv = node_intervals(tg, nodes, rec)
-    copied = [v for v, n in enumerate(nodes) if n in rec]
-    copy_index = {v: len(nodes) + k for k, v in enumerate(copied)}
-    p = gp.problem
-    edges, mats = list(gp.edges), list(p.edge_costs)
-    for e, ae in enumerate(gp.edges):
-        if ae.arg >= 0 and ae.consumer in copy_index:
-            # A recomputed op reads the recomputed value where its producer is recomputed too.
-            u = copy_index.get(ae.producer, ae.producer)
-            edges.append(ArgEdge(copy_index[ae.consumer], ae.arg, u, ae.out))
-            mats.append(p.edge_costs[e])
-    grouped = {v for group in p.ties for v in group}
-    ties = [group + [copy_index[v] for v in group if v in copy_index] for group in p.ties]
-    ties += [[v, copy_index[v]] for v in copied if v not in grouped]
-    problem = dataclasses.replace(
-        p,
-        node_costs=p.node_costs + [gp.compute_us[v] for v in copied],  # a layer never holds the loss
-        node_usages=p.node_usages + [p.node_usages[v] for v in copied],
-        intervals=np.concatenate([originals, copy_iv]),
-        edges=np.array([(e.producer, e.consumer) for e in edges], dtype=np.int64).reshape(-1, 2),
-        edge_costs=mats,
-        node_names=p.node_names + [f"{nodes[v].name}@recompute" for v in copied],
-        ties=ties,
-    )
-    return dataclasses.replace(
-        gp, problem=problem, nodes=nodes + [nodes[v] for v in copied],
-        strategies=gp.strategies + [gp.strategies[v] for v in copied], edges=edges,
-        compute_us=gp.compute_us + [gp.compute_us[v] for v in copied],
-        copy_of={c: v for v, c in copy_index.items()})

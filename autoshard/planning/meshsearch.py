@@ -25,7 +25,7 @@ predicted faster). The shape chosen
 is the one of least predicted (simulated) step among every plan found. Shapes are
 bounded in the order of :func:`next_to_bound`, in worker processes where cores allow
 (:func:`bounding_workers`; each keeps the planners of the shapes likeliest to be solved, which
-are then solved there, not built again: :mod:`autoshard.shapeworkers`), for ``BOUND_SHARE`` of
+are then solved there, not built again: :mod:`autoshard.planning.shapeworkers`), for ``BOUND_SHARE`` of
 the time limit (``BOUND_SHARE_BINDING`` once memory binds the lowest bound), then solved
 (those with a hand-written plan first, by its predicted step, then in increasing bound), each
 as a plan on a given mesh is (hand-written seeds included) with half the time left while another
@@ -61,10 +61,10 @@ import numpy as np
 
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError
 from autoshard.options import PlanOptions
-from autoshard.overlap import additive_solve
 from autoshard.planfile import Plan
-from autoshard.shapeworkers import HELD_NOT
-from autoshard.simulate import simulate_plan, step_floor
+from autoshard.planning.overlap import additive_solve
+from autoshard.planning.shapeworkers import HELD_NOT
+from autoshard.planning.simulate import simulate_plan, step_floor
 from costmodel import MeshTopology
 from solver.stall import DEFAULT_STALL
 
@@ -325,7 +325,7 @@ def _fits(free) -> bool:
 
 
 def _hand_written_plan(name: str, seed) -> Plan:
-    """A hand-written plan (a :class:`~autoshard.planner._Seed`) as a search's answer, labelled."""
+    """A hand-written plan (a :class:`~autoshard.planning.planner._Seed`) as a search's answer, labelled."""
     return seed.as_ours(name, "hand-written, under its pins: predicted faster than the plans the mesh search solved")
 
 
@@ -384,7 +384,7 @@ HELD_PER_WORKER = 3
 
 class _Bounding:
     """Shapes bounded (built, then solved with memory ignored) in forked worker processes that
-    keep their planners (:class:`~autoshard.shapeworkers.ShapeWorkers`), or here with one worker:
+    keep their planners (:class:`~autoshard.planning.shapeworkers.ShapeWorkers`), or here with one worker:
     :meth:`submit` a shape, :meth:`next` the next one done, as :func:`_bound_shape` gives it (the
     planner None where a worker built it); :meth:`plan` solves a shape where its worker keeps it."""
 
@@ -396,7 +396,7 @@ class _Bounding:
         self.answered = False
         self.pool = None
         if workers > 1:
-            from autoshard.shapeworkers import ShapeWorkers
+            from autoshard.planning.shapeworkers import ShapeWorkers
 
             _WORK["make"] = make
             self.pool = ShapeWorkers(workers, _bound_in_worker, hold=HELD_PER_WORKER)
@@ -433,7 +433,7 @@ class _Bounding:
 
     def plan(self, shape: tuple[int, ...], how: str, seconds: float):
         """:func:`_plan_held` in the worker that keeps ``shape``'s planner (no build again, no stage
-        of the bounding done twice), or :data:`~autoshard.shapeworkers.HELD_NOT`."""
+        of the bounding done twice), or :data:`~autoshard.planning.shapeworkers.HELD_NOT`."""
         return HELD_NOT if self.pool is None else self.pool.run(shape, _plan_held, how, seconds)
 
     @property

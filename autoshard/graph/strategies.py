@@ -21,8 +21,8 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
-from autoshard.attention import heads_split_evenly, is_fused_attention
 from autoshard.errors import first_line
+from autoshard.graph.attention import heads_split_evenly, is_fused_attention
 from costmodel.spec import Spec
 
 log = logging.getLogger(__name__)
@@ -326,7 +326,7 @@ class StrategyEnumerator:
         """``cat``'s strategies with the empty 1-D tensors it skips left out (a KV cache's empty
         start: Hugging Face's decoders concatenate every layer's keys and values to one in
         training too): the others' strategies, each skipped tensor replicated (no bytes). The
-        lowering runs the ``cat`` without them (:func:`autoshard.lower.Lowering`)."""
+        lowering runs the ``cat`` without them (:func:`autoshard.runtime.lower.Lowering`)."""
         kept = [a for a in targs if a not in skipped]
         if not kept:
             return []
@@ -411,7 +411,7 @@ def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None =
     """Whether DTensor runs ``node`` under ``st`` as the rule says (on a mesh of ``mesh_shape``).
 
     Fused attention with grouped queries runs by its rule only where its query heads and its
-    key heads are split into equal parts (:func:`autoshard.attention.heads_split_evenly`).
+    key heads are split into equal parts (:func:`autoshard.graph.attention.heads_split_evenly`).
 
     Most ops run by their rule. Convolutions run by a handler of their own
     (``torch.distributed.tensor._tp_conv``) that reads each spec as one mesh axis per tensor
