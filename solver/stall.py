@@ -152,4 +152,26 @@ class Progress:
         return self.last + max(self.rule.min_seconds, self.rule.patience * (self.last - self.first))
 
 
-__all__ = ["DEFAULT_STALL", "Progress", "StallRule"]
+class RunsWithoutGain:
+    """A search of searches stalled after ``patience`` results in a row none of which counted
+    (:meth:`Progress.incumbent` under ``rule``'s ``gain``): the mesh search's solves, which end
+    together, are counted by result, not by time."""
+
+    def __init__(self, rule: StallRule, patience: int, known: float = math.inf):
+        if patience < 1:
+            raise ValueError(f"RunsWithoutGain.patience: expected >= 1, found {patience}")
+        self.progress = Progress(rule)
+        self.progress.known(known)
+        self.patience = patience
+        self.dry = 0
+        """Results in a row that did not count."""
+
+    def result(self, cost: float) -> None:
+        self.dry = 0 if self.progress.incumbent(cost, 0.0) else self.dry + 1
+
+    @property
+    def stalled(self) -> bool:
+        return self.dry >= self.patience
+
+
+__all__ = ["DEFAULT_STALL", "Progress", "RunsWithoutGain", "StallRule"]

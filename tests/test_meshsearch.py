@@ -5,6 +5,7 @@ import torch
 from helpers import SHARDING_PROFILE, spy_on_starts
 
 import autoshard
+import autoshard.planning.shapebound as sb
 from autoshard.models import llama
 from autoshard.planning.meshsearch import coarsenings, may_start, mesh_shapes, next_to_bound, search_order
 from autoshard.planning.overlap import additive_solve
@@ -136,7 +137,7 @@ def _memory_binding_search(world, monkeypatch, held: int):
     free = Planner(model, (tokens,), autoshard.fake_mesh((2, 2), ms.axis_names(2)), profile=SHARDING_PROFILE,
                    memory_budget=None).solve()
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 2)
-    monkeypatch.setattr(ms, "HELD_PER_WORKER", held)
+    monkeypatch.setattr(sb, "HELD_PER_WORKER", held)
     built: list[tuple[int, ...]] = []
     init = Planner.__init__
 
@@ -204,10 +205,24 @@ class _ScriptedPlanner:
     solves: list = []
 
     def __init__(self, model, example_inputs, mesh, options=None, traced=None):
+        from autoshard.options import PlanOptions
         from costmodel import load_profile
 
-        self.shape, self.traced = tuple(mesh.shape), "traced"
+        self.shape, self.traced, self.built = tuple(mesh.shape), "traced", None
         self.profile = load_profile("h100-sxm")
+        self.options = options or PlanOptions()
+
+    def overlap_free(self, time_limit=60.0):
+        raise AssertionError("scripted searches plan on the additive objective")
+
+    def hand_written(self, time_limit, additive_floor_us=0.0, compute_floor_us=0.0, below=float("inf")):
+        return None
+
+    def known_choices(self):
+        return []
+
+    def hint(self, choices):
+        pass
 
     def bound(self) -> float:
         return {1: 900.0, 2: 500.0, 3: 400.0}[len(self.shape)] + self.shape[0]
@@ -244,6 +259,7 @@ def test_where_memory_binds_bounding_stops_at_half_and_two_shapes_share_the_solv
     world(8)
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _ScriptedPlanner.clock[0]))
+    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _ScriptedPlanner.clock[0]))
     _ScriptedPlanner.clock[0], _ScriptedPlanner.solves = 0.0, []
     assert mesh_shapes(8, 8) == [(8,), (2, 4), (4, 2), (2, 2, 2)]
     plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), _ScriptedPlanner)
@@ -300,7 +316,8 @@ def _search_fitting(world, monkeypatch, planner_cls):
     world(8)
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _FittingPlanner.clock[0]))
-    monkeypatch.setattr(ms, "simulate_plan",
+    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _FittingPlanner.clock[0]))
+    monkeypatch.setattr(sb, "simulate_plan",
                         lambda built, choice, eta: SimpleNamespace(step_us=_FittingPlanner.simulated[choice]))
     _FittingPlanner.clock[0], _FittingPlanner.solves = 0.0, []
     plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), planner_cls)
@@ -390,7 +407,8 @@ def _search_scripted(monkeypatch, planner, **options):
 
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
     plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0, **options), planner)
     return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
@@ -417,7 +435,8 @@ def test_shapes_that_refine_only_slow_shapes_are_not_bounded(world, monkeypatch)
     world(16)
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
 
     def search(margin):
         _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
@@ -566,7 +585,8 @@ def test_the_stall_count_starts_over_after_a_solve_that_pays(world, monkeypatch)
     world(16)
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
     plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0), _RestartPlanner)
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
@@ -613,7 +633,8 @@ def test_shapes_kept_by_different_workers_are_solved_side_by_side_on_a_core_each
     monkeypatch.setattr(_SideBySidePlanner, "cores", ctx.Array("i", 2))
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 2)
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0] = 0.0
     plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), _SideBySidePlanner)
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
@@ -647,7 +668,8 @@ def test_a_shape_refining_only_shapes_bounded_far_above_the_least_is_not_bounded
     world(16)
     monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
     monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(ms, "_hand_written_plan", lambda name, seed: seed.plan)
+    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
+    monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
     plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0), Planless)
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
