@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from autoshard.errors import PlanError
+from autoshard.plansummary import PlanSummary
 from costmodel.spec import Spec
 
 PLAN_VERSION = 1
@@ -78,11 +79,9 @@ class Plan:
     """Graph node name -> {"op", "out", "in"} specs."""
     redistributes: list[dict] = field(default_factory=list)
     """Every non-free redistribute: node, arg, from, to, steps, us."""
-    summary: dict = field(default_factory=dict)
-    """Predicted step_us, compute_us, comm_us, peak_mem_bytes; counts; fused attention (its
-    kernels, their splits, the rate they are priced at); every fallback:
-    fallback_ops (op -> nodes replicated for want of a sharding rule), rule_errors (op -> what
-    its rule raised), flops_uncounted (op -> why its FLOPs are costed as 0)."""
+    summary: PlanSummary = field(default_factory=PlanSummary)
+    """What it predicts and how it was found (:class:`~autoshard.plansummary.PlanSummary`: typed
+    fields, and a mapping by the file's keys); a dict given here is read into one."""
     solver: dict = field(default_factory=dict)
     profile: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
@@ -94,6 +93,9 @@ class Plan:
     """Name of each input: ``input{k}`` for positional input k, else the keyword (empty in plans
     written before keyword inputs: all positional)."""
     version: int = PLAN_VERSION
+
+    def __post_init__(self):
+        self.summary = PlanSummary.from_json(self.summary)
 
     @property
     def keyword_inputs(self) -> list[str]:
@@ -121,7 +123,7 @@ class Plan:
             "input_names": self.input_names,
             "nodes": self.nodes,
             "redistributes": self.redistributes,
-            "summary": self.summary,
+            "summary": self.summary.to_json(),
             "solver": self.solver,
             "recompute": self.recompute,
         }

@@ -1,5 +1,6 @@
 """Run the solver on every IOPDDL instance in a folder, against plain HiGHS.
 
+    python benchmarks/fetch_iopddl.py          # once: the public instances, into benchmarks/data/iopddl
     python benchmarks/iopddl.py [FOLDER] [--only G,A] [--scale 1.0] [--no-baseline]
 
 For each instance: our ``solver.solve`` (its cost, proven lower bound and the stage its
@@ -32,7 +33,8 @@ from solver import (  # noqa: E402
     solve,
 )
 
-#: Strongest known cost and contest time limit (s) per instance, from ../shared/iopddl/README.md.
+#: Strongest known cost and contest time limit (s) per instance: the contest's results
+#: (google/iopddl) and the winner's released solver on 8 cores (ti2-group/iopddl_experiments).
 BEST = {
     "A": (6_548_641_531, 60),
     "G": (217_039, 120),
@@ -63,13 +65,17 @@ def baseline(problem, limit):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("folder", nargs="?", default=str(Path(__file__).resolve().parents[2] / "shared" / "iopddl"))
+    ap.add_argument("folder", nargs="?", default=str(Path(__file__).resolve().parent / "data" / "iopddl"),
+                    help="folder of asplos-2025-iopddl-*.json.gz (python benchmarks/fetch_iopddl.py fills the default)")
     ap.add_argument("--only", default="", help="comma-separated instance letters")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every time limit")
     ap.add_argument("--no-baseline", action="store_true", help="skip plain HiGHS (its column reads 0)")
     args = ap.parse_args()
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="    %(message)s")
     files = sorted(Path(args.folder).glob("asplos-2025-iopddl-*.json.gz"))
+    if not files:
+        sys.exit(f"{args.folder}: expected IOPDDL instances (asplos-2025-iopddl-*.json.gz), found none: run "
+                 "`python benchmarks/fetch_iopddl.py` or give the folder that holds them")
     only = set(args.only.split(",")) - {""}
     rows = []
     print(f"{'inst':<5} {'ours':>16} {'baseline':>16} {'best known':>16} {'score':>6} {'base':>6} "

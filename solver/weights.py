@@ -171,118 +171,147 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
     """
     if not cfn.available() or problem.usage_limit is None:
         return None, None
-    t_begin = time.perf_counter()
-    n = problem.num_nodes
-    elim = Eliminator(problem)
-    mem = local.Memory(problem, np.zeros(n, dtype=np.int64))
-    limit = float(problem.usage_limit)
-    low = np.array([u[problem.allowed(v)].min(initial=0.0) for v, u in enumerate(problem.node_usages)])
-    high = np.array([u[problem.allowed(v)].max(initial=0.0) for v, u in enumerate(problem.node_usages)])
-    active = (_interval_max(mem, mem.profile(high)) > limit) & (high > low)
-    best, upper = None, np.inf
-    if start is not None:
-        ev = evaluate(problem, start)
-        if ev.feasible:
-            best, upper = start.copy(), ev.cost
-    core = CoreSolver(core_seconds, cost_scale(problem, np.inf))
-    log.info(f"weights: {n} nodes -> core of {elim.core.size} nodes, {len(elim.core_edges)} edges after "
-        f"elimination; {int(active.sum())} nodes can overflow the limit")
-    brackets, lower = None, None
+    return _WeightSearch(problem, start, deadline, core_seconds, on_best).run()
 
-    def broken_of(choice):
-        return (_interval_max(mem, mem.profile(_chosen_usage(problem, choice))) > limit) & active
 
-    w = np.zeros(n)
-    seen: set[bytes] = set()
-    merged_with: set[bytes] = set()
-    no_gain_at = np.inf  # the least overflow of a round whose merge gained nothing
-    partner: list[np.ndarray] = []  # the last round merged
-    adj = local.Adjacency(problem)
-    rounds, last = 0, 0.0
-    own, last_gain, gain_round = np.inf, 0.0, 0  # the search's own answers, the start aside
-    retried = False
-    while True:
-        now = time.perf_counter()
-        if deadline - now < max(0.5, 1.2 * last):
-            break
-        if own < np.inf and rounds - gain_round >= STALL_ROUNDS and now - last_gain > STALL_SHARE * (now - t_begin):
-            log.info(f"weights: stalled, no better answer of its own for {rounds - gain_round} rounds "
-                f"({now - last_gain:.1f}s)")
-            break
-        # toulbar2's limit adapts round to round (CoreSolver.adapt), up to a fifth of what is left.
-        share = ROUND_SHARE if brackets is not None else FREE_ROUND_SHARE
-        core.cap = max(1.0, min(deadline - now - 1.0, share * (deadline - now)))
-        choice = elim.solve(_weighted(problem, w, low), core)
-        rounds += 1
-        if brackets is None and not core.found and not retried:
-            # The memory-free answer seeds every later round and gives the bound. A descent's
-            # answer in its place led IOPDDL A's rounds into a basin 3x the best known (A 0.43),
-            # where a proved one (in 6.5-8 s, the limit having doubled) led to 0.996.
-            retried = True
-            log.info(f"weights: toulbar2 found nothing on the memory-free core in its limit; "
-                f"again with {core.seconds:.0f}s")
-            last = time.perf_counter() - now
-            continue
-        raw = evaluate(problem, choice)
-        broken = broken_of(choice)
-        if brackets is None:  # round 0: memory ignored
-            if np.isfinite(core.gap):
-                lower = raw.cost - core.gap
-            if raw.feasible:
-                log.info(f"weights: the memory-free optimum fits ({raw.cost:.6g})")
-                return choice, lower
-            # First weights: the cost per byte of usage above each node's least, averaged.
-            excess = float((_chosen_usage(problem, choice) - low)[active].sum())
-            brackets = Brackets(active, raw.cost / max(excess, 1.0))
-            w = brackets.w
-        else:
-            w = brackets.update(broken)
-        repaired = None
-        key = choice.tobytes()
-        if key not in seen and (raw.peak_usage <= REPAIR_OVERFLOW * limit or best is None and
-                                raw.peak_usage <= 1.5 * limit):
-            seen.add(key)
-            until = min(deadline, time.perf_counter() + max(2.0, 0.1 * (deadline - time.perf_counter())))
-            fixed = _reweigh(problem, elim, core.previous, w, low, broken, choice, broken_of, until)
-            fixed = heuristic.repair_memory(problem, fixed, until)
-            if fixed is not None:
-                fixed = heuristic.local_search(problem, fixed, deadline=until)
-                ev = evaluate(problem, fixed)
-                if ev.feasible:
-                    repaired = ev.cost
-                    if ev.cost < own:
-                        own, last_gain, gain_round = ev.cost, time.perf_counter(), rounds
-                    if ev.cost < upper:
-                        best, upper = fixed, ev.cost
-                        if on_best is not None:
-                            on_best(best, upper)
-        merged = None
-        if own < np.inf and not raw.feasible and key not in merged_with and (raw.peak_usage < no_gain_at
-                                                                             or raw.cost < upper):
-            # Rounds land well under the limit or over it, never near it; an overflowing round is
-            # cheaper than the best answer somewhere, and the merge keeps that where memory allows.
-            # It is merged together with the last round merged (IOPDDL T: 0.976-0.986 merging one
-            # round, 0.996 two), and whether or not it costs less in all (K's rounds 1-3% over and
-            # dearer than the best, left unmerged: K 0.965). Only once the search fits on its own
-            # (merges of T's heuristic start with rounds 1.5-6.7x over took 72 s for nothing), and
-            # below the overflow of a merge that gained nothing unless the round costs less than
-            # the best (K: a round 5% cheaper at 1.037x left unmerged after one at 1.022x: 0.964).
-            merged_with.add(key)
-            until = min(deadline, time.perf_counter() + max(5.0, MERGE_SHARE * (deadline - time.perf_counter())))
-            found = recombine.merge(problem, best, [choice] + partner, until, adj)
-            partner = [choice]
-            if found is None:
-                no_gain_at = raw.peak_usage
+class _WeightSearch:
+    """The rounds of :func:`weight_search`, its state as attributes."""
+
+    def __init__(self, problem: Problem, start, deadline: float, core_seconds: float, on_best):
+        self.problem, self.deadline, self.on_best = problem, deadline, on_best
+        self.t_begin = time.perf_counter()
+        n = problem.num_nodes
+        self.elim = Eliminator(problem)
+        self.mem = local.Memory(problem, np.zeros(n, dtype=np.int64))
+        self.limit = float(problem.usage_limit)
+        self.low = np.array([u[problem.allowed(v)].min(initial=0.0) for v, u in enumerate(problem.node_usages)])
+        high = np.array([u[problem.allowed(v)].max(initial=0.0) for v, u in enumerate(problem.node_usages)])
+        self.active = (_interval_max(self.mem, self.mem.profile(high)) > self.limit) & (high > self.low)
+        self.best, self.upper = None, np.inf
+        if start is not None:
+            ev = evaluate(problem, start)
+            if ev.feasible:
+                self.best, self.upper = start.copy(), ev.cost
+        self.core = CoreSolver(core_seconds, cost_scale(problem, np.inf))
+        log.info(f"weights: {n} nodes -> core of {self.elim.core.size} nodes, {len(self.elim.core_edges)} edges "
+                 f"after elimination; {int(self.active.sum())} nodes can overflow the limit")
+        self.brackets, self.lower = None, None
+        self.w = np.zeros(n)
+        self.seen: set[bytes] = set()
+        self.merged_with: set[bytes] = set()
+        self.no_gain_at = np.inf
+        """The least overflow of a round whose merge gained nothing."""
+        self.partner: list[np.ndarray] = []
+        """The last round merged."""
+        self.adj = local.Adjacency(problem)
+        self.rounds = 0
+        self.own, self.last_gain, self.gain_round = np.inf, 0.0, 0
+        """The search's own answers (the start aside): the best, when and in which round it came."""
+
+    def broken_of(self, choice):
+        problem = self.problem
+        return (_interval_max(self.mem, self.mem.profile(_chosen_usage(problem, choice))) > self.limit) & self.active
+
+    def _stalled(self, now: float) -> bool:
+        if self.own < np.inf and self.rounds - self.gain_round >= STALL_ROUNDS \
+                and now - self.last_gain > STALL_SHARE * (now - self.t_begin):
+            log.info(f"weights: stalled, no better answer of its own for {self.rounds - self.gain_round} rounds "
+                     f"({now - self.last_gain:.1f}s)")
+            return True
+        return False
+
+    def run(self) -> tuple[np.ndarray | None, float | None]:
+        problem, core, deadline = self.problem, self.core, self.deadline
+        last, retried = 0.0, False
+        while True:
+            now = time.perf_counter()
+            if deadline - now < max(0.5, 1.2 * last) or self._stalled(now):
+                break
+            # toulbar2's limit adapts round to round (CoreSolver.adapt), up to a fifth of what is left.
+            share = ROUND_SHARE if self.brackets is not None else FREE_ROUND_SHARE
+            core.cap = max(1.0, min(deadline - now - 1.0, share * (deadline - now)))
+            choice = self.elim.solve(_weighted(problem, self.w, self.low), core)
+            self.rounds += 1
+            if self.brackets is None and not core.found and not retried:
+                # The memory-free answer seeds every later round and gives the bound: a descent's
+                # answer in its place led IOPDDL A's rounds into a basin far above the best known.
+                retried = True
+                log.info(f"weights: toulbar2 found nothing on the memory-free core in its limit; "
+                         f"again with {core.seconds:.0f}s")
+                last = time.perf_counter() - now
+                continue
+            raw = evaluate(problem, choice)
+            broken = self.broken_of(choice)
+            if self.brackets is None:  # round 0: memory ignored
+                if np.isfinite(core.gap):
+                    self.lower = raw.cost - core.gap
+                if raw.feasible:
+                    log.info(f"weights: the memory-free optimum fits ({raw.cost:.6g})")
+                    return choice, self.lower
+                # First weights: the cost per byte of usage above each node's least, averaged.
+                excess = float((_chosen_usage(problem, choice) - self.low)[self.active].sum())
+                self.brackets = Brackets(self.active, raw.cost / max(excess, 1.0))
+                self.w = self.brackets.w
             else:
-                merged = evaluate(problem, found).cost
-                if merged < own:
-                    own, last_gain, gain_round = merged, time.perf_counter(), rounds
-                best, upper = found, merged
-                if on_best is not None:
-                    on_best(best, upper)
-        log.info(f"weights round {rounds}: pairwise cost {raw.cost:.6g}, peak {raw.peak_usage / limit:.4f}x limit, "
-            f"{int(broken.sum())} nodes broken, repaired {'-' if repaired is None else f'{repaired:.6g}'}, "
-            f"merged {'-' if merged is None else f'{merged:.6g}'}, best {upper:.6g} "
-            f"({time.perf_counter() - t_begin:.1f}s)")
-        last = time.perf_counter() - now
-    return best, lower
+                self.w = self.brackets.update(broken)
+            repaired = self._repair(choice, raw, broken)
+            merged = self._merge(choice, raw)
+            log.info(f"weights round {self.rounds}: pairwise cost {raw.cost:.6g}, peak "
+                     f"{raw.peak_usage / self.limit:.4f}x limit, {int(broken.sum())} nodes broken, repaired "
+                     f"{'-' if repaired is None else f'{repaired:.6g}'}, merged "
+                     f"{'-' if merged is None else f'{merged:.6g}'}, best {self.upper:.6g} "
+                     f"({time.perf_counter() - self.t_begin:.1f}s)")
+            last = time.perf_counter() - now
+        return self.best, self.lower
+
+    def _repair(self, choice, raw, broken) -> float | None:
+        """The round's answer repaired to fit (reweighed, repaired, descended): its cost, or None."""
+        problem, deadline, key = self.problem, self.deadline, choice.tobytes()
+        if key in self.seen or not (raw.peak_usage <= REPAIR_OVERFLOW * self.limit or self.best is None and
+                                    raw.peak_usage <= 1.5 * self.limit):
+            return None
+        self.seen.add(key)
+        until = min(deadline, time.perf_counter() + max(2.0, 0.1 * (deadline - time.perf_counter())))
+        fixed = _reweigh(problem, self.elim, self.core.previous, self.w, self.low, broken, choice, self.broken_of,
+                         until)
+        fixed = heuristic.repair_memory(problem, fixed, until)
+        if fixed is None:
+            return None
+        fixed = heuristic.local_search(problem, fixed, deadline=until)
+        ev = evaluate(problem, fixed)
+        if not ev.feasible:
+            return None
+        if ev.cost < self.own:
+            self.own, self.last_gain, self.gain_round = ev.cost, time.perf_counter(), self.rounds
+        if ev.cost < self.upper:
+            self.best, self.upper = fixed, ev.cost
+            if self.on_best is not None:
+                self.on_best(self.best, self.upper)
+        return ev.cost
+
+    def _merge(self, choice, raw) -> float | None:
+        """An overflowing round merged with the best answer (and the last round merged): its cost, or None."""
+        problem, deadline, key = self.problem, self.deadline, choice.tobytes()
+        if not (self.own < np.inf and not raw.feasible and key not in self.merged_with
+                and (raw.peak_usage < self.no_gain_at or raw.cost < self.upper)):
+            return None
+        # Rounds land well under the limit or over it, never near it; an overflowing round is
+        # cheaper than the best answer somewhere, and the merge keeps that where memory allows.
+        # It is merged together with the last round merged, whether or not it costs less in all;
+        # only once the search fits on its own (merges of rounds far over the limit gain nothing
+        # for their time), and below the overflow of a merge that gained nothing unless the round
+        # costs less than the best.
+        self.merged_with.add(key)
+        until = min(deadline, time.perf_counter() + max(5.0, MERGE_SHARE * (deadline - time.perf_counter())))
+        found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj)
+        self.partner = [choice]
+        if found is None:
+            self.no_gain_at = raw.peak_usage
+            return None
+        merged = evaluate(problem, found).cost
+        if merged < self.own:
+            self.own, self.last_gain, self.gain_round = merged, time.perf_counter(), self.rounds
+        self.best, self.upper = found, merged
+        if self.on_best is not None:
+            self.on_best(self.best, self.upper)
+        return merged

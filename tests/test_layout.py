@@ -100,7 +100,8 @@ def test_dependency_direction():
 
 #: Layer of ``autoshard`` -> the layers it may import (itself included). A module not named
 #: here is an entry point (``autoshard.apply``, ``autoshard.cli``, ``autoshard.serve`` ...).
-CORE = {f"autoshard.{m}" for m in ("errors", "units", "planfile", "options", "mesh", "gcpause", ADAPTER)}
+CORE = {f"autoshard.{m}" for m in ("errors", "units", "planfile", "plansummary", "options", "mesh", "gcpause",
+                                 ADAPTER)}
 LAYERS = {
     "core": {"core"},
     "autoshard.models": {"core", "autoshard.models"},

@@ -9,6 +9,7 @@ import autoshard.planning.shapebound as sb
 from autoshard.models import llama
 from autoshard.planning.meshsearch import coarsenings, may_start, mesh_shapes, next_to_bound, search_order
 from autoshard.planning.overlap import additive_solve
+from autoshard.plansummary import PlanSummary
 
 
 def test_shapes_are_factorizations_with_the_inner_axis_in_a_node():
@@ -241,8 +242,8 @@ class _ScriptedPlanner:
 
         self.solves.append((self.shape, time_limit))
         self.clock[0] += 5.0  # the stall rule ends it early
-        return SimpleNamespace(summary={"step_us": 1.5 * self.bound(), "peak_mem_bytes": 1,
-                                        "overlap": {"rounds": [{"additive_us": 1.5 * self.bound()}]}},
+        return SimpleNamespace(summary=PlanSummary(step_us=1.5 * self.bound(), peak_mem_bytes=1,
+                                                   overlap={"rounds": [{"additive_us": 1.5 * self.bound()}]}),
                                solver={"status": "heuristic", "bound": None})
 
 
@@ -300,8 +301,8 @@ class _FittingPlanner(_ScriptedPlanner):
 
         self.solves.append((self.shape, time_limit))
         step = self.simulated[self.shape]
-        return SimpleNamespace(summary={"step_us": step, "peak_mem_bytes": 1,
-                                        "overlap": {"rounds": [{"additive_us": self.additive[self.shape]}]}},
+        return SimpleNamespace(summary=PlanSummary(step_us=step, peak_mem_bytes=1,
+                                                   overlap={"rounds": [{"additive_us": self.additive[self.shape]}]}),
                                solver={"status": "optimal", "bound": self.additive[self.shape]})
 
 
@@ -392,7 +393,7 @@ class _HandWrittenPlanner(_ScriptedPlanner):
         assert (additive_floor_us, compute_floor_us) == (self.bound(), 0.0) or \
             (additive_floor_us, below) == (0.0, float("inf"))
         step = self.hand[self.shape]
-        plan = SimpleNamespace(summary={"step_us": step, "peak_mem_bytes": 2}, solver={"source": "fsdp"},
+        plan = SimpleNamespace(summary=PlanSummary(step_us=step, peak_mem_bytes=2), solver={"source": "fsdp"},
                                mesh_shape=list(self.shape))
         return "fsdp", SimpleNamespace(step_us=step, plan=plan)
 

@@ -229,7 +229,7 @@ def test_every_fallback_is_counted_in_the_summary(mesh64, monkeypatch, caplog):
             return False
 
     monkeypatch.setattr(tc, "op_strategy", broken_relu)
-    monkeypatch.setattr(autoshard.planning.problem, "FlopCounterMode", NoFlops)
+    monkeypatch.setattr(autoshard.graph.pricing, "FlopCounterMode", NoFlops)
     model, inputs = MLP(dim=64, hidden=128), (torch.randn(64, 64),)
     with caplog.at_level("WARNING", logger="autoshard"):
         plan = autoshard.plan(model, inputs, mesh64, memory_budget=None, time_limit=10)

@@ -221,51 +221,63 @@ def unroll(raw: RawTrace, groups: list[list[str]], param_fqns, buffer_fqns, trai
 
 
 def _unroll_group(raw: RawTrace, members, target, param_fqns, buffer_fqns, trainable, gaps: str) -> RawTrace:
-    grp = _Group(raw, members, target, gaps)
-    n = grp.n
-    old = list(raw.gm.graph.nodes)
-    placeholders = [x for x in old if x.op == "placeholder"]
-    raw_leaves = raw.param_fqns + raw.buffer_fqns
-    if len(placeholders) != len(raw_leaves) + len(raw.input_names) or any(
-            not _PLACEHOLDER.match(x.name) for x in placeholders):
-        raise CannotUnroll("placeholders are not the step's flat arguments")
-    by_fqn = dict(zip(raw_leaves, placeholders))
-    leaf_of = {x: f for f, x in by_fqn.items()}
+    return _Unrolling(raw, members, target, gaps).run(param_fqns, buffer_fqns, trainable)
 
-    graph = fx.Graph()
-    env: dict[tuple[fx.Node, int], fx.Node] = {}
-    """(raw node, layer it stands for, -1 for a node outside the group) -> new node."""
 
-    def target_leaf(fqn: str) -> tuple[fx.Node, int]:
+class _Unrolling:
+    """The raw trace of a few layers of a group (``members``) written out for the full model's
+    layers (``target``): each raw node of a middle layer emitted once per middle layer."""
+
+    def __init__(self, raw: RawTrace, members, target, gaps: str):
+        self.raw, self.members, self.target = raw, members, target
+        self.grp = _Group(raw, members, target, gaps)
+        self.n = self.grp.n
+        self.old = list(raw.gm.graph.nodes)
+        self.placeholders = [x for x in self.old if x.op == "placeholder"]
+        self.raw_leaves = raw.param_fqns + raw.buffer_fqns
+        if len(self.placeholders) != len(self.raw_leaves) + len(raw.input_names) or any(
+                not _PLACEHOLDER.match(x.name) for x in self.placeholders):
+            raise CannotUnroll("placeholders are not the step's flat arguments")
+        self.by_fqn = dict(zip(self.raw_leaves, self.placeholders))
+        self.leaf_of = {x: f for f, x in self.by_fqn.items()}
+        self.graph = fx.Graph()
+        self.env: dict[tuple[fx.Node, int], fx.Node] = {}
+        """(raw node, layer it stands for, -1 for a node outside the group) -> new node."""
+        self.root = torch.nn.Module()
+        self.constants = itertools.count()
+
+    def target_leaf(self, fqn: str) -> tuple[fx.Node, int]:
         """The raw placeholder that the full model's parameter or buffer ``fqn`` copies."""
-        for u, m in enumerate(target):
+        for u, m in enumerate(self.target):
             if fqn.startswith(m + "."):
-                return by_fqn[f"{members[grp.source(u)]}.{fqn[len(m) + 1:]}"], u
-        return by_fqn[fqn], -1
+                return self.by_fqn[f"{self.members[self.grp.source(u)]}.{fqn[len(m) + 1:]}"], u
+        return self.by_fqn[fqn], -1
 
-    def layer_of(x: fx.Node) -> int | None:
+    def layer_of(self, x: fx.Node) -> int | None:
         if x.op == "placeholder":
-            c = grp.leaf_coord.get(leaf_of.get(x, ""))
+            c = self.grp.leaf_coord.get(self.leaf_of.get(x, ""))
             return None if c is None else c[0]
-        return grp.coord.get(x)
+        return self.grp.coord.get(x)
 
-    def counterpart(y: fx.Node, b: int, u: int) -> fx.Node:
+    def counterpart(self, y: fx.Node, b: int, u: int) -> fx.Node:
         """Raw node at y's place in the raw layer that layer u copies (y is in raw layer b)."""
+        grp = self.grp
         s = grp.source(u)
         if s == b:
             return y
         if y.op == "placeholder":
-            return by_fqn[f"{members[s]}.{grp.leaf_coord[leaf_of[y]][1]}"]
+            return self.by_fqn[f"{self.members[s]}.{grp.leaf_coord[self.leaf_of[y]][1]}"]
         unit = grp.units[(s, grp.phase[y])]
         if not -len(unit) <= grp.pos[y] < len(unit):
             raise CannotUnroll(f"{y.name} has no counterpart in layer {s}")
         return unit[grp.pos[y]]
 
-    def lookup(y: fx.Node, a: int | None, u: int) -> fx.Node:
+    def lookup(self, y: fx.Node, a: int | None, u: int) -> fx.Node:
         """The new node for argument y of a raw node in layer a emitted as layer u."""
-        b = layer_of(y)
+        grp, n = self.grp, self.n
+        b = self.layer_of(y)
         if b is None:
-            return env[(y, -1)]
+            return self.env[(y, -1)]
         if a is None:  # outside the group: the first and last layers are themselves, and the
             # middle one, read after the blocks (a residual added past the last layer), is the
             # one next to the block that ran last
@@ -276,89 +288,96 @@ def _unroll_group(raw: RawTrace, members, target, param_fqns, buffer_fqns, train
             ub = u + (b - a)
         if not 0 <= ub < n:
             raise CannotUnroll(f"{y.name} is read {b - a} layers away, past the group's ends")
-        return env[(counterpart(y, b, ub), ub)]
+        return self.env[(self.counterpart(y, b, ub), ub)]
 
-    root = torch.nn.Module()
-    constants = itertools.count()
-
-    def emit(x: fx.Node, a: int | None, u: int) -> None:
-        args = fx.node.map_arg(x.args, lambda y: lookup(y, a, u))
-        kwargs = fx.node.map_arg(x.kwargs, lambda y: lookup(y, a, u))
+    def emit(self, x: fx.Node, a: int | None, u: int) -> None:
+        args = fx.node.map_arg(x.args, lambda y: self.lookup(y, a, u))
+        kwargs = fx.node.map_arg(x.kwargs, lambda y: self.lookup(y, a, u))
         if x.op == "get_attr":
             # make_fx numbers the constants it lifts (a cache's empty tensor in each layer) in
             # creation order: each copy is a constant of its own.
-            name = f"_tensor_constant{next(constants)}" if _CONSTANT.match(x.target) else x.target
+            name = f"_tensor_constant{next(self.constants)}" if _CONSTANT.match(x.target) else x.target
             if "." in name:
                 raise CannotUnroll(f"constant {x.target} is a nested attribute")
-            setattr(root, name, getattr(raw.gm, x.target))
-            new = graph.get_attr(name)
+            setattr(self.root, name, getattr(self.raw.gm, x.target))
+            new = self.graph.get_attr(name)
         else:
             # make_fx names a node by its op and numbers it by creation order, as this does.
             m = _NUMBERED.match(x.name)
-            new = graph.create_node(x.op, x.target, args, kwargs, name=m.group(1) if m else x.name)
+            new = self.graph.create_node(x.op, x.target, args, kwargs, name=m.group(1) if m else x.name)
         new.meta = dict(x.meta)
         if a is not None:
-            new.meta["custom"] = retagged(new.meta.get("custom"), target[u])
-        env[(x, u if a is not None else -1)] = new
+            new.meta["custom"] = retagged(new.meta.get("custom"), self.target[u])
+        self.env[(x, u if a is not None else -1)] = new
 
-    # Placeholders: the full model's flat arguments, in order, named as make_fx names them.
-    inputs = placeholders[len(raw_leaves):]
-    for k, fqn in enumerate(param_fqns + buffer_fqns):
-        src, u = target_leaf(fqn)
-        new = graph.placeholder(f"arg{k}_1")
-        new.meta = dict(src.meta)
-        env[(src, u)] = new
-    for k, src in enumerate(inputs, start=len(param_fqns) + len(buffer_fqns)):
-        new = graph.placeholder(f"arg{k}_1")
-        new.meta = dict(src.meta)
-        env[(src, -1)] = new
+    def outside(self, y):
+        return self.lookup(y, None, -1) if isinstance(y, fx.Node) else y
 
-    done = set()
-    for x in old:
-        if x.op in ("placeholder", "output") or x in done:
-            continue
-        a = grp.coord.get(x)
-        if a is None:
-            emit(x, None, -1)
-        elif a == 0:
-            emit(x, 0, 0)
-        elif a == 2:
-            emit(x, 2, n - 1)
-        else:
-            unit = grp.units[(1, grp.phase[x])]
-            done.update(unit)
-            layers = range(1, n - 1) if grp.ascending[grp.phase[x]] else range(n - 2, 0, -1)
-            for u in layers:
-                for y in unit:
-                    emit(y, 1, u)
+    def _emit_placeholders(self, param_fqns, buffer_fqns) -> None:
+        """The full model's flat arguments, in order, named as make_fx names them."""
+        inputs = self.placeholders[len(self.raw_leaves):]
+        for k, fqn in enumerate(param_fqns + buffer_fqns):
+            src, u = self.target_leaf(fqn)
+            new = self.graph.placeholder(f"arg{k}_1")
+            new.meta = dict(src.meta)
+            self.env[(src, u)] = new
+        for k, src in enumerate(inputs, start=len(param_fqns) + len(buffer_fqns)):
+            new = self.graph.placeholder(f"arg{k}_1")
+            new.meta = dict(src.meta)
+            self.env[(src, -1)] = new
 
-    def outside(y):
-        return lookup(y, None, -1) if isinstance(y, fx.Node) else y
+    def _emit_body(self) -> None:
+        grp, n, done = self.grp, self.n, set()
+        for x in self.old:
+            if x.op in ("placeholder", "output") or x in done:
+                continue
+            a = grp.coord.get(x)
+            if a is None:
+                self.emit(x, None, -1)
+            elif a == 0:
+                self.emit(x, 0, 0)
+            elif a == 2:
+                self.emit(x, 2, n - 1)
+            else:
+                unit = grp.units[(1, grp.phase[x])]
+                done.update(unit)
+                layers = range(1, n - 1) if grp.ascending[grp.phase[x]] else range(n - 2, 0, -1)
+                for u in layers:
+                    for y in unit:
+                        self.emit(y, 1, u)
 
-    # Output: the loss, then each trainable parameter's gradient, the full model's order.
-    out = next(x for x in old if x.op == "output")
-    flat = list(out.args[0])
-    raw_grad = {raw.param_fqns[i]: g for i, g in zip(raw.trainable, flat[1:])}
-    new_flat = [outside(flat[0])]
-    for i in trainable:
-        fqn = param_fqns[i]
-        src, u = target_leaf(fqn)
-        g = raw_grad[leaf_of[src]]
-        if not isinstance(g, fx.Node):
-            new_flat.append(g)
-        elif u < 0:
-            new_flat.append(outside(g))
-        else:
-            new_flat.append(lookup(g, grp.leaf_coord[leaf_of[src]][0], u))
-    graph.output(type(out.args[0])(new_flat) if isinstance(out.args[0], (tuple, list)) else new_flat).meta = \
-        dict(out.meta)
-    gm = tc.lazy_graph_module(root, graph)
-    groups = [target if g == members else g for g in raw.groups]
-    return RawTrace(gm=gm, param_fqns=list(param_fqns), buffer_fqns=list(buffer_fqns), trainable=list(trainable),
-                    input_names=raw.input_names, groups=groups,
-                    leaves=[outside(v) if isinstance(v, fx.Node) else v for v in raw.leaves], tree=raw.tree,
-                    grads={k: outside(v) if isinstance(v, fx.Node) else v for k, v in raw.grads.items()},
-                    fake_mode=raw.fake_mode)
+    def _emit_output(self, param_fqns, trainable) -> None:
+        """The loss, then each trainable parameter's gradient, the full model's order."""
+        raw = self.raw
+        out = next(x for x in self.old if x.op == "output")
+        flat = list(out.args[0])
+        raw_grad = {raw.param_fqns[i]: g for i, g in zip(raw.trainable, flat[1:])}
+        new_flat = [self.outside(flat[0])]
+        for i in trainable:
+            src, u = self.target_leaf(param_fqns[i])
+            g = raw_grad[self.leaf_of[src]]
+            if not isinstance(g, fx.Node):
+                new_flat.append(g)
+            elif u < 0:
+                new_flat.append(self.outside(g))
+            else:
+                new_flat.append(self.lookup(g, self.grp.leaf_coord[self.leaf_of[src]][0], u))
+        self.graph.output(type(out.args[0])(new_flat) if isinstance(out.args[0], (tuple, list))
+                          else new_flat).meta = dict(out.meta)
+
+    def run(self, param_fqns, buffer_fqns, trainable) -> RawTrace:
+        raw = self.raw
+        self._emit_placeholders(param_fqns, buffer_fqns)
+        self._emit_body()
+        self._emit_output(param_fqns, trainable)
+        gm = tc.lazy_graph_module(self.root, self.graph)
+        groups = [self.target if g == self.members else g for g in raw.groups]
+        outside = self.outside
+        return RawTrace(gm=gm, param_fqns=list(param_fqns), buffer_fqns=list(buffer_fqns),
+                        trainable=list(trainable), input_names=raw.input_names, groups=groups,
+                        leaves=[outside(v) if isinstance(v, fx.Node) else v for v in raw.leaves], tree=raw.tree,
+                        grads={k: outside(v) if isinstance(v, fx.Node) else v for k, v in raw.grads.items()},
+                        fake_mode=raw.fake_mode)
 
 
 def _op(gm: fx.GraphModule, n: fx.Node):

@@ -1,7 +1,7 @@
 """Choose the mesh shape with the plan: every way to lay ``ranks`` out as 1-3 axes, planned.
 
     plan = autoshard.plan(model, example_inputs, mesh="auto", ranks=512)
-    plan.summary["mesh_search"]          # one row per shape: step, memory, bound, seconds, outcome
+    plan.summary.mesh_search          # one row per shape: step, memory, bound, seconds, outcome
 
 Shapes (:func:`mesh_shapes`): the ordered factorizations of ``ranks`` into 1 to ``max_axes``
 axes of size >= 2 whose innermost axis stays within a node (``devices_per_node`` of the
@@ -93,7 +93,7 @@ class ShapeResult:
 #: Share of ``time_limit`` for bounding shapes (building each one's problem and solving it
 #: with memory ignored) while the lowest bound so far is a memory-free optimum that fits (its
 #: shape's solve is then that optimum, assembled); the solves in bound order get the rest, and
-#: at least ``MIN_SOLVE_SECONDS`` each.
+#: at least ``MIN_SHAPE_SOLVE_SECONDS`` each.
 BOUND_SHARE = 0.75
 #: The share once memory binds the lowest bound (its memory-free optimum does not fit): plans
 #: then lie far above their bounds and are made by the solve, which needs real time.
@@ -103,7 +103,7 @@ BOUND_SHARE_BINDING = 0.5
 MAX_BOUND_SECONDS = 10.0
 #: The least time a shape is solved with: below it the memory-free stage is cut off before it
 #: proves and an answer says little about the shape.
-MIN_SOLVE_SECONDS = 10.0
+MIN_SHAPE_SOLVE_SECONDS = 10.0
 
 
 def _prune(row: ShapeResult, planned: bool, why: str) -> None:
@@ -141,7 +141,7 @@ class KnownPlan:
 
 class MeshSearch:
     """The best plan over :func:`mesh_shapes` of ``ranks`` (:meth:`run`), its table in
-    ``plan.summary["mesh_search"]``. ``make_planner(model, example_inputs, mesh, options=,
+    ``plan.summary.mesh_search``. ``make_planner(model, example_inputs, mesh, options=,
     traced=)`` makes a :class:`~autoshard.planning.shapebound.ShapePlanner`."""
 
     def __init__(self, model, example_inputs, ranks: int, options: PlanOptions,
@@ -218,7 +218,7 @@ class MeshSearch:
 
     def unpromising(self, b: BoundedShape) -> str | None:
         """Why shape ``b`` is not worth solving now, by the plans found so far, or None."""
-        objective = [*(p.summary["step_us"] if self.eta > 0 else additive_solve(p) for p in self.solved.values()),
+        objective = [*(p.summary.step_us if self.eta > 0 else additive_solve(p) for p in self.solved.values()),
                      *([self.free_plan_us] if self.free_plan_shape not in (None, b.shape) else [])]
         best_us = min(objective, default=None)
         if best_us is not None and b.bound_us >= best_us:
@@ -226,7 +226,7 @@ class MeshSearch:
         # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
         # best plan found, by its bounds, has nothing to give (on the additive objective too).
         found_us = min([*(k.step_us for s, k in self.known.items() if s != b.shape),
-                        *(p.summary["step_us"] for p in self.solved.values())], default=float("inf"))
+                        *(p.summary.step_us for p in self.solved.values())], default=float("inf"))
         floor_us = self.plan_floor(b)
         if floor_us >= found_us:
             return (f"every plan of it is predicted at least {floor_us / 1e3:.3f} ms (its bounds) >= "
@@ -289,7 +289,7 @@ class MeshSearch:
         nothing is left to bound."""
         while self.todo or self.pool.running:
             self._submit_bounds()
-            if not self.todo and self.pool.running and self._left() >= MIN_SOLVE_SECONDS:
+            if not self.todo and self.pool.running and self._left() >= MIN_SHAPE_SOLVE_SECONDS:
                 self._solve_on_idle_workers()
             if self.pool.running:
                 self._take(self.pool.next())
@@ -327,7 +327,7 @@ class MeshSearch:
                    if b.plan is None and self.unpromising(b) is None]
         for b in leading[:self.pool.workers]:
             if b.shape not in self.running and self.pool.holder_idle(b.shape) \
-                    and self.pool.start_solve(b.shape, max(MIN_SOLVE_SECONDS, left / 2), alone=False):
+                    and self.pool.start_solve(b.shape, max(MIN_SHAPE_SOLVE_SECONDS, left / 2), alone=False):
                 self.running[b.shape] = (b, time.perf_counter())
 
     def _take(self, res: ShapeBound) -> None:
@@ -400,7 +400,7 @@ class MeshSearch:
                 self.queue.pop(i)
                 continue
             left = self._left(started)
-            if (self.solved or self.known or self.running) and left < MIN_SOLVE_SECONDS:
+            if (self.solved or self.known or self.running) and left < MIN_SHAPE_SOLVE_SECONDS:
                 _unsolved(row, b.shape in self.known, "the time limit is spent: raise time_limit to plan it")
                 self.queue.pop(i)
                 continue
@@ -417,7 +417,7 @@ class MeshSearch:
             # stalls sooner leaves its time to the next.
             self.queue.pop(i)
             others = [c for c in self.queue if c.plan is None and self.unpromising(c) is None]
-            share = max(MIN_SOLVE_SECONDS, left / 2 if others and left >= 2 * MIN_SOLVE_SECONDS else left)
+            share = max(MIN_SHAPE_SOLVE_SECONDS, left / 2 if others and left >= 2 * MIN_SHAPE_SOLVE_SECONDS else left)
             if idle is None:
                 self._record(b, started, self._solve_here(b, started, share))
                 continue
@@ -484,8 +484,8 @@ class MeshSearch:
             self.infeasible.append(plan)
             row.outcome, row.note = "infeasible", str(plan)
             return
-        row.outcome, row.step_us = "planned", plan.summary["step_us"]
-        row.peak_mem_bytes = plan.summary["peak_mem_bytes"]
+        row.outcome, row.step_us = "planned", plan.summary.step_us
+        row.peak_mem_bytes = plan.summary.peak_mem_bytes
         proved = plan.solver.get("bound")
         if proved is not None and self.eta <= 0:
             row.bound_us = max(row.bound_us, proved)  # the solver's bound is additive: a step's only then
@@ -494,7 +494,7 @@ class MeshSearch:
                  f"({plan.solver.get('status')}) in {row.seconds:.1f}s")
         self.solved[b.shape] = plan
         if b.plan is None:  # a solve, not a plan the bounding made
-            self.stall.result(plan.summary["step_us"])
+            self.stall.result(plan.summary.step_us)
 
     # -- phase 3: the choice --------------------------------------------------------------
 
@@ -503,10 +503,10 @@ class MeshSearch:
         table; the closest budget where no shape fits."""
         steps = {shape: k.step_us for shape, k in self.known.items()}
         for shape, p in self.solved.items():
-            steps[shape] = min(steps.get(shape, float("inf")), p.summary["step_us"])
+            steps[shape] = min(steps.get(shape, float("inf")), p.summary.step_us)
         best = min(steps, key=lambda shape: (steps[shape], self.shapes.index(shape)), default=None)
         if best in self.known and (best not in self.solved
-                                   or self.known[best].step_us < self.solved[best].summary["step_us"]):
+                                   or self.known[best].step_us < self.solved[best].summary.step_us):
             self._adopt_known(best)
         table = [self.rows[s] for s in self.shapes]
         if best is None and not self.infeasible:
@@ -519,8 +519,8 @@ class MeshSearch:
                                     min_feasible_bytes=low.min_feasible_bytes)
         plan, row = self.solved[best], self.rows[best]
         row.outcome = "chosen"
-        plan.summary["mesh_search"] = [r.to_json() for r in table]
-        plan.summary["mesh_search_seconds"] = round(time.perf_counter() - self.t0, 3)
+        plan.summary.mesh_search = [r.to_json() for r in table]
+        plan.summary.mesh_search_seconds = round(time.perf_counter() - self.t0, 3)
         return plan
 
     def _adopt_known(self, best: Shape) -> None:
@@ -537,7 +537,7 @@ class MeshSearch:
                 made = plan_held(self._built_here(k.entry), how, left)
         self.solved[best] = made
         row = self.rows[best]
-        row.step_us, row.peak_mem_bytes = made.summary["step_us"], made.summary["peak_mem_bytes"]
+        row.step_us, row.peak_mem_bytes = made.summary.step_us, made.summary.peak_mem_bytes
         if k.hand is not None and not fits_alone(k.entry.free):
             row.note = f"hand-written {k.hand} (memory binds): predicted faster than every plan solved"
         row.seconds += time.perf_counter() - started
@@ -545,5 +545,5 @@ class MeshSearch:
 
 def search(model, example_inputs, ranks: int, options: PlanOptions, make_planner, max_axes: int = 3) -> Plan:
     """The best plan over :func:`mesh_shapes` (:class:`MeshSearch`), its table in
-    ``plan.summary["mesh_search"]``."""
+    ``plan.summary.mesh_search``."""
     return MeshSearch(model, example_inputs, ranks, options, make_planner, max_axes).run()

@@ -159,4 +159,4 @@ def _with_bound(best: solver.Solution, first: solver.Solution) -> solver.Solutio
 def additive_solve(plan) -> float:
     """The additive objective of the plan its solve found before the overlap rounds: what the
     solver's proved bounds (memory-free optima, a mesh shape's bound) are bounds of."""
-    return plan.summary["overlap"]["rounds"][0]["additive_us"]
+    return plan.summary.overlap["rounds"][0]["additive_us"]

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import time
@@ -23,21 +22,21 @@ import torch
 import solver
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.gcpause import fewer_gc_passes
-from autoshard.graph.attention import attention_summary
 from autoshard.graph.recompute import NONE, Recompute, choose, recomputed
 from autoshard.graph.tracing import trace
 from autoshard.graph.unroll import trace_unrolled
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
-from autoshard.planfile import RECOMPUTE_MODES, ParamPlacement, Plan
-from autoshard.planning.baselines import baseline_pins, baseline_recompute, baselines_for
+from autoshard.planfile import RECOMPUTE_MODES, Plan
+from autoshard.planning.assemble import assemble_plan
+from autoshard.planning.baselines import HandWritten, baseline_pins, baseline_recompute, baselines_for
 from autoshard.planning.overlap import MAX_ROUNDS, additive_solve, relaxed
 from autoshard.planning.overlap import refine as refine_overlap
 from autoshard.planning.pins import resolve_pins, to_spec
 from autoshard.planning.problem import GraphProblem, build_problem, pin_indices, with_recompute
-from autoshard.planning.simulate import problem_buckets, simulate_plan, step_floor
+from autoshard.planning.simulate import step_floor
 from autoshard.units import human_bytes
-from costmodel import MeshTopology, Profile, load_profile, plan_steps
+from costmodel import Profile, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *
     ``Planner(model, example_inputs, mesh, ...).solve()``; ``plan.solver["source"]`` names the
     stage or start the answer came from. ``mesh="auto"`` with ``ranks=N`` chooses the mesh
     shape too (:mod:`autoshard.planning.meshsearch`: every shape of N ranks planned within ``time_limit``,
-    the table in ``plan.summary["mesh_search"]``; axes named ``axis0``, ``axis1`` ...).
+    the table in ``plan.summary.mesh_search``; axes named ``axis0``, ``axis1`` ...).
     """
     if isinstance(mesh, str):
         if mesh != "auto" or ranks is None:
@@ -96,27 +95,6 @@ def compare(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh
             **overrides) -> dict[str, Plan | str]:
     """Our plan and each hand-written baseline, costed alike: see :meth:`Planner.compare`."""
     return Planner(model, example_inputs, mesh, options=options, **overrides).compare(baselines)
-
-
-class _Seed:
-    """A hand-written plan solved under its pins: its predicted step, the solver's choice and
-    status, and the plan, assembled when first asked for (as a start for our solve only the
-    choice is needed; assembling LLaMA-70B's plan takes 0.6 s)."""
-
-    def __init__(self, step_us: float, choice, status: str, assemble):
-        self.step_us, self.choice, self.status = step_us, choice, status
-        self._assemble = assemble
-
-    @functools.cached_property
-    def plan(self) -> Plan:
-        return self._assemble()
-
-    def as_ours(self, name: str, why: str) -> Plan:
-        """This hand-written plan, ``name``, as the answer: without its pin count, its source
-        saying why it was taken."""
-        plan = self.plan
-        summary = {k: v for k, v in plan.summary.items() if k != "pinned"}
-        return dataclasses.replace(plan, summary=summary, solver={**plan.solver, "source": f"baseline {name} ({why})"})
 
 
 class Planner:
@@ -178,7 +156,7 @@ class Planner:
         """Problems (by :func:`_problem_key`) proved infeasible under their budget."""
         self._hints: list[tuple[str, np.ndarray]] = []
         """Plans of this model on this mesh found by another planner (:meth:`hint`)."""
-        self._seeds: dict[str, tuple[_Seed | str, float, bool]] = {}
+        self._seeds: dict[str, tuple[HandWritten | str, float, bool]] = {}
         """Hand-written plans by options: (the plan or why it failed, the seconds it was given,
         whether more time cannot change it: proved optimal, or not writable for this model)."""
 
@@ -299,9 +277,9 @@ class Planner:
         # gloo), while every step holds its compute (a recomputing plan: its copies' too).
         compute = self.cheapest_bound(**_solve_fields(opts.replace(recompute="none")))
         found = self.hand_written(seconds, additive_floor_us=compute, compute_floor_us=compute,
-                                  below=plan.summary["step_us"],
+                                  below=plan.summary.step_us,
                                   **{f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"})
-        if found is None or found[1].step_us >= plan.summary["step_us"] - 1e-3:
+        if found is None or found[1].step_us >= plan.summary.step_us - 1e-3:
             return result
         name, seed = found
         log.info(f"plan: baseline {name} is predicted faster ({seed.step_us / 1e3:.3f} ms): it is the plan")
@@ -330,14 +308,14 @@ class Planner:
                 tried[mode], failed = "infeasible", exc
                 log.info(f"recompute {mode}: {first_line(exc)}")
                 continue
-            tried[mode] = result[0].summary["step_us"]
-            if best is None or tried[mode] < best[0].summary["step_us"]:
+            tried[mode] = result[0].summary.step_us
+            if best is None or tried[mode] < best[0].summary.step_us:
                 best = result
             if mode == "none":
                 floor = result[0].solver.get("memory_free_bound")
         if best is None:
             raise failed
-        best[0].summary["recompute_tried"] = tried
+        best[0].summary.recompute_tried = tried
         return best
 
     def recompute_floor(self, mode: str, opts: PlanOptions | None = None) -> float:
@@ -358,16 +336,16 @@ class Planner:
         57.7 s step, where the search from its own start ended at 63.7 s)."""
         if not opts.seed_baselines:
             return self._solve_once(opts, time_limit, hints=self._hints)
-        seeds: dict[str, _Seed | str] = {}
+        seeds: dict[str, HandWritten | str] = {}
 
         def hand_written():
             seeds.update(self._baselines(baselines_for(self.model), opts, BASELINES_SHARE * time_limit))
-            return [(name, s.choice) for name, s in seeds.items() if isinstance(s, _Seed)]
+            return [(name, s.choice) for name, s in seeds.items() if isinstance(s, HandWritten)]
 
         result = self._solve_once(opts, (1 - BASELINES_SHARE) * time_limit, late_starts=hand_written,
                                   hints=self._hints)
         if seeds:
-            result[0].solver["seeds"] = {name: round(s.step_us, 3) if isinstance(s, _Seed) else None
+            result[0].solver["seeds"] = {name: round(s.step_us, 3) if isinstance(s, HandWritten) else None
                                          for name, s in seeds.items()}
         return result
 
@@ -390,16 +368,16 @@ class Planner:
         out: dict[str, Plan | str] = {"autoshard": self.solve(**overrides)}
         names = baselines_for(self.model) if baselines is None else baselines
         for name, seed in self._baselines(names, opts, opts.time_limit).items():
-            out[name] = seed.plan if isinstance(seed, _Seed) else seed
+            out[name] = seed.plan if isinstance(seed, HandWritten) else seed
             allowed = opts.input_specs is None and opts.recompute in ("auto", baseline_recompute(name))
             # Faster by more than the rounding of a plan's figures (to the nanosecond).
-            if allowed and isinstance(seed, _Seed) and seed.step_us < out["autoshard"].summary["step_us"] - 1e-3:
+            if allowed and isinstance(seed, HandWritten) and seed.step_us < out["autoshard"].summary.step_us - 1e-3:
                 out["autoshard"] = self._adopt(opts, name, seed)
         return out
 
     @fewer_gc_passes()
     def hand_written(self, time_limit: float, additive_floor_us: float = 0.0, compute_floor_us: float = 0.0,
-                     below: float = float("inf"), **overrides) -> tuple[str, _Seed] | None:
+                     below: float = float("inf"), **overrides) -> tuple[str, HandWritten] | None:
         """The hand-written plan of least predicted step that these options allow (``seed_baselines``
         on, no input specs given, its recompute mode the one asked for or ``"auto"``), each solved
         under its pins as a solve seeds with them, in ``time_limit`` seconds for all: (its name, the
@@ -420,18 +398,18 @@ class Planner:
 
         names = [n for n in baselines_for(self.model) if opts.recompute in ("auto", baseline_recompute(n))]
         end = time.perf_counter() + time_limit
-        best: tuple[str, _Seed] | None = None
+        best: tuple[str, HandWritten] | None = None
         for k, name in enumerate(names):
             bar = min(below, best[1].step_us if best is not None else float("inf"))
             if bar < float("inf") and floor(baseline_recompute(name)) >= bar:
                 continue
             share = max(1.0, (end - time.perf_counter()) / (len(names) - k))
             seed = self._baselines([name], opts, share)[name]
-            if isinstance(seed, _Seed) and (best is None or seed.step_us < best[1].step_us):
+            if isinstance(seed, HandWritten) and (best is None or seed.step_us < best[1].step_us):
                 best = (name, seed)
         return best
 
-    def _adopt(self, opts: PlanOptions, name: str, seed: _Seed) -> Plan:
+    def _adopt(self, opts: PlanOptions, name: str, seed: HandWritten) -> Plan:
         """Hand-written plan ``name`` as the plan of ``opts`` (it is predicted faster than the
         solve's), labelled as such."""
         ours = seed.as_ours(name, f"predicted faster than the solve's plan, "
@@ -440,14 +418,14 @@ class Planner:
         self._plans[_key(opts)] = (ours, seed.choice)
         return ours
 
-    def _baselines(self, names, opts: PlanOptions, time_limit: float) -> dict[str, _Seed | str]:
+    def _baselines(self, names, opts: PlanOptions, time_limit: float) -> dict[str, HandWritten | str]:
         """Each hand-written plan solved under its pins (the user's pins, where given, win) and in
-        its own recompute mode: name -> :class:`_Seed`, or the error message when it breaks the
+        its own recompute mode: name -> :class:`HandWritten`, or the error message when it breaks the
         budget or cannot be written for this model (a batch smaller than the ranks it would be
         split over). ``time_limit`` is for all of them: each takes an equal share of what the
         ones before it left (a pinned plan is often proved in a second). A cached answer is
         reused when it was proved optimal or had at least the time offered now."""
-        out: dict[str, _Seed | str] = {}
+        out: dict[str, HandWritten | str] = {}
         mine = resolve_pins(dict(opts.pins or {}), self.traced.param_fqns + self.traced.buffer_fqns,
                             self.axis_names)
         end = time.perf_counter() + time_limit
@@ -500,7 +478,8 @@ class Planner:
         hand-written plan's search (one 20% above its optimum halves toulbar2's time)."""
         found = [("solve", choice) for _, choice in self._plans.values()]
         found += [("memory-free optimum", free.choice) for free in self._free.values()]
-        found += [("hand-written plan", seed[0].choice) for seed in self._seeds.values() if isinstance(seed[0], _Seed)]
+        found += [("hand-written plan", seed[0].choice) for seed in self._seeds.values()
+                  if isinstance(seed[0], HandWritten)]
         found += self._hints
         # Once each: an adopted hand-written plan is also a solve's, a proved optimum often both.
         once: dict[bytes, tuple[str, np.ndarray]] = {}
@@ -512,7 +491,7 @@ class Planner:
                     hints=()):
         """(plan, the solver's choice per problem node): one solve under ``opts`` (``starts`` and
         ``late_starts``: choices made in any recompute mode, see :func:`solver.solve`). With
-        ``lazy``, a :class:`_Seed` whose plan is assembled when first asked for. ``hints``: more
+        ``lazy``, a :class:`HandWritten` whose plan is assembled when first asked for. ``hints``: more
         starts, made under other options, that are not candidates of their own: the solver moves
         them onto this problem's pins, and a moved hint is then a plan of it like any other the
         search offers (its answer, or one of its pool ranked by simulated step)."""
@@ -567,16 +546,16 @@ class Planner:
 
         def assemble() -> Plan:
             t1 = time.perf_counter()
-            result = _assemble(self.model, self.traced, gp, rc, sol, self.mesh, self.profile, budget, overlap)
+            result = assemble_plan(self.model, self.traced, gp, rc, sol, self.mesh, self.profile, budget, overlap)
             phases["assemble_s"] = time.perf_counter() - t1
-            result.summary["plan_seconds"] = round(sum(phases.values()), 3)
-            result.summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
+            result.summary.plan_seconds = round(sum(phases.values()), 3)
+            result.summary.phases = {k: round(v, 3) for k, v in phases.items()}
             if problem.pins:
-                result.summary["pinned"] = len(problem.pins)
+                result.summary.pinned = len(problem.pins)
             return result
 
         if lazy:
-            return _Seed(overlap["simulated_us"], sol.choice, sol.status.value, assemble)
+            return HandWritten(overlap["simulated_us"], sol.choice, sol.status.value, assemble)
         return assemble(), sol.choice
 
 
@@ -603,129 +582,3 @@ def _key(opts: PlanOptions) -> str:
     """A solve's cache key: the options that change its answer."""
     return json.dumps([opts.pins, opts.input_specs, opts.memory_budget, opts.recompute, opts.time_limit,
                        opts.backend, opts.seed_baselines, opts.overlap_objective], sort_keys=True, default=repr)
-
-
-def _assemble(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profile, budget, overlap: dict) -> Plan:
-    names = axis_names_of(mesh)
-    mesh_shape = tuple(mesh.shape)
-    topo = MeshTopology(mesh_shape, prof.devices_per_node)
-    choice = sol.choice
-    chosen = [gp.strategies[v][choice[v]] for v in range(len(gp.nodes))]
-
-    params, inputs, input_names, nodes = {}, [], [], {}
-    for v, n in enumerate(gp.nodes[:gp.num_originals]):  # a recomputed copy takes its original's specs
-        s = chosen[v]
-        if n.op == "placeholder":
-            kind = tg.kinds[n.name]
-            spec = s.outs[0]
-            if kind in ("param", "buffer"):
-                params[tg.fqn_of[n.name]] = ParamPlacement(
-                    placements=dict(zip(names, spec.placements)),
-                    shard_order={str(d): [names[a] for a in axes] for d, axes in spec.shard_order},
-                    shape=list(n.meta["val"].shape),
-                )
-            else:
-                inputs.append(str(spec))
-                input_names.append(tg.fqn_of[n.name])
-        else:
-            nodes[n.name] = {
-                "op": str(n.target),
-                "out": [str(o) if o is not None else None for o in s.outs] if len(s.outs) > 1 else str(s.outs[0]),
-                "in": [str(i) for i in s.ins],
-            }
-
-    redistributes, comm = [], 0.0
-    for e, ae in enumerate(gp.edges):
-        u, v = ae.producer, ae.consumer
-        src = chosen[u].outs[ae.out]
-        dst = chosen[v].ins[ae.arg] if ae.arg >= 0 else chosen[v].outs[0]
-        us = float(gp.problem.edge_costs[e][choice[u], choice[v]])
-        comm += us
-        if src == dst or us == 0:
-            continue
-        t = gp.nodes[u].meta["val"]
-        t = t[ae.out] if isinstance(t, (tuple, list)) else t
-        steps = plan_steps(src, dst, tuple(t.shape), t.element_size(), topo, prof)
-        node_name = gp.nodes[v].name if ae.arg >= 0 else tg.fqn_of[gp.nodes[v].name]
-        entry = {
-            "node": node_name,
-            "arg": ae.arg if ae.arg >= 0 else "grad",
-            "from": str(src),
-            "to": str(dst),
-            "steps": [f"{st.kind}({','.join(names[a] for a in st.axes)})" for st in steps],
-            "us": round(us, 3),
-            # Per step: predicted microseconds and bytes of the full buffer (nccl-tests'
-            # convention), what `autoshard measure` sets beside the measured collectives.
-            "step_us": [round(st.us, 3) for st in steps],
-            "step_bytes": [int(st.nbytes) for st in steps],
-        }
-        if v in gp.copy_of:
-            entry["recompute"] = True  # run again in the backward, before the recomputed op
-        redistributes.append(entry)
-    compute = float(sum(gp.compute_us[v][choice[v]] for v in range(len(gp.nodes))))
-    total = float(sol.cost)
-    comm_total = max(0.0, total - compute)  # edges plus the loss reduction (input loading is negligible)
-    shapes = {fqn: list(p.shape) for fqn, p in list(model.named_parameters()) + list(model.named_buffers())}
-    buckets = problem_buckets(gp, choice)
-    tl = simulate_plan(gp, choice, prof.overlap, buckets)
-    summary = {
-        "step_us": round(tl.step_us, 3),
-        "additive_us": round(total, 3),
-        "compute_us": round(compute, 3),
-        "comm_us": round(comm_total, 3),
-        "peak_mem_bytes": int(sol.peak_usage),
-        "memory_budget_bytes": int(budget) if budget is not None else None,
-        "graph_nodes": gp.num_originals,
-        "strategies": int(sum(len(s) for s in gp.strategies[:gp.num_originals])),
-        "edges": len(gp.edges),
-        "fallback_ops": gp.fallback_ops,
-        "rule_errors": gp.rule_errors,
-        "flops_uncounted": gp.flops_uncounted,
-        "recompute": {"mode": rc.mode, "nodes": rc.count, "layers": len(rc.nodes),
-                      "compute_us": round(float(sum(gp.compute_us[c][choice[c]] for c in gp.copy_of)), 3)},
-    }
-    attention = attention_summary(gp.nodes[:gp.num_originals], chosen, prof)
-    if attention:
-        summary["attention"] = attention
-    if gp.imbalance:
-        summary["load_imbalance"] = dict(gp.imbalance)
-    summary["simulated"] = {"step_us": round(tl.step_us, 3), "exposed_comm_us": round(max(0.0, tl.exposed_us), 3),
-                            "comm_us": round(tl.comm_us, 3), "overlap_share": prof.overlap}
-    if buckets is not None:
-        summary["simulated"].update(bucket_mb=gp.bucket_mb, buckets=len(buckets.members),
-                                    bucketed=sum(len(m) for m in buckets.members),
-                                    bucket_saved_us=round(buckets.saved_us, 3))
-    if tl.idle_us > 0:
-        summary["simulated"]["host_idle_us"] = round(tl.idle_us, 3)
-    summary["overlap"] = {k: v for k, v in overlap.items() if k != "simulated_us"}
-    return Plan(
-        mesh_shape=list(mesh_shape),
-        axis_names=names,
-        params=params,
-        inputs=inputs,
-        input_names=input_names,
-        nodes=nodes,
-        redistributes=redistributes,
-        summary=summary,
-        solver={"backend": sol.backend, "status": sol.status.value, "objective": round(sol.cost, 3),
-                "bound": None if sol.lower_bound is None else round(sol.lower_bound, 3),
-                "gap": None if sol.gap is None else round(sol.gap, 6), "seconds": round(sol.seconds, 3),
-                "memory_free_bound": (sol.stats.get("pairwise") or {}).get("bound"),
-                "source": sol.source,
-                "variables": sol.stats.get("variables"), "constraints": sol.stats.get("constraints")},
-        profile=_profile_entry(prof),
-        model={"class": type(model).__name__, "fingerprint": Plan.fingerprint(shapes)},
-        recompute=rc.to_json(),
-    )
-
-
-def _profile_entry(prof) -> dict:
-    """The plan's record of its profile: the name of a shipped one, or the whole profile (a
-    calibrated or custom one), so that the plan can be lowered where that file is absent (the
-    profile decides each redistribute's steps)."""
-    from costmodel import builtin_profiles, load_profile
-
-    entry = {"name": prof.name, "device": prof.device}
-    if prof.name not in builtin_profiles() or load_profile(prof.name).to_json() != prof.to_json():
-        entry["data"] = prof.to_json()
-    return entry

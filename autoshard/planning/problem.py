@@ -278,29 +278,14 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
     return np.array(out, dtype=np.int64).reshape(-1, 2), np.array(copies, dtype=np.int64).reshape(-1, 2)
 
 
-def build_problem(
-    tg: TracedGraph,
-    mesh,
-    profile: Profile,
-    memory_budget: float | None,
-    optimizer_states: int = 2,
-    tie_layers: bool = True,
-    partial_inputs: bool | None = None,
-    load_imbalance: float = 1.0,
-    bucket_mb: float = 0.0,
-) -> GraphProblem:
-    """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``; ``load_imbalance``
-    scales expert-parallel work (:mod:`autoshard.planning.imbalance`)."""
-    mesh_shape = tuple(mesh.shape)
-    topo = MeshTopology(mesh_shape, profile.devices_per_node)
-    redist = _RedistCost(topo, profile)
-    en = StrategyEnumerator(mesh, partial_inputs)
-    order = list(tg.gm.graph.nodes)
+def _strategies_of(tg: TracedGraph, en: StrategyEnumerator):
+    """The ILP's nodes (placeholders, tensor constants, every call_function but ``getitem``), their
+    strategy lists (shared by nodes of one shape and op) and their enumerations (None for leaves)."""
     nodes: list[fx.Node] = []
     leaf_strats: dict = {}
     strategies: list[list[Strategy]] = []
     per_node: list[NodeStrategies | None] = []
-    for n in order:
+    for n in tg.gm.graph.nodes:
         if n.op == "placeholder" or (n.op == "get_attr" and is_tensor(n)):
             val = n.meta["val"]
             key = (tuple(val.shape), val.dtype)
@@ -316,21 +301,13 @@ def build_problem(
             nodes.append(n)
             strategies.append(ns.strategies)
             per_node.append(ns)
-    index = {n.name: k for k, n in enumerate(nodes)}
+    return nodes, strategies, per_node
 
-    def resolve(a: fx.Node) -> tuple[int, int]:
-        if is_getitem(a):
-            return index[a.args[0].name], int(a.args[1])
-        return index[a.name], 0
 
-    intervals = node_intervals(tg, nodes)[0]
-    loss_idx, loss_out = resolve(tg.loss_node) if tg.loss_node is not None else (None, 0)
-
-    experts = expert_matmuls(tg)
-    scales = {index[n.name]: imbalance_scale(strategies[index[n.name]], mesh_shape, load_imbalance)
-              for n in experts if n.name in index and load_imbalance != 1.0}
-    # Tensors carrying routed tokens, by the dim of theirs that indexes experts.
-    tokens = token_dims(tg, experts) if scales else {}
+def _node_rows(tg, nodes, strategies, per_node, mesh_shape, profile, optimizer_states, scales, loss, redist):
+    """Per node: its cost row (compute, plus the loss's move to a replicated scalar), its memory
+    row, its compute row, and the ops whose FLOPs could not be counted."""
+    loss_idx, loss_out = loss
     flop_memo: dict = {}
     flop_failures: dict[str, str] = {}
     node_memo: dict = {}
@@ -363,7 +340,6 @@ def build_problem(
             if v in scales:
                 c = c * scales[v]
         compute.append(c.copy())
-
         if v == loss_idx:
             # The loss is read replicated (logged, and the seed of its gradient); a multi-output
             # op (nll_loss_forward: loss, total weight) gives it as one of its outputs.
@@ -372,12 +348,16 @@ def build_problem(
             c = c + np.array([redist.cost(s.outs[loss_out], r, lv) for s in strats])
         costs.append(c)
         usages.append(usage)
+    return costs, usages, compute, flop_failures
 
+
+def _edges(tg, index, strategies, per_node, resolve, redist, tokens, mesh_shape, load_imbalance):
+    """Every argument edge (producer output -> consumer argument) and every gradient edge
+    (gradient -> its parameter), with their cost matrices."""
     edges: list[ArgEdge] = []
     mats = []
     scaled: dict = {}  # (matrix id, consumer) -> its scaled copy, shared again by tied layers
-    for v in range(len(nodes)):
-        ns = per_node[v]
+    for v, ns in enumerate(per_node):
         if ns is None:
             continue
         for k, a in enumerate(ns.tensor_args):
@@ -398,14 +378,50 @@ def build_problem(
         v = index[placeholder_of[fqn].name]
         edges.append(ArgEdge(v, -1, u, o))
         mats.append(redist.edge_matrix(strategies[u], o, strategies[v], -1, g.meta["val"]))
+    return edges, mats
 
+
+def build_problem(
+    tg: TracedGraph,
+    mesh,
+    profile: Profile,
+    memory_budget: float | None,
+    optimizer_states: int = 2,
+    tie_layers: bool = True,
+    partial_inputs: bool | None = None,
+    load_imbalance: float = 1.0,
+    bucket_mb: float = 0.0,
+) -> GraphProblem:
+    """The strategy graph of ``tg`` on ``mesh``, costed with ``profile``; ``load_imbalance``
+    scales expert-parallel work (:mod:`autoshard.planning.imbalance`)."""
+    mesh_shape = tuple(mesh.shape)
+    topo = MeshTopology(mesh_shape, profile.devices_per_node)
+    redist = _RedistCost(topo, profile)
+    en = StrategyEnumerator(mesh, partial_inputs)
+    nodes, strategies, per_node = _strategies_of(tg, en)
+    index = {n.name: k for k, n in enumerate(nodes)}
+
+    def resolve(a: fx.Node) -> tuple[int, int]:
+        if is_getitem(a):
+            return index[a.args[0].name], int(a.args[1])
+        return index[a.name], 0
+
+    intervals = node_intervals(tg, nodes)[0]
+    loss = resolve(tg.loss_node) if tg.loss_node is not None else (None, 0)
+    experts = expert_matmuls(tg)
+    scales = {index[n.name]: imbalance_scale(strategies[index[n.name]], mesh_shape, load_imbalance)
+              for n in experts if n.name in index and load_imbalance != 1.0}
+    # Tensors carrying routed tokens, by the dim of theirs that indexes experts.
+    tokens = token_dims(tg, experts) if scales else {}
+    costs, usages, compute, flop_failures = _node_rows(tg, nodes, strategies, per_node, mesh_shape, profile,
+                                                       optimizer_states, scales, loss, redist)
+    edges, mats = _edges(tg, index, strategies, per_node, resolve, redist, tokens, mesh_shape, load_imbalance)
     ties = []
     if tie_layers:
         for group in layer_ties(tg.gm, tg.layer_groups, tg.fqn_of):
             members = [index[n.name] for n in group if n.name in index]
             if len(members) > 1 and len({len(strategies[m]) for m in members}) == 1:
                 ties.append(members)
-
     problem = solver.Problem(
         node_costs=costs,
         node_usages=usages,

@@ -195,7 +195,7 @@ def _bound_additive(planner: ShapePlanner, seconds: float, cheapest: float, plan
         plan = None
         if step < plan_below:
             plan = planner.solve(time_limit=max(1.0, seconds))  # the optimum or the hand-written plan
-            peak = plan.summary["peak_mem_bytes"]
+            peak = plan.summary.peak_mem_bytes
         return ShapeBound((), 0.0, free=free, plan=plan, free_plan_objective=upper, step_us=step, peak_bytes=peak,
                           hand=hand)
     # Memory binds: planned alone, the shape's plan is the least predicted of its solve and its
@@ -212,7 +212,7 @@ def _bound_additive(planner: ShapePlanner, seconds: float, cheapest: float, plan
     plan = peak = None
     if seed.step_us < plan_below:
         plan = hand_written_plan(hand, seed)
-        peak = plan.summary["peak_mem_bytes"]
+        peak = plan.summary.peak_mem_bytes
     return ShapeBound((), 0.0, free=free, plan=plan, free_plan_objective=upper, step_us=seed.step_us,
                       peak_bytes=peak, hand=hand)
 

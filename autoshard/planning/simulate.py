@@ -254,131 +254,158 @@ def plan_slack(gp, choice) -> np.ndarray:
 
 def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None) -> Timeline:
     """:func:`simulate_plan` hiding perfectly; each edge's slack written into ``slack``."""
-    costs, mats = gp.problem.node_costs, gp.problem.edge_costs
-    into: dict[int, list[int]] = {}
-    grads_from: dict[int, list[int]] = {}
-    for k, e in enumerate(gp.edges):
-        (grads_from if e.arg < 0 else into).setdefault(e.producer if e.arg < 0 else e.consumer, []).append(k)
-    host = gp.issue_us()
-    t_compute = t_comm = t_host = 0.0
-    done: dict[int, float] = {}
-    grad_starts: list[tuple[int, float]] = []
-    tl = Timeline()
-    order = run_order(gp)
-    chains = buckets.chains if buckets is not None else {}
-    if chains:
-        reordered = _bucket_order(gp, order, buckets)
-        if reordered is None:  # buckets that wait on each other: priced as planned, one by one
-            chains = {}
-        else:
-            order = reordered
-    chained_from: dict[int, list[int]] = {}
-    for k in chains:
-        chained_from.setdefault(gp.edges[k].producer, []).append(k)
-    ready_at = [0.0] * len(buckets.members) if chains else []
-    remaining = [len(m) for m in buckets.members] if chains else []
-    arrival: dict[int, float] = {}
-    waiting: list[int] = []  # buckets of the backward program, ready before it starts
-    later: list[tuple[int, float]] = []  # edges of the backward program, their inputs made before it starts
-    in_backward = False
-    last = order[-1] if order else -1
+    return _Walk(gp, choice, slack, buckets).run()
 
-    def advance(k: int, i: int, t: float) -> None:
+
+class _Walk:
+    """One walk of a plan's nodes in run order on two streams, compute and communication: the
+    clocks (``t_compute``, ``t_comm``, ``t_host``) and what is in flight, as attributes."""
+
+    def __init__(self, gp, choice, slack: np.ndarray | None, buckets: Buckets | None):
+        self.gp, self.choice, self.slack, self.buckets = gp, choice, slack, buckets
+        self.costs, self.mats = gp.problem.node_costs, gp.problem.edge_costs
+        self.into: dict[int, list[int]] = {}
+        self.grads_from: dict[int, list[int]] = {}
+        for k, e in enumerate(gp.edges):
+            (self.grads_from if e.arg < 0 else self.into).setdefault(e.producer if e.arg < 0 else e.consumer,
+                                                                     []).append(k)
+        self.host = gp.issue_us()
+        self.t_compute = self.t_comm = self.t_host = 0.0
+        self.done: dict[int, float] = {}
+        self.grad_starts: list[tuple[int, float]] = []
+        self.tl = Timeline()
+        self.order = run_order(gp)
+        self.chains = buckets.chains if buckets is not None else {}
+        if self.chains:
+            reordered = _bucket_order(gp, self.order, buckets)
+            if reordered is None:  # buckets that wait on each other: priced as planned, one by one
+                self.chains = {}
+            else:
+                self.order = reordered
+        self.chained_from: dict[int, list[int]] = {}
+        for k in self.chains:
+            self.chained_from.setdefault(gp.edges[k].producer, []).append(k)
+        self.ready_at = [0.0] * len(buckets.members) if self.chains else []
+        self.remaining = [len(m) for m in buckets.members] if self.chains else []
+        self.arrival: dict[int, float] = {}
+        self.waiting: list[int] = []
+        """Buckets of the backward program, ready before it starts."""
+        self.later: list[tuple[int, float]] = []
+        """Edges of the backward program, their inputs made before it starts."""
+        self.in_backward = False
+
+    def advance(self, k: int, i: int, t: float) -> None:
         """Edge ``k``'s collectives from its ``i``-th on, the one before done at ``t``: alone
         ones issued now, a bucketed one waits for the rest of its bucket."""
-        nonlocal t_comm
-        chain = chains[k]
+        chain, buckets, tl = self.chains[k], self.buckets, self.tl
         while i < len(chain):
             us, b = chain[i]
             if b >= 0:
-                ready_at[b] = max(ready_at[b], t)
-                remaining[b] -= 1
-                if remaining[b] == 0:
-                    if buckets.backward[b] and not in_backward:
-                        waiting.append(b)
+                self.ready_at[b] = max(self.ready_at[b], t)
+                self.remaining[b] -= 1
+                if self.remaining[b] == 0:
+                    if buckets.backward[b] and not self.in_backward:
+                        self.waiting.append(b)
                     else:
-                        fire(b, ready_at[b])
+                        self.fire(b, self.ready_at[b])
                 return
-            t = t_comm = max(t, t_comm) + us
+            t = self.t_comm = max(t, self.t_comm) + us
             tl.comm_us += us
             tl.collectives += 1
             i += 1
-        arrival[k] = t + buckets.own_us[k]
+        self.arrival[k] = t + buckets.own_us[k]
         tl.comm_us += buckets.own_us[k]
-        if gp.edges[k].arg < 0:  # a gradient's move ends the step at the latest
-            t_comm = max(t_comm, arrival[k])
+        if self.gp.edges[k].arg < 0:  # a gradient's move ends the step at the latest
+            self.t_comm = max(self.t_comm, self.arrival[k])
 
-    def fire(b: int, at: float) -> None:
-        nonlocal t_comm
-        end = t_comm = max(at, t_comm) + buckets.us[b]
-        tl.comm_us += buckets.us[b]
-        tl.collectives += 1
-        for k, i in buckets.members[b]:
-            advance(k, i + 1, end)
+    def fire(self, b: int, at: float) -> None:
+        end = self.t_comm = max(at, self.t_comm) + self.buckets.us[b]
+        self.tl.comm_us += self.buckets.us[b]
+        self.tl.collectives += 1
+        for k, i in self.buckets.members[b]:
+            self.advance(k, i + 1, end)
 
-    for v in order:
-        if chains and not in_backward and (v in gp.copy_of or node_phase(gp.nodes[v]) == "backward"):
-            in_backward = True
-            for k, t in later:
-                advance(k, 0, max(t, t_compute))
-            for b in waiting:
-                fire(b, max(ready_at[b], t_compute))
-            waiting.clear()
-        t_host += host[v]
-        arrived = 0.0  # when v's inputs are all there
-        for k in into.get(v, []):
+    def release_backward(self) -> None:
+        """The backward program starts: what waited for it is issued."""
+        for k, t in self.later:
+            self.advance(k, 0, max(t, self.t_compute))
+        for b in self.waiting:
+            self.fire(b, max(self.ready_at[b], self.t_compute))
+        self.waiting.clear()
+
+    def inputs_arrive(self, v: int) -> float:
+        """When ``v``'s inputs are all there, their moves issued on the communication stream."""
+        gp, tl, arrived = self.gp, self.tl, 0.0
+        for k in self.into.get(v, []):
             e = gp.edges[k]
-            if k in chains:
-                arrived = max(arrived, arrival[k])
+            if k in self.chains:
+                arrived = max(arrived, self.arrival[k])
                 continue
-            start = max(done.get(e.producer, t_compute), t_comm)
-            if slack is not None:
-                slack[k] = max(0.0, t_compute - start)
-            us = float(mats[k][choice[e.producer], choice[v]])
+            start = max(self.done.get(e.producer, self.t_compute), self.t_comm)
+            if self.slack is not None:
+                self.slack[k] = max(0.0, self.t_compute - start)
+            us = float(self.mats[k][self.choice[e.producer], self.choice[v]])
             if us <= 0:
-                arrived = max(arrived, done.get(e.producer, 0.0))
+                arrived = max(arrived, self.done.get(e.producer, 0.0))
                 continue
-            t_comm = start + us
-            arrived = max(arrived, t_comm)
+            self.t_comm = start + us
+            arrived = max(arrived, self.t_comm)
             tl.comm_us += us
             tl.collectives += 1
-        us = float(costs[v][choice[v]])
-        if us <= 0 and v != last:
+        return arrived
+
+    def compute(self, v: int, arrived: float, last: bool) -> float:
+        """``v`` run on the compute stream once its inputs arrived: when it ends."""
+        tl = self.tl
+        us = float(self.costs[v][self.choice[v]])
+        if us <= 0 and not last:
             # A view runs nowhere: it is there when its inputs are, and only its readers wait
             # (the overlap scheduler waits for a collective just before the first op that
             # computes on it).
-            end = done[v] = max(arrived, t_compute)
-        else:
-            ready = max(t_compute, arrived)
-            tl.exposed_us += ready - t_compute
-            if t_host > ready:
-                tl.idle_us += t_host - ready
-                ready = t_host
-            end = t_compute = done[v] = ready + us
-            tl.compute_us += us
-        for k in grads_from.get(v, []):
-            if k in chains:
+            end = self.done[v] = max(arrived, self.t_compute)
+            return end
+        ready = max(self.t_compute, arrived)
+        tl.exposed_us += ready - self.t_compute
+        if self.t_host > ready:
+            tl.idle_us += self.t_host - ready
+            ready = self.t_host
+        end = self.t_compute = self.done[v] = ready + us
+        tl.compute_us += us
+        return end
+
+    def send_gradients(self, v: int, end: float) -> None:
+        """The gradient moves of ``v``'s output, issued once it ends at ``end``."""
+        for k in self.grads_from.get(v, []):
+            if k in self.chains:
                 continue
-            e = gp.edges[k]
-            start = max(end, t_comm)
-            grad_starts.append((k, start))
-            us = float(mats[k][choice[v], choice[e.consumer]])
+            e = self.gp.edges[k]
+            start = max(end, self.t_comm)
+            self.grad_starts.append((k, start))
+            us = float(self.mats[k][self.choice[v], self.choice[e.consumer]])
             if us > 0:
-                t_comm = start + us
-                tl.comm_us += us
-                tl.collectives += 1
-        for k in chained_from.get(v, ()):
-            if k in buckets.backward_edges and not in_backward:
-                later.append((k, end))
+                self.t_comm = start + us
+                self.tl.comm_us += us
+                self.tl.collectives += 1
+        for k in self.chained_from.get(v, ()):
+            if k in self.buckets.backward_edges and not self.in_backward:
+                self.later.append((k, end))
             else:
-                advance(k, 0, end)
-    for k, t in later:  # a graph with no backward node
-        advance(k, 0, max(t, t_compute))
-    for b in waiting:
-        fire(b, max(ready_at[b], t_compute))
-    if slack is not None:
-        for k, start in grad_starts:  # a gradient's move is waited for when the compute ends
-            slack[k] = max(0.0, t_compute - start)
-    tl.step_us = max(t_compute, t_comm)
-    tl.exposed_us += tl.step_us - t_compute
-    return tl
+                self.advance(k, 0, end)
+
+    def run(self) -> Timeline:
+        gp, tl = self.gp, self.tl
+        last = self.order[-1] if self.order else -1
+        for v in self.order:
+            if self.chains and not self.in_backward and (v in gp.copy_of or node_phase(gp.nodes[v]) == "backward"):
+                self.in_backward = True
+                self.release_backward()
+            self.t_host += self.host[v]
+            end = self.compute(v, self.inputs_arrive(v), v == last)
+            self.send_gradients(v, end)
+        self.release_backward()  # a graph with no backward node
+        if self.slack is not None:
+            for k, start in self.grad_starts:  # a gradient's move is waited for when the compute ends
+                self.slack[k] = max(0.0, self.t_compute - start)
+        tl.step_us = max(self.t_compute, self.t_comm)
+        tl.exposed_us += tl.step_us - self.t_compute
+        return tl

@@ -13,7 +13,7 @@ optimizer steps the parameters as usual.
 Gradient reductions are bucketed and overlapped, as DDP does: a gradient that only
 the output reads and whose planned move is one all-reduce (a partial sum over some
 mesh axes) joins a bucket of gradients reduced over the same axes; a full bucket
-(``bucket_bytes``) is reduced as one flat buffer by one asynchronous collective
+(``bucket_mb``) is reduced as one flat buffer by one asynchronous collective
 while the backward pass goes on, and the results are waited for at the end. The
 bytes and the reduction are the plan's; only the number of calls differs (the
 planner costs each gradient's all-reduce alone: latency is overestimated).
@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard._torch_compat import from_placements, placements_for, quiet_tracing
 from autoshard.errors import ConfigError, PlanError
+from autoshard.graph.strategies import is_tensor
 from autoshard.graph.tracing import trace
 from autoshard.planfile import Plan
 from autoshard.runtime.shards import distribute, unsharded_meta_copy
@@ -52,22 +53,26 @@ class PlannedStep:
 
     ``model`` must be the output of :func:`autoshard.parallelize` with the same plan;
     ``example_inputs`` (shapes only) and ``loss_fn`` as given to :func:`autoshard.plan`.
-    ``bucket_bytes``: gradient all-reduces are grouped into buckets of about this many
+    ``bucket_mb``: gradient all-reduces are grouped into buckets of about this many MiB, as
+    ``parallelize``'s are
     bytes (0: one collective per gradient, exactly the plan's steps).
     """
 
     def __init__(self, model: torch.nn.Module, plan: Plan, mesh, example_inputs, loss_fn=None,
-                 profile: Profile | str | None = None, bucket_bytes: int = 25 * 2**20):
-        if bucket_bytes < 0:
-            raise ConfigError(f"bucket_bytes must be >= 0, found {bucket_bytes}")
-        self.bucket_bytes = bucket_bytes
+                 profile: Profile | str | None = None, bucket_mb: float = 25.0):
+        if not bucket_mb >= 0:
+            raise ConfigError(f"bucket_mb: expected >= 0 (MiB), found {bucket_mb}")
+        self.bucket_mb = bucket_mb
+        self.bucket_bytes = int(bucket_mb * 2**20)
         self.model, self.plan, self.mesh = model, plan, mesh
         with quiet_tracing():
             with torch.device("meta"):
                 shapes = [torch.empty(x.shape, dtype=x.dtype) for x in example_inputs]
             local = unsharded_meta_copy(model)
             self.tg = trace(local, shapes, loss_fn)  # the same graph, node names included, as planned
-        ops = [n for n in self.tg.gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+        # The nodes a plan gives specs to: every op but getitem, and the tensor constants make_fx lifts.
+        ops = [n for n in self.tg.gm.graph.nodes if (n.op == "call_function" and n.target is not operator.getitem)
+               or (n.op == "get_attr" and is_tensor(n))]
         missing = [n.name for n in ops if plan.nodes.get(n.name, {}).get("op") != str(n.target)]
         if not missing and len(ops) != len(plan.nodes):
             missing = sorted(set(plan.nodes) - {n.name for n in ops})
@@ -89,7 +94,7 @@ class PlannedStep:
         # Gradient nodes that nothing but the output reads: their reduction may wait in a bucket.
         self._grad_of = {n: fqn for n, fqn in zip(flat[1:], trainable)
                          if isinstance(n, fx.Node) and set(n.users) == {out}}
-        self._sunk = self._sinkable_views() if bucket_bytes else set()
+        self._sunk = self._sinkable_views() if self.bucket_bytes else set()
 
     def _move(self, t, want: Spec):
         from autoshard.runtime.lower import move
@@ -169,6 +174,12 @@ class PlannedStep:
                 if n.target is operator.getitem:
                     env[n] = env[n.args[0]][n.args[1]]
                     continue
+                if not any(isinstance(v, DTensor) for v in map(env.get, n.all_input_nodes)):
+                    # Only constants in (tensors built inside forward): every rank computes the same
+                    # full value; a consumer takes its planned shard of it locally (as lowered).
+                    args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                    env[n] = n.target(*args, **kwargs)
+                    continue
                 wants = [Spec.parse(s) for s in plan.nodes[n.name]["in"]]
                 it = iter(wants)
 
@@ -212,7 +223,7 @@ _VIEW_OPS = {
 
 class _Buckets:
     """Gradients waiting for one all-reduce per (mesh axes, reduce op, dtype), flushed at
-    ``bucket_bytes``; each flush starts its collective at once and is waited for in ``finish``."""
+    ``bucket_mb``; each flush starts its collective at once and is waited for in ``finish``."""
 
     def __init__(self, owner: PlannedStep):
         self.owner = owner

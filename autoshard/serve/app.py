@@ -35,7 +35,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import Body, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Body, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
@@ -112,65 +112,63 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
-    """The service's app. ``run_jobs=False``: an API-only replica that queues jobs but runs
-    none (another replica runs them; the API's fuzz tests use it)."""
-    store = Store(cfg.db)
-    metrics = Metrics(store)
-    runner = JobRunner(store, cfg.db, cfg, metrics)
-    limiter = RateLimiter(cfg.rate_limit, cfg.rate_burst) if cfg.rate_limit else None
-    open_paths = ("/v1/health", "/metrics")
+class _Gate:
+    """What every request passes before its route: the body size, the bearer token (all but
+    ``OPEN_PATHS``) and the per-client rate."""
 
-    @asynccontextmanager
-    async def lifespan(_app):
-        if run_jobs:
-            runner.start()
-        yield
-        if run_jobs:
-            runner.stop()
+    OPEN_PATHS = ("/v1/health", "/metrics")
 
-    import autoshard
+    def __init__(self, cfg: ServiceConfig, metrics: Metrics):
+        self.cfg, self.metrics = cfg, metrics
+        self.accepted = [f"Bearer {t}".encode() for t in cfg.tokens]
+        self.limiter = RateLimiter(cfg.rate_limit, cfg.rate_burst) if cfg.rate_limit else None
 
-    app = FastAPI(title="autoshard plan service", version=autoshard.__version__, lifespan=lifespan)
-    app.state.store, app.state.runner, app.state.metrics = store, runner, metrics
-    accepted = [f"Bearer {t}".encode() for t in cfg.tokens]
-
-    def _client(request: Request) -> str:
+    @staticmethod
+    def client(request: Request) -> str:
         """Who a request counts against: its token's digest, else its address."""
         auth = request.headers.get("authorization", "")
         if auth:
             return "token:" + hashlib.sha256(auth.encode()).hexdigest()[:12]
         return "addr:" + (request.client.host if request.client else "unknown")
 
-    def _checks(request: Request) -> JSONResponse | None:
+    def refuse(self, request: Request) -> JSONResponse | None:
+        """The error response ``request`` gets, or None where it may pass."""
+        cfg = self.cfg
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
             return _error(413, f"request body of {size} bytes exceeds the limit of {cfg.max_body_bytes} bytes")
-        if request.url.path in open_paths:
+        if request.url.path in self.OPEN_PATHS:
             return None
-        if accepted:
+        if self.accepted:
             got = request.headers.get("authorization", "").encode()
             # Every token compared, constant time each: no early exit tells which one is close.
-            if not sum(hmac.compare_digest(got, t) for t in accepted):
+            if not sum(hmac.compare_digest(got, t) for t in self.accepted):
                 return _error(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')")
-        if limiter is not None:
-            client = _client(request)
-            wait = limiter.take(client)
+        if self.limiter is not None:
+            client = self.client(request)
+            wait = self.limiter.take(client)
             if wait > 0:
-                metrics.rate_limited.labels(client=client).inc()
+                self.metrics.rate_limited.labels(client=client).inc()
                 return _error(429, f"rate limit: {cfg.rate_limit:g} requests/s (bursts of {cfg.rate_burst:g}) per "
                                    f"client; retry in {wait:.2f} s", {"Retry-After": RateLimiter.retry_after(wait)})
         return None
 
-    @app.middleware("http")
-    async def limits_auth_and_metrics(request: Request, call_next):
-        t0 = time.perf_counter()
-        response = _checks(request) or await call_next(request)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", None) or "unmatched"
-        metrics.requests.labels(endpoint=endpoint, method=request.method, status=str(response.status_code)).inc()
-        metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
-        return response
+    def install(self, app: FastAPI) -> None:
+        metrics = self.metrics
+
+        @app.middleware("http")
+        async def limits_auth_and_metrics(request: Request, call_next):
+            t0 = time.perf_counter()
+            response = self.refuse(request) or await call_next(request)
+            route = request.scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            metrics.requests.labels(endpoint=endpoint, method=request.method, status=str(response.status_code)).inc()
+            metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+            return response
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error as JSON ``{"error": message}``."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError):
@@ -189,50 +187,61 @@ def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
     async def http_error(_request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
-    shipped_digests: dict[str, str] = {}
 
-    def _profile_digest(name: str) -> str:
+class _Submissions:
+    """A request answered from the store where its plan is cached, else queued as a job."""
+
+    def __init__(self, store: Store, runner: JobRunner, metrics: Metrics):
+        self.store, self.runner, self.metrics = store, runner, metrics
+        self.shipped_digests: dict[str, str] = {}
+
+    def profile_digest(self, name: str) -> str:
         from costmodel import builtin_profiles, load_profile
 
-        if name in shipped_digests:
-            return shipped_digests[name]
+        if name in self.shipped_digests:
+            return self.shipped_digests[name]
         if name.startswith("upload:"):
-            if store.profile(name[len("upload:"):]) is None:
+            if self.store.profile(name[len("upload:"):]) is None:
                 raise HTTPException(422, f"profile {name!r}: no uploaded profile with that id (GET /v1/profiles)")
             return name
         if name not in builtin_profiles():
             raise HTTPException(422, f"profile {name!r}: expected a shipped profile {builtin_profiles()} "
                                      "or 'upload:<id>' of an uploaded one")
-        shipped_digests[name] = load_profile(name).digest()
-        return shipped_digests[name]
+        self.shipped_digests[name] = load_profile(name).digest()
+        return self.shipped_digests[name]
 
-    def _submit(kind: str, key: str, request: dict):
-        text = store.plan_text(key)
+    def submit(self, kind: str, key: str, request: dict):
+        text = self.store.plan_text(key)
         if text is not None:
-            metrics.cache_hits.labels(kind=kind).inc()
+            self.metrics.cache_hits.labels(kind=kind).inc()
             head = json.dumps({"status": "done", "cached": True, "key": key})[:-1]
             return Response(content=f'{head}, "result": {text}}}', media_type="application/json")
         try:
-            job_id, created = runner.submit(kind, key, request)
+            job_id, created = self.runner.submit(kind, key, request)
         except QueueFull as exc:
             raise HTTPException(503, f"busy: {exc}; retry later", headers={"Retry-After": "5"}) from None
         return JSONResponse({"status": "queued", "cached": False, "shared": not created, "key": key,
                              "job_id": job_id}, status_code=202)
 
-    @app.post("/v1/plans")
+
+def _plan_routes(cfg: ServiceConfig, store: Store, sub: _Submissions) -> APIRouter:
+    """Plans, pins and jobs."""
+    router = APIRouter()
+
+    @router.post("/v1/plans")
     def submit_plan(req: PlanRequest):
         if req.time_limit > cfg.max_time_limit:
             raise HTTPException(422, f"time_limit: {req.time_limit:g} s exceeds this service's limit of "
                                      f"{cfg.max_time_limit:g} s")
-        digest = _profile_digest(req.profile)
+        digest = sub.profile_digest(req.profile)
         key = fingerprint("plan", canonical_plan_request(req), digest)
-        return _submit("plan", key, req.model_dump())
+        return sub.submit("plan", key, req.model_dump())
 
-    @app.get("/v1/plans")
+    @router.get("/v1/plans")
     def list_plans(limit: int = 100):
         return {"plans": store.plans(min(max(limit, 1), 1000))}
 
-    @app.get("/v1/plans/{key}")
+    @router.get("/v1/plans/{key}")
     def get_plan(key: str):
         text = store.plan_text(key)
         if text is None:
@@ -244,15 +253,15 @@ def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
             raise HTTPException(404, f"no stored plan with key {key!r}")
         return {"key": key, "pinned": pinned}
 
-    @app.put("/v1/plans/{key}/pin")
+    @router.put("/v1/plans/{key}/pin")
     def pin_plan(key: str):
         return _pin(key, True)
 
-    @app.delete("/v1/plans/{key}/pin")
+    @router.delete("/v1/plans/{key}/pin")
     def unpin_plan(key: str):
         return _pin(key, False)
 
-    @app.get("/v1/jobs/{job_id}")
+    @router.get("/v1/jobs/{job_id}")
     def get_job(job_id: str):
         job = store.job(job_id)
         if job is None:
@@ -265,7 +274,14 @@ def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
                 out["phase"] = "done (its plan was evicted since: submit the request again)"
         return out
 
-    @app.post("/v1/problems")
+    return router
+
+
+def _problem_and_profile_routes(cfg: ServiceConfig, store: Store, sub: _Submissions) -> APIRouter:
+    """Raw solver problems and calibration profiles."""
+    router = APIRouter()
+
+    @router.post("/v1/problems")
     def submit_problem(problem: dict = Body(...), time_limit: float = 10.0):
         from solver import iopddl
         from solver.problem import ProblemError
@@ -279,9 +295,9 @@ def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
         canonical = json.dumps(problem, sort_keys=True)
         key = fingerprint("problem", {"problem": hashlib.sha256(canonical.encode()).hexdigest(),
                                       "time_limit": time_limit}, "")
-        return _submit("problem", key, {"problem": problem, "time_limit": time_limit})
+        return sub.submit("problem", key, {"problem": problem, "time_limit": time_limit})
 
-    @app.post("/v1/profiles")
+    @router.post("/v1/profiles")
     def upload_profile(profile: dict = Body(...)):
         from costmodel import Profile
 
@@ -293,19 +309,28 @@ def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
         store.add_profile(pid, prof.name, prof.to_json())
         return {"id": f"upload:{pid}", "name": prof.name}
 
-    @app.get("/v1/profiles")
+    @router.get("/v1/profiles")
     def list_profiles():
         from costmodel import builtin_profiles
 
         return {"shipped": builtin_profiles(),
                 "uploaded": [dict(p, id=f"upload:{p['id']}") for p in store.profiles()]}
 
-    @app.get("/v1/health")
+    return router
+
+
+def _operations_routes(cfg: ServiceConfig, store: Store, metrics: Metrics) -> APIRouter:
+    """Health, counters and Prometheus metrics."""
+    import autoshard
+
+    router = APIRouter()
+
+    @router.get("/v1/health")
     def health():
         return {"status": "ok", "version": autoshard.__version__, "schema": store.schema_version(),
                 "replica": cfg.replica, "database": store.dialect}
 
-    @app.get("/v1/stats")
+    @router.get("/v1/stats")
     def stats():
         counts = store.status_counts()
         return {"solves": store.counter("solves"), "queued": counts.get("queued", 0),
@@ -313,10 +338,38 @@ def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
                 "reclaimed": store.counter("reclaimed"), "evicted": store.counter("evicted"),
                 "replica": cfg.replica}
 
-    @app.get("/metrics", include_in_schema=False)
+    @router.get("/metrics", include_in_schema=False)
     def prometheus():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(content=generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    return router
+
+
+def create_app(cfg: ServiceConfig, run_jobs: bool = True) -> FastAPI:
+    """The service's app. ``run_jobs=False``: an API-only replica that queues jobs but runs
+    none (another replica runs them; the API's fuzz tests use it)."""
+    import autoshard
+
+    store = Store(cfg.db)
+    metrics = Metrics(store)
+    runner = JobRunner(store, cfg.db, cfg, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        if run_jobs:
+            runner.start()
+        yield
+        if run_jobs:
+            runner.stop()
+
+    app = FastAPI(title="autoshard plan service", version=autoshard.__version__, lifespan=lifespan)
+    app.state.store, app.state.runner, app.state.metrics = store, runner, metrics
+    _Gate(cfg, metrics).install(app)
+    _install_error_handlers(app)
+    sub = _Submissions(store, runner, metrics)
+    app.include_router(_plan_routes(cfg, store, sub))
+    app.include_router(_problem_and_profile_routes(cfg, store, sub))
+    app.include_router(_operations_routes(cfg, store, metrics))
     return app
