@@ -50,7 +50,7 @@ class PlanOptions:
     unroll_layers: bool = True
     """With ``tie_layers``, a group of 8 or more layers is traced three and four layers deep and
     the three-layer graph unrolled to the full depth, when it then equals the four-layer trace
-    node for node (:mod:`autoshard.graph.unroll`; 26 s -> 4 s for LLaMA-70B's 80 layers). ``False``
+    node for node (:mod:`autoshard.graph.unroll`: a deep model traces in the time of four layers). ``False``
     traces every layer: for a model whose layers' graphs depend on their index in a way the
     first four layers do not show."""
 
@@ -94,9 +94,8 @@ class PlanOptions:
     """The objective follows the step simulated with overlap (:mod:`autoshard.planning.overlap`): after
     the additive solve, each redistribute is re-weighed by the compute that can hide it in the
     plan's simulation and the problem solved again, up to ``overlap.MAX_ROUNDS`` times within
-    ``time_limit``; the plan of least simulated step is kept (LLaMA-8B on (8, 8): 591.1 ->
-    383.5 ms predicted, for 5 s more of solving). ``False`` (default, until the mesh search's
-    bounds are tight enough to rank shapes so planned within its time): the additive plan. The
+    ``time_limit``; the plan of least simulated step is kept. ``False`` (default, until the mesh
+    search's bounds are tight enough to rank shapes so planned within its time): the additive plan. The
     predicted step (``summary["step_us"]``) is the simulation either way, by the profile's
     overlap share."""
 
@@ -108,14 +107,13 @@ class PlanOptions:
 
     mesh_margin: float | None = 0.25
     """With ``mesh="auto"``: a shape of k axes is not bounded where every shape of k - 1 axes it
-    refines (:func:`autoshard.planning.meshsearch.coarsenings`) is bounded, and each has a plan predicted
+    refines (:func:`autoshard.planning.meshshapes.coarsenings`) is bounded, and each has a plan predicted
     at least ``1 + mesh_margin`` times the best plan of k - 1 axes (or, bounded without a plan, a
     bound ``1 + mesh_margin`` times the least of them), or was pruned; and a shape whose plan
     (its hand-written one, where memory binds) is predicted ``1 + mesh_margin`` times the best plan
-    found is not solved. A refinement lays out its coarser shapes' plans and mixes them; on
-    LLaMA-8B and -70B at 64 and 512 ranks the best one came within 2% of its best coarser shape's
-    plan, the shapes this leaves out were planned alone 41-228% slower than the best, and a solve
-    gained 0-11% on its shape's hand-written plan. ``None`` bounds every shape and solves every
+    found is not solved. A heuristic: a refinement lays out its coarser shapes' plans and mixes
+    them, so it is rarely much faster than the best of them, and a solve gains little on its
+    shape's hand-written plan. ``None`` bounds every shape and solves every
     one its bounds allow (the search then costs about a shape's plan per shape, on each core)."""
 
     loss_fn: Callable | None = None

@@ -331,6 +331,7 @@ class _Walk:
             self.advance(k, 0, max(t, self.t_compute))
         for b in self.waiting:
             self.fire(b, max(self.ready_at[b], self.t_compute))
+        self.later.clear()  # each edge's collectives are issued once
         self.waiting.clear()
 
     def inputs_arrive(self, v: int) -> float:
