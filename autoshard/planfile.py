@@ -215,6 +215,12 @@ class Plan:
             f"in {self.solver.get('seconds', 0):.2f} s (gap {self.solver.get('gap')}"
             + (f", from {self.solver['source']}" if self.solver.get("source") else "") + ")",
         ]
+        alone = s.get("solve_alone")
+        if alone:
+            final = self.solver.get("source", "the solve")
+            lines.append(f"  solve alone: {alone['step_us'] / 1e3:.3f} ms predicted"
+                         + (" (its searches started from the hand-written plans)" if alone.get("seeded") else "")
+                         + f"; final: {s.get('step_us', 0) / 1e3:.3f} ms (from {final})")
         rc = s.get("recompute") or {}
         if rc.get("mode", "none") != "none":
             lines.append(f"  activation checkpointing: {rc['mode']}, {rc.get('nodes', 0)} ops recomputed in "

@@ -53,6 +53,10 @@ class PlanSummary(MutableMapping):
     """The overlap-aware rounds (``overlap_objective``)."""
     pinned: Any = None
     """Pins the plan was solved under."""
+    solve_alone: dict | None = None
+    """The solve's own answer beside the final plan: its ``step_us``, ``additive_us``, ``source``
+    and whether hand-written plans started its searches (``seeded``); the final plan differs where
+    a hand-written plan was predicted faster and taken instead."""
     recompute_tried: dict | None = None
     """Recompute mode -> its predicted step, where ``recompute="auto"`` tried several."""
     phases: dict | None = None

@@ -78,9 +78,8 @@ def test_rounds_off_or_no_time_keep_the_additive_plan_unless_a_candidate_is_fast
 
 def test_overlap_aware_plan_is_predicted_no_slower_than_the_additive_or_hand_written_ones(world):
     """A small LLaMA on (2, 2) with the measured gloo profile: the rounds keep the plan of least
-    simulated step they find, never above the additive plan's, and no hand-written plan (each with its
-    own rounds) is predicted faster than the plan ``compare`` gives (one may be: it is then
-    ours)."""
+    simulated step they find, never above the additive plan's; where ``compare`` takes a hand-written
+    plan predicted faster, the plan records the solve it replaced."""
     world(4)
     torch.manual_seed(0)
     model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128)
@@ -97,12 +96,12 @@ def test_overlap_aware_plan_is_predicted_no_slower_than_the_additive_or_hand_wri
     # The plan kept is the least simulated of the rounds, none above the additive plan's.
     assert solved.summary["step_us"] == pytest.approx(min(r["simulated_us"] for r in rounds), abs=1e-3)
     assert solved.summary["step_us"] <= additive.summary["step_us"] + 1e-3
-    table = planner.compare()
-    ours = table["autoshard"]
-    assert ours.summary["step_us"] <= solved.summary["step_us"]
-    for name, other in table.items():
-        if not isinstance(other, str):
-            assert ours.summary["step_us"] <= other.summary["step_us"] * (1 + 1e-9), name
+    # compare() may take a hand-written plan predicted faster; it then records the solve it replaced.
+    ours = planner.compare()["autoshard"]
+    alone = ours.summary.solve_alone
+    assert alone is not None and alone["step_us"] >= ours.summary.step_us - 1e-3
+    if ours.solver["source"].startswith("baseline "):
+        assert ours.summary.step_us < alone["step_us"]
 
 
 def test_overlap_relaxed_optimum_bounds_every_simulated_step(world):

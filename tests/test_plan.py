@@ -1,6 +1,8 @@
 """Planning on a fake 64-rank mesh, the plan file, and errors on bad input."""
 
+import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +122,28 @@ def test_bad_example_inputs_are_named(mesh64):
         autoshard.plan(model, (torch.randn(4, 7),), mesh64)
     with pytest.raises(TraceError, match="expected a sequence of tensors"):
         autoshard.plan(model, ("x",), mesh64)
+
+
+def test_a_plan_file_written_before_the_layers_loads_and_runs(world):
+    """A plan file written by commit bbce353 (before the packages were layered and the summary
+    typed): it loads, its summary reads by attribute and by key and writes back as read, it
+    describes itself, and it runs the model it was made for as a single device does."""
+    from helpers import LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_step
+
+    path = Path(__file__).parent / "data" / "plan_bbce353_llama_tiny_2x2.json"
+    data = json.loads(path.read_text())
+    plan = autoshard.Plan.load(path)
+    assert plan.summary.step_us == data["summary"]["step_us"] == plan.summary["step_us"]
+    assert plan.to_json()["summary"] == data["summary"]
+    assert "predicted step:" in plan.describe()
+    world(4)
+    model = llama("tiny", n_layers=2)
+    tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    ref_loss, _ = reference_step(copy.deepcopy(model), (tokens,), lambda out: out.mean())
+    with LocalTensorMode(4) as mode:
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "tp")))
+        lift_replicated_locals(sharded, mode)
+        torch.testing.assert_close(full(sharded(tokens).mean()), ref_loss, rtol=1e-5, atol=1e-6)
 
 
 def test_plan_file_errors(tmp_path, mesh64):
@@ -263,6 +287,12 @@ def test_a_hand_written_plan_predicted_faster_than_the_proved_optimum_is_the_pla
     assert plan.solver["source"].startswith("baseline ") and "predicted faster" in plan.solver["source"]
     assert plan.summary["step_us"] < own.summary["step_us"]
     assert plan.summary["additive_us"] > own.summary["additive_us"]  # the additive objective says otherwise
+    # The solve's own answer is recorded beside the plan taken, and said.
+    alone = plan.summary.solve_alone
+    assert alone["step_us"] == own.summary.step_us and alone["additive_us"] == own.summary.additive_us
+    assert alone["seeded"] is False and own.summary.solve_alone["step_us"] == own.summary.step_us
+    assert f"solve alone: {own.summary.step_us / 1e3:.3f} ms predicted; final: " in plan.describe()
+    assert autoshard.Plan.from_json(json.loads(json.dumps(plan.to_json()))).summary.solve_alone == alone
 
 
 def test_hand_written_plans_whose_floor_reaches_the_best_found_are_not_solved(world, monkeypatch):

@@ -149,16 +149,22 @@ def test_non_default_shard_order_is_chosen_when_cheaper(world):
     assert default.summary["step_us"] > plan.summary["step_us"] + 100
 
 
-def test_ours_is_never_dearer_than_a_baseline(world):
+def test_the_solve_alone_is_never_dearer_than_a_baseline_on_its_objective(world):
+    """The solve without hand-written seeds, proved optimal, costs no more than any hand-written
+    plan on the objective it minimizes (a hand-written plan is a solve under more pins); the plan
+    compare() gives records that solve beside itself."""
     world(4)
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
     model, x = tiny("llama"), tokens()
+    alone = autoshard.plan(model, (x,), mesh, profile=SHARDING_PROFILE, memory_budget=None, seed_baselines=False)
+    assert alone.solver["status"] == "optimal", alone.solver
     res = autoshard.compare(model, (x,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
-    ours = res["autoshard"].summary["step_us"]
     assert set(res) == {"autoshard", "ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac"}
     for name in ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac"):
         assert not isinstance(res[name], str), res[name]
-        assert ours <= res[name].summary["step_us"] + 1e-6, name
+        assert alone.summary.additive_us <= res[name].summary.additive_us * (1 + 1e-6), name
+    recorded = res["autoshard"].summary.solve_alone
+    assert recorded["seeded"] or recorded["step_us"] == alone.summary.step_us
     # DDP pins every parameter replicated (buffers are not pinned: the solver places them).
     assert all(res["ddp"].params[f].placements == {"dp": "R", "tp": "R"} for f, _ in model.named_parameters())
     wq = res["tp"].params["layers.0.attn.wq.weight"].placements
@@ -281,6 +287,19 @@ def _hf_model(arch, dropout=0.0, attention=None):
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
+def hf_loss(out):
+    return out["logits"].float().pow(2).mean()
+
+
+def plan_hf(arch):
+    """(a small Hugging Face model, its input, the loss, the solve's own plan on a fake (2, 2)
+    mesh: a hand-written DDP plan, predicted faster, would shard no parameter)."""
+    model, x = _hf_model(arch), _hf_input(arch)
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=hf_loss, memory_budget=None, seed_baselines=False)
+    return model, x, hf_loss, plan
+
+
 def _hf_input(arch):
     if arch == "vit":
         return torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1))
@@ -296,14 +315,7 @@ def test_hugging_face_models_run_as_planned(world, arch):
     AdamW steps the single-device parameters, with the default bucketing and overlap passes on
     the lowered programs."""
     world(4)
-    model, x = _hf_model(arch), _hf_input(arch)
-
-    def loss_fn(out):
-        return out["logits"].float().pow(2).mean()
-
-    # The solve's own plan (a hand-written DDP plan, predicted faster, would shard no parameter).
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
-                          loss_fn=loss_fn, memory_budget=None, seed_baselines=False)
+    model, x, loss_fn, plan = plan_hf(arch)
     assert any("S(" in str(plan.param_spec(f)) for f in plan.params), "the plan under test shards nothing"
     fallback = plan.summary.get("fallback_ops") or {}
     assert not any("attention" in op for op in fallback), fallback

@@ -157,16 +157,10 @@ def test_planned_step_runs_hugging_face_models(world, arch):
     """PlannedStep runs what parallelize runs: a Hugging Face decoder (tensor constants lifted
     inside forward, the KV cache's empty tensor) gives the single-device loss and gradients."""
     from helpers import reference_step
-    from test_reference_models import _hf_input, _hf_model
+    from test_reference_models import plan_hf
 
     world(4)
-    model, x = _hf_model(arch), _hf_input(arch)
-
-    def loss_fn(out):
-        return out["logits"].float().pow(2).mean()
-
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
-                          loss_fn=loss_fn, memory_budget=None, seed_baselines=False)
+    model, x, loss_fn, plan = plan_hf(arch)
     ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), loss_fn)
     with LocalTensorMode(4) as mode:
         mesh = local_mesh((2, 2), ("dp", "tp"))

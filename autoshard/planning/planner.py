@@ -270,6 +270,8 @@ class Planner:
         ``seconds`` for all of them: what the solve left of ``time_limit``, at most the share the
         seeds of a solve get, at least a second."""
         plan = result[0]
+        plan.summary.solve_alone = {"step_us": plan.summary.step_us, "additive_us": plan.summary.additive_us,
+                                    "source": plan.solver.get("source"), "seeded": "seeds" in plan.solver}
         if "seeds" in plan.solver or not opts.seed_baselines or opts.input_specs is not None:
             return result
         # Bounded by compute alone: the bounds of the additive step bound no step the buckets
@@ -283,8 +285,9 @@ class Planner:
             return result
         name, seed = found
         log.info(f"plan: baseline {name} is predicted faster ({seed.step_us / 1e3:.3f} ms): it is the plan")
-        return seed.as_ours(name, f"predicted faster than the solve's plan, {plan.summary['step_us'] / 1e3:.3f} ms"), \
-            seed.choice
+        taken = seed.as_ours(name, f"predicted faster than the solve's plan, {plan.summary.step_us / 1e3:.3f} ms")
+        taken.summary.solve_alone = plan.summary.solve_alone
+        return taken, seed.choice
 
     def _solve_auto(self, opts: PlanOptions) -> tuple[Plan, object]:
         """``recompute="auto"``: the cheapest of the three modes, each solved in an equal share of
@@ -412,8 +415,9 @@ class Planner:
     def _adopt(self, opts: PlanOptions, name: str, seed: HandWritten) -> Plan:
         """Hand-written plan ``name`` as the plan of ``opts`` (it is predicted faster than the
         solve's), labelled as such."""
-        ours = seed.as_ours(name, f"predicted faster than the solve's plan, "
-                                  f"{self._plans[_key(opts)][0].summary['step_us'] / 1e3:.3f} ms")
+        solved = self._plans[_key(opts)][0]
+        ours = seed.as_ours(name, f"predicted faster than the solve's plan, {solved.summary.step_us / 1e3:.3f} ms")
+        ours.summary.solve_alone = solved.summary.solve_alone
         log.info(f"plan: baseline {name} is predicted faster ({seed.step_us / 1e3:.3f} ms): it is the plan")
         self._plans[_key(opts)] = (ours, seed.choice)
         return ours

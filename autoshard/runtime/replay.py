@@ -26,6 +26,7 @@ the planner's order-aware steps.
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 import torch.fx as fx
@@ -54,12 +55,16 @@ class PlannedStep:
     ``model`` must be the output of :func:`autoshard.parallelize` with the same plan;
     ``example_inputs`` (shapes only) and ``loss_fn`` as given to :func:`autoshard.plan`.
     ``bucket_mb``: gradient all-reduces are grouped into buckets of about this many MiB, as
-    ``parallelize``'s are
-    bytes (0: one collective per gradient, exactly the plan's steps).
+    ``parallelize``'s are (0: one collective per gradient, exactly the plan's steps).
+    ``bucket_bytes`` is its deprecated form, in bytes.
     """
 
     def __init__(self, model: torch.nn.Module, plan: Plan, mesh, example_inputs, loss_fn=None,
-                 profile: Profile | str | None = None, bucket_mb: float = 25.0):
+                 profile: Profile | str | None = None, bucket_mb: float = 25.0, bucket_bytes: int | None = None):
+        if bucket_bytes is not None:  # the name before bucket sizes were MiB everywhere
+            warnings.warn("PlannedStep(bucket_bytes=) is deprecated: give bucket_mb (MiB), as parallelize takes",
+                          DeprecationWarning, stacklevel=2)
+            bucket_mb = bucket_bytes / 2**20
         if not bucket_mb >= 0:
             raise ConfigError(f"bucket_mb: expected >= 0 (MiB), found {bucket_mb}")
         self.bucket_mb = bucket_mb
