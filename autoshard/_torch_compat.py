@@ -472,3 +472,12 @@ def schedule_overlap(gm, estimate_ms):
             gm, collective_bucketing=False, custom_runtime_estimation=estimate_ms,
             collective_estimator="analytical", compute_estimator="analytical",
             pre_bucketing_fsdp_collectives=False)
+
+
+def memory_tracker():
+    """torch's per-category tracker of live tensor storage (``MemTracker``: parameters, buffers,
+    gradients, activations, temporaries, optimizer states), a private API: ``autoshard measure``
+    reads a step's peak with it on every device type, CPU included."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()

@@ -355,7 +355,8 @@ def cmd_measure(args) -> int:
     if args.nproc is not None and args.nproc != world:
         raise AutoshardError(f"measure: the plan's mesh {dict(zip(plan.axis_names, plan.mesh_shape))} has {world} "
                              f"ranks but --nproc is {args.nproc}")
-    cfg = MeasureConfig(steps=args.steps, warmup=args.warmup, attribution_steps=args.attribution_steps)
+    cfg = MeasureConfig(steps=args.steps, warmup=args.warmup, attribution_steps=args.attribution_steps,
+                        memory_steps=args.memory_steps)
     refine = None
     if args.refine:
         from costmodel import load_profile
@@ -611,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--warmup", type=int, default=3)
     ms.add_argument("--attribution-steps", type=int, default=2,
                     help="steps run with every collective timed, for the per-collective rows")
+    ms.add_argument("--memory-steps", type=int, default=2,
+                    help="steps run last with AdamW under torch's memory tracker: measured peak memory per rank "
+                         "beside the plan's (0: skip)")
     ms.add_argument("--bucket-mb", type=float, default=25.0)
     ms.add_argument("--no-overlap", action="store_true")
     ms.add_argument("--json", default=None, help="also write the measurement as JSON here")

@@ -50,9 +50,12 @@ class MeasureConfig:
     """Steps run first and not timed (the first lowers the programs)."""
     attribution_steps: int = 2
     """Steps run under :class:`CollectiveLog` after the timed ones, for the per-collective view."""
+    memory_steps: int = 2
+    """Steps run last with an AdamW optimizer under torch's memory tracker, its states made in the
+    first: the peak of live tensor storage per rank, beside the plan's predicted peak (0: none)."""
 
     def __post_init__(self):
-        for name in ("steps", "warmup", "attribution_steps"):
+        for name in ("steps", "warmup", "attribution_steps", "memory_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "steps" else 0):
                 low = 1 if name == "steps" else 0
@@ -89,6 +92,11 @@ class Measurement:
     """The lowered programs that ran, simulated on a compute and a communication stream
     (:mod:`autoshard.planning.simulate`): ``step_us``, ``compute_us``, ``comm_us``, ``exposed_us``,
     ``host_idle_us``."""
+    memory: dict = field(default_factory=dict)
+    """Peak memory per rank (:func:`run_memory_steps`): ``predicted_peak_bytes`` (the plan's),
+    ``measured_peak_bytes`` (one per rank: live tensor storage at its peak, optimizer step
+    included), ``at_peak`` (per rank, bytes by category at that peak), and on CUDA
+    ``max_allocated_bytes`` (the allocator's own peak). Empty where not measured."""
     step_samples: list = field(default_factory=list)
     """In-step collective times ``[kind, group, group_size, bytes, us]``: per message, the
     shortest issue-to-wait time of the attribution steps, median over ranks (``group``: mesh
@@ -104,8 +112,17 @@ class Measurement:
         """Simulated step over measured step."""
         return self.simulated["step_us"] / self.measured["step_us"] if self.simulated else None
 
+    @property
+    def memory_ratio(self) -> float | None:
+        """Predicted peak memory over the largest rank's measured peak."""
+        m = self.memory
+        if not m.get("measured_peak_bytes") or not m.get("predicted_peak_bytes"):
+            return None
+        return m["predicted_peak_bytes"] / max(m["measured_peak_bytes"])
+
     def to_json(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio, "simulated_ratio": self.simulated_ratio}
+        return {**asdict(self), "ratio": self.ratio, "simulated_ratio": self.simulated_ratio,
+                "memory_ratio": self.memory_ratio}
 
     def table(self) -> str:
         p, m = self.predicted, self.measured
@@ -129,6 +146,15 @@ class Measurement:
                       f"{self.simulated_ratio:10.3f}   (lowered programs, overlap: compute "
                       f"{sim['compute_us'] / 1e3:.3f}, communication {sim['comm_us'] / 1e3:.3f} of which exposed "
                       f"{sim['exposed_us'] / 1e3:.3f})"]
+        if self.memory.get("measured_peak_bytes"):
+            mem = self.memory
+            peaks = mem["measured_peak_bytes"]
+            top = max(range(len(peaks)), key=peaks.__getitem__)
+            lines.append(f"{'peak memory (MiB)':24s} {mem['predicted_peak_bytes'] / 2**20:12.2f} "
+                         f"{peaks[top] / 2**20:12.2f} {self.memory_ratio:10.3f}   (largest rank, {top}; ranks "
+                         f"{min(peaks) / 2**20:.2f}-{max(peaks) / 2**20:.2f}; optimizer step included)")
+            parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in mem["at_peak"][top].items() if v)
+            lines.append(f"  at rank {top}'s peak (MiB): {parts}")
         if self.collectives:
             lines.append("per step, per rank:     count pred/meas      MiB pred/meas        ms pred/exposed")
             for row in self.collectives:
@@ -352,12 +378,42 @@ def run_steps(model, inputs: tuple, cfg: MeasureConfig, mesh, kwargs=None) -> tu
     return times, log
 
 
+def run_memory_steps(model, inputs: tuple, cfg: MeasureConfig, device_type: str, kwargs=None) -> dict:
+    """This rank's peak of live tensor storage over ``cfg.memory_steps`` training steps (forward,
+    backward, an AdamW step; its states made in the first step, inside the tracker), and the bytes
+    by category at that peak; on CUDA also the allocator's peak."""
+    if cfg.memory_steps == 0:
+        return {}
+    kwargs = kwargs or {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    tracker = tc.memory_tracker()
+    tracker.track_external(model, opt)
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tracker:
+        for k in range(cfg.memory_steps):
+            if k:
+                tracker.reset_mod_stats()  # the tracker keeps per-module figures of one step only
+            loss = model(*inputs, **kwargs)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    _sync(device_type)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    device = next((d for d in snapshot if getattr(d, "type", str(d)) == device_type), next(iter(snapshot)))
+    at_peak = {str(getattr(k, "value", k)): int(v) for k, v in snapshot[device].items()}
+    out = {"peak_bytes": at_peak.pop("Total", sum(at_peak.values())), "at_peak": at_peak}
+    if device_type == "cuda":
+        out["max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+    return out
+
+
 def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: MeasureConfig,
-                       backend: str, simulated: dict | None = None) -> Measurement | None:
+                       backend: str, simulated: dict | None = None, memory: dict | None = None) -> Measurement | None:
     """Every rank's figures to rank 0, which returns the :class:`Measurement` (None elsewhere)."""
     mine = {"times": times, "rows": {f"{k}|{g}": asdict(s) for (k, g), s in
                                      log.by_kind(max(cfg.attribution_steps, 1)).items()},
-            "spans": log.spans()}
+            "spans": log.spans(), "memory": memory or {}}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
@@ -401,7 +457,19 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
                    "plan_simulated_us": s.get("simulated", {}).get("step_us")},
         measured={"step_us": step_us, "comm_exposed_us": exposed, "compute_us": step_us - exposed,
                   "steps": len(steps), "step_us_all": [round(t * 1e6, 1) for t in steps]},
-        collectives=table, simulated=simulated or {}, step_samples=step_samples)
+        collectives=table, simulated=simulated or {}, step_samples=step_samples,
+        memory=_memory_rows(plan, [r["memory"] for r in everyone]))
+
+
+def _memory_rows(plan: Plan, per_rank: list[dict]) -> dict:
+    if not per_rank or not all(per_rank):
+        return {}
+    out = {"predicted_peak_bytes": plan.summary.get("peak_mem_bytes"),
+           "measured_peak_bytes": [r["peak_bytes"] for r in per_rank],
+           "at_peak": [r["at_peak"] for r in per_rank]}
+    if all("max_allocated_bytes" in r for r in per_rank):
+        out["max_allocated_bytes"] = [r["max_allocated_bytes"] for r in per_rank]
+    return out
 
 
 def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = MeasureConfig(), *, loss_fn=None,
@@ -418,6 +486,7 @@ def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = M
     sharded = autoshard.parallelize(model, plan, mesh, loss_fn=loss_fn, compute_loss=True, bucket_mb=bucket_mb,
                                     overlap=overlap, compile=compile)
     times, log = run_steps(sharded, tuple(inputs), cfg, mesh, kwargs)
+    memory = run_memory_steps(sharded, tuple(inputs), cfg, mesh.device_type, kwargs)
     simulated = None
     if dist.get_rank() == 0:
         from autoshard.planning.simulate import simulate_step
@@ -426,7 +495,7 @@ def measure_on_this_rank(model, inputs, plan: Plan, mesh, cfg: MeasureConfig = M
         tl = simulate_step(program, 0)
         simulated = {"step_us": tl.step_us, "compute_us": tl.compute_us, "comm_us": tl.comm_us,
                      "exposed_us": tl.exposed_us, "collectives": tl.collectives, "host_idle_us": tl.idle_us}
-    return gather_measurement(plan, times, log, cfg, dist.get_backend(), simulated)
+    return gather_measurement(plan, times, log, cfg, dist.get_backend(), simulated, memory)
 
 
 def refine_profile(m: Measurement, plan: Plan, profile, source: str):

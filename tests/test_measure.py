@@ -114,6 +114,11 @@ def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, worl
     assert 0 < m["measured"]["comm_exposed_us"] <= 1.5 * m["measured"]["step_us"]
     rows = {(r["kind"], r["group"]): r for r in m["collectives"]}
     assert rows and sum(r["predicted"]["count"] for r in rows.values()) >= 1
+    # Peak memory per rank, optimizer step included, beside the plan's.
+    mem = m["memory"]
+    assert len(mem["measured_peak_bytes"]) == 4 and mem["predicted_peak_bytes"] == plan.summary.peak_mem_bytes
+    assert all(peak >= sum(at.values()) * 0.999 for peak, at in zip(mem["measured_peak_bytes"], mem["at_peak"]))
+    assert "peak memory (MiB)" in res.stdout
     for key, r in rows.items():  # nothing runs that the plan does not have, and the reverse
         assert r["measured"]["count"] == pytest.approx(r["predicted"]["count"]), key
         assert r["measured"]["bytes"] == pytest.approx(r["predicted"]["bytes"]), key

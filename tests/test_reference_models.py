@@ -176,6 +176,19 @@ def test_the_solve_alone_is_never_dearer_than_a_baseline_on_its_objective(world)
     assert ac.summary["compute_us"] > plain.summary["compute_us"]
 
 
+def test_tensor_parallel_pins_of_hugging_face_gpt2_split_its_conv1d_biases_on_their_only_dim():
+    """HF GPT-2 stores its linears as Conv1D, (in, out): a column-parallel weight splits dim 1, and
+    its 1-D bias its dim 0 (was: S(1), no valid spec, so TP and FSDP+TP could not be written)."""
+    from autoshard.planning.baselines import baseline_pins
+
+    model = _hf_model("gpt2")
+    for name in ("tp", "fsdp_tp"):
+        pins, _ = baseline_pins(name, model, 2, (2, 2))
+        assert str(pins["transformer.h.0.attn.c_attn.weight"]).endswith("S(1)"), name
+        assert str(pins["transformer.h.0.attn.c_attn.bias"]).endswith("S(0)"), name
+        assert str(pins["transformer.h.0.mlp.c_proj.weight"]).endswith("S(0)"), name  # row-parallel: (in, out)
+
+
 def test_pins_name_parameters_modules_or_patterns():
     from autoshard.planning.pins import resolve_pins
 

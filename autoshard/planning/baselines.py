@@ -102,7 +102,9 @@ def _tp_placement(p, out_dim, in_dim, kind, leaf) -> str:
     if kind == "expert":
         return f"S({out_dim})"
     if kind == "column":
-        return f"S({out_dim})" if p.ndim == 2 or leaf == "bias" else "R"
+        if p.ndim == 2:
+            return f"S({out_dim})"
+        return "S(0)" if leaf == "bias" else "R"  # a bias has its out-features as its only dim
     if kind == "row":
         return f"S({in_dim})" if p.ndim == 2 else "R"
     if kind == "embed":
