@@ -78,17 +78,19 @@ def calibrate(nproc: int, out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def plan_all(name: str, profile: Path, folder: Path, nproc: int) -> dict[str, Path]:
-    """Our plan and the hand-written ones for model ``name``, saved; name -> plan file."""
+def plan_all(name: str, profile: Path | str, folder: Path, nproc: int, models: dict | None = None,
+             **options) -> dict[str, Path]:
+    """Our plan and the hand-written ones for model ``name`` (of ``models``, default
+    :data:`MODELS`), planned with ``options``, saved; name -> plan file."""
     import torch.distributed as dist
 
     import autoshard
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    model, inputs = MODELS[name]()
+    model, inputs = (models or MODELS)[name]()
     planner = autoshard.Planner(model, inputs, autoshard.fake_mesh((2, nproc // 2), ("dp", "tp")),
-                                profile=str(profile), time_limit=30)
+                                profile=str(profile), time_limit=30, **options)
     results = planner.compare()
     files = {}
     for plan_name in PLANS:

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fidelity import PLANS, gpt2, llama  # noqa: E402
+from fidelity import gpt2, llama, plan_all  # noqa: E402
 
 SEQ = 64
 
@@ -57,29 +57,6 @@ def hf_gpt2():
 MODELS = {"llama": llama, "gpt2": gpt2, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2}
 
 
-def plan_all(name: str, folder: Path, nproc: int) -> dict[str, Path]:
-    """Our plan and the hand-written ones for model ``name``, saved; name -> plan file."""
-    import torch.distributed as dist
-
-    import autoshard
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    model, inputs = MODELS[name]()
-    planner = autoshard.Planner(model, inputs, autoshard.fake_mesh((2, nproc // 2), ("dp", "tp")),
-                                profile="cpu-gloo", time_limit=30, memory_budget=None)
-    results = planner.compare()
-    files = {}
-    for plan_name in PLANS:
-        res = results.get(plan_name)
-        if res is None or isinstance(res, str):
-            print(f"  {name}/{plan_name}: not planned ({res})", flush=True)
-            continue
-        files[plan_name] = folder / f"{name}-{plan_name}.json"
-        res.save(files[plan_name])
-    return files
-
-
 def measure(name: str, plan_file: Path, nproc: int, out: Path) -> dict:
     """``autoshard measure`` of one plan: one timed step, the memory steps."""
     factory = name.replace("-", "_")
@@ -107,7 +84,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in args.models.split(","):
-            for plan_name, plan_file in plan_all(name, folder, args.nproc).items():
+            for plan_name, plan_file in plan_all(name, "cpu-gloo", folder, args.nproc, models=MODELS,
+                                                 memory_budget=None).items():
                 m = measure(name, plan_file, args.nproc, folder / f"{name}-{plan_name}.measured.json")
                 mem = m["memory"]
                 peaks = mem["measured_peak_bytes"]
