@@ -53,6 +53,37 @@ def test_same_inputs_same_plan(mesh64):
     assert a.params == b.params and a.inputs == b.inputs and a.nodes == b.nodes
 
 
+_PLAN_IN_A_PROCESS = """
+import sys, torch, autoshard
+from autoshard.models import llama
+torch.manual_seed(0)
+model = llama("tiny", n_layers=4)
+tokens = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0))
+plan = autoshard.plan(model, (tokens,), autoshard.fake_mesh((2, 4), ("dp", "tp")), profile="h100-sxm",
+                      memory_budget=None, time_limit=20)
+plan.save(sys.argv[1])
+"""
+
+
+def test_a_plan_made_twice_in_separate_processes_is_the_same_plan(tmp_path):
+    """Same inputs, same plan file, apart from the seconds things took: what users diff in review."""
+    import subprocess
+    import sys
+
+    files = [tmp_path / f"plan{k}.json" for k in range(2)]
+    for f in files:
+        res = subprocess.run([sys.executable, "-c", _PLAN_IN_A_PROCESS, str(f)], capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+    a, b = (json.loads(f.read_text()) for f in files)
+    for data in (a, b):
+        for key in ("phases", "plan_seconds"):
+            data["summary"].pop(key, None)
+        data["solver"].pop("seconds", None)
+        (data["summary"].get("solve_alone") or {}).pop("seconds", None)
+    assert a == b
+
+
 def test_memory_budget_binds(mesh64):
     model, inputs = MLP(dim=256, hidden=1024), (torch.randn(64, 256),)
     free = autoshard.plan(model, inputs, mesh64, memory_budget=None)
