@@ -49,9 +49,9 @@ log = logging.getLogger(__name__)
 #: The most re-solves after the additive one (each re-weighs by every plan before it).
 MAX_ROUNDS = 4
 #: A round needs at least this many seconds left of the solve's time limit, and takes all that
-#: is left: the solver's stall rule ends it. (Capped at the additive solve's own time, LLaMA-8B on
-#: (8, 8) lost its gain: after a 0.2 s memory-free optimum the re-solve had no time to repair the
-#: re-weighed optimum into memory; given 2 s it found a plan predicted 35% faster.)
+#: is left: the solver's stall rule ends it (a round capped at the additive solve's own time, a
+#: fraction of a second where the memory-free optimum is proved, has no time to repair the
+#: re-weighed optimum into memory).
 MIN_ROUND_SECONDS = 1.0
 #: A round's plan replaces the best only when it is predicted this share faster (less is within
 #: the model's error, and it trades a plan the additive objective prefers), and rounds stop at
