@@ -139,7 +139,7 @@ def test_kernel_shares_price_fused_attention():
 
 
 def test_math_attention_option_keeps_the_scores(world):
-    """``attention="math"`` traces matmul + softmax (the scores materialized), as before."""
+    """``attention="math"`` traces matmul + softmax (the scores materialized)."""
     model = llama("tiny", attention="math")
     tg = trace(model, (torch.randint(0, 256, (2, 16)),))
     targets = {str(n.target) for n in tg.gm.graph.nodes}

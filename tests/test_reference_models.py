@@ -178,7 +178,7 @@ def test_the_solve_alone_is_never_dearer_than_a_baseline_on_its_objective(world)
 
 def test_tensor_parallel_pins_of_hugging_face_gpt2_split_its_conv1d_biases_on_their_only_dim():
     """HF GPT-2 stores its linears as Conv1D, (in, out): a column-parallel weight splits dim 1, and
-    its 1-D bias its dim 0 (was: S(1), no valid spec, so TP and FSDP+TP could not be written)."""
+    its 1-D bias on its only dim (the out-features' dim of the weight, 1, is no dim of the bias)."""
     from autoshard.planning.baselines import baseline_pins
 
     model = _hf_model("gpt2")

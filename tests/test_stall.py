@@ -9,7 +9,7 @@ from test_memrows import layered_problem
 from solver import cfn, evaluate
 from solver.exact import build_exact, finish
 from solver.exact_child import ExactChild
-from solver.stall import Progress, StallRule
+from solver.stall import Progress, RunsWithoutGain, StallRule
 
 
 def test_small_gains_do_not_count_and_patience_follows_the_run():
@@ -383,3 +383,17 @@ def test_a_watched_lazy_branch_and_bound_proves_and_reports_only_what_holds_ever
     res = finish(p, model, ans.picked, ans.proved, ans.gap)
     assert res.proved and res.evaluation.cost == pytest.approx(best, abs=1e-6)
     assert ans.lower <= best + 1e-9 and (cfn.row_excess(model.rows, ans.picked) <= 0).all()
+
+
+def test_runs_without_gain_stall_after_patience_results_that_do_not_count():
+    runs = RunsWithoutGain(StallRule(gain=0.01), patience=2, known=100.0)
+    runs.result(99.5)  # within 1% of the known answer: does not count
+    assert runs.dry == 1 and not runs.stalled
+    runs.result(98.0)  # 2% better: counts, the count starts over
+    assert runs.dry == 0
+    runs.result(97.5)
+    runs.result(97.4)
+    assert runs.stalled
+    first = RunsWithoutGain(StallRule(), patience=1)  # nothing known: the first result always counts
+    first.result(1e9)
+    assert not first.stalled

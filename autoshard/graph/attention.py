@@ -179,15 +179,12 @@ def register_rules() -> None:
                                 _cpu_backward_rule, static_from=6)
 
 
-def heads_split_evenly(node: fx.Node, specs, mesh_shape) -> bool:
+def heads_split_evenly(node: fx.Node, specs, mesh_shape, tensor_args: list[fx.Node]) -> bool:
     """Whether a strategy of a fused attention node splits the heads of its query and of its
     keys into as many equal parts (grouped queries need it: module doc). ``specs``: the
-    strategy's input specs, in the node's tensor-argument order."""
+    strategy's input specs, one per node of ``tensor_args`` (the node's tensor arguments)."""
     args = bound_args(node.target, node.args, node.kwargs)
-    targs = []
-    fx.node.map_arg((node.args, node.kwargs), lambda a: targs.append(a) if isinstance(a, fx.Node) and isinstance(
-        a.meta.get("val"), torch.Tensor) else None)
-    pos = {a: k for k, a in enumerate(targs)}
+    pos = {a: k for k, a in enumerate(tensor_args)}
     q, k = args.get("query"), args.get("key")
     if q not in pos or k not in pos:
         return True

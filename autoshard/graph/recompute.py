@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autoshard.graph import rng
+from autoshard.graph import attention, rng
 from autoshard.graph.layers import node_layer
 from autoshard.graph.tracing import TracedGraph
 from autoshard.planfile import RECOMPUTE_MODES
@@ -41,9 +41,7 @@ _A = torch.ops.aten
 #: Ops whose outputs ``selective`` keeps: the ones that dominate a layer's compute.
 EXPENSIVE = {
     _A.mm.default, _A.addmm.default, _A.bmm.default, _A.baddbmm.default, _A.convolution.default,
-    _A._scaled_dot_product_flash_attention.default, _A._scaled_dot_product_efficient_attention.default,
-    _A._scaled_dot_product_cudnn_attention.default, _A._scaled_dot_product_flash_attention_for_cpu.default,
-    _A._scaled_dot_product_fused_attention_overrideable.default,
+    _A._scaled_dot_product_fused_attention_overrideable.default, *attention.FORWARD,
 }
 if hasattr(_A, "_grouped_mm"):
     EXPENSIVE.add(_A._grouped_mm.default)

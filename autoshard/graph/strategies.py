@@ -316,7 +316,7 @@ class StrategyEnumerator:
                         results.append(tc.op_strategy(op, self._schema(node, [[s]] + cands[1:]), self.mesh, out_meta))
                     except Exception as exc:  # a spec the rule rejects by raising
                         errors.append(exc)
-        out = [st for st in self._collect(results, node, targs) if executable(node, st, self.mesh_shape)]
+        out = [st for st in self._collect(results, node, targs) if executable(node, st, self.mesh_shape, targs)]
         if not self.partial_inputs:
             out = [st for st in out if not any(i.partial_axes() for i in st.ins)]
         return out
@@ -407,7 +407,8 @@ def _shards_beyond(spec: Spec | None, dim: int) -> bool:
     return spec is not None and any(d is not None and d > dim for d in spec.shard_dims())
 
 
-def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None = None) -> bool:
+def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None = None,
+               tensor_args: list[fx.Node] | None = None) -> bool:
     """Whether DTensor runs ``node`` under ``st`` as the rule says (on a mesh of ``mesh_shape``).
 
     Fused attention with grouped queries runs by its rule only where its query heads and its
@@ -421,7 +422,8 @@ def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None =
     whatever the plan says. Strategies outside what it runs correctly are dropped here.
     """
     if is_fused_attention(node.target):
-        return mesh_shape is None or heads_split_evenly(node, st.ins, mesh_shape)
+        return mesh_shape is None or heads_split_evenly(node, st.ins, mesh_shape,
+                                                        _tensor_args(node) if tensor_args is None else tensor_args)
     if node.target not in _CONV:
         return True
     specs = list(st.ins) + list(st.outs)

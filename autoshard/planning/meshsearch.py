@@ -452,8 +452,8 @@ class MeshSearch:
         for b in self.queue:
             if b.plan is not None:  # the bounding made it: no solve to stop
                 self._record(b, time.perf_counter(), b.plan)
-            elif self.unpromising(b) is not None:
-                _prune(self.rows[b.shape], b.shape in self.known, self.unpromising(b))
+            elif (pruned := self.unpromising(b)) is not None:
+                _prune(self.rows[b.shape], b.shape in self.known, pruned)
             else:
                 _unsolved(self.rows[b.shape], b.shape in self.known, why)
 

@@ -67,7 +67,6 @@ class PlannedStep:
             bucket_mb = bucket_bytes / 2**20
         if not bucket_mb >= 0:
             raise ConfigError(f"bucket_mb: expected >= 0 (MiB), found {bucket_mb}")
-        self.bucket_mb = bucket_mb
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.model, self.plan, self.mesh = model, plan, mesh
         with quiet_tracing():
