@@ -115,9 +115,9 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_comput
                         "exact for capacity-based dispatch)")
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MIB",
                    help="the executor's bucket cap the predicted step prices (parallelize's bucket_mb; 0: none)")
-    p.add_argument("--overlap-objective", action="store_true",
-                   help="the objective follows the step simulated with overlap: re-weigh each redistribute by the "
-                        "compute that hides it and solve again (overlap_objective=True); the predicted step is "
+    p.add_argument("--additive-objective", dest="overlap_objective", action="store_false",
+                   help="solve for the additive step (every redistribute's time counted) instead of the step with "
+                        "communication overlapped by compute (overlap_objective=False); the predicted step is "
                         "simulated with overlap either way")
     p.add_argument("--compute-dtype", default=default_compute_dtype, metavar="DTYPE",
                    help="price every op's FLOPs in this dtype, e.g. bfloat16 for a float32 model that trains under "

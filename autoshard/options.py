@@ -90,14 +90,14 @@ class PlanOptions:
     off, runs at a fifteenth of the bf16 rate: ``Profile.dtype_tflops``). The plan carries the
     profile so priced (``Profile.priced_as``)."""
 
-    overlap_objective: bool = False
-    """The objective follows the step simulated with overlap (:mod:`autoshard.planning.overlap`): after
-    the additive solve, each redistribute is re-weighed by the compute that can hide it in the
-    plan's simulation and the problem solved again, up to ``overlap.MAX_ROUNDS`` times within
-    ``time_limit``; the plan of least simulated step is kept. ``False`` (default, until the mesh
-    search's bounds are tight enough to rank shapes so planned within its time): the additive plan. The
-    predicted step (``summary["step_us"]``) is the simulation either way, by the profile's
-    overlap share."""
+    overlap_objective: bool = True
+    """The objective is the step with communication overlapped (:mod:`autoshard.planning.overlap`):
+    each window of the run (a layer's forward, its backward) hides, at the profile's overlap
+    share, as much of the communication that may run beside its compute as that compute lasts
+    (:mod:`solver.overlap`); the plan of least simulated step among that objective's best plans
+    and the additive optimum is kept. ``False``: the additive objective (every redistribute's
+    time counted), its plans still ranked by simulated step. The predicted step
+    (``summary["step_us"]``) is the simulation either way."""
 
     bucket_mb: float = 25.0
     """The executor's bucket cap the predicted step assumes (``parallelize(bucket_mb=...)``, whose

@@ -233,10 +233,11 @@ class Plan:
                          + (f"; the device waited {sim['host_idle_us'] / 1e3:.3f} ms for the host to issue ops"
                             if sim.get("host_idle_us") else "") + ")")
         ov = s.get("overlap") or {}
-        if len(ov.get("rounds", ())) > 1 or ov.get("kept", "round 0") != "round 0":
-            steps = " -> ".join(f"{r['simulated_us'] / 1e3:.3f}" for r in ov["rounds"])
-            lines.append(f"  overlap rounds (simulated ms): {steps}; kept {ov['kept']}"
-                         + (f", stopped: {ov['stopped']}" if ov.get("stopped") else ""))
+        if ov.get("objective_us") is not None:
+            bound = f" (bound {ov['dual_us'] / 1e3:.3f} ms)" if ov.get("dual_us") is not None else ""
+            lines.append(f"  overlap objective: {ov['objective_us'] / 1e3:.3f} ms{bound} over "
+                         f"{ov.get('window_layers', 0)} windows; the additive optimum is simulated at "
+                         f"{ov['additive_simulated_us'] / 1e3:.3f} ms; kept {ov['kept']}")
         if s.get("load_imbalance"):
             li = s["load_imbalance"]
             lines.append(f"  experts: {li['expert_matmuls']} expert matmuls, costed at load imbalance {li['factor']:g} "

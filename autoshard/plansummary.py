@@ -50,7 +50,9 @@ class PlanSummary(MutableMapping):
     simulated: dict | None = None
     """The step simulated: step_us, exposed_comm_us, comm_us, overlap_share, buckets."""
     overlap: dict | None = None
-    """The overlap-aware rounds (``overlap_objective``)."""
+    """The overlap objective's solve (:mod:`autoshard.planning.overlap`): the share, the additive
+    optimum's objective and simulated step, the windows' solves, the kept plan's ``objective_us``
+    and ``simulated_us``."""
     pinned: Any = None
     """Pins the plan was solved under."""
     solve_alone: dict | None = None

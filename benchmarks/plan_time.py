@@ -1,7 +1,7 @@
 """End-to-end planning time per phase, LLaMA-3 shapes from 8B on 64 ranks to 405B on 1024.
 
     python benchmarks/plan_time.py [--cases 8b:8x8,70b:8x8x8,405b:8x16x8,dsv3] [--layers N] [--time-limit 60]
-                                   [--overlap-objective]
+                                   [--additive-objective]
 
 Each case plans a model on the meta device (no weights) for a fake mesh, h100-sxm profile,
 its 80 GB as the budget, in a process of its own (so peak RSS is the case's own):
@@ -41,7 +41,7 @@ AUTOPARALLEL_8B_S = 252.0
 MESH_NAMES = {2: ("dp", "tp"), 3: ("rep", "dp", "tp")}
 
 
-def run_one(case: str, layers: int | None, time_limit: float, profile: str, overlap: bool = False) -> dict:
+def run_one(case: str, layers: int | None, time_limit: float, profile: str, overlap: bool = True) -> dict:
     import torch
 
     import autoshard
@@ -76,8 +76,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="override every case's layer count")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--profile", default="h100-sxm")
-    ap.add_argument("--overlap-objective", action="store_true",
-                    help="plan with overlap_objective=True (the solve follows the simulated step)")
+    ap.add_argument("--additive-objective", dest="overlap_objective", action="store_false",
+                    help="plan with overlap_objective=False (the solve minimizes the additive step)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -87,7 +87,7 @@ def main() -> None:
     for case in args.cases.split(","):
         cmd = [sys.executable, __file__, "--one", case, "--time-limit", str(args.time_limit),
                "--profile", args.profile] + (["--layers", str(args.layers)] if args.layers else []) \
-            + (["--overlap-objective"] if args.overlap_objective else [])
+            + ([] if args.overlap_objective else ["--additive-objective"])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{case}: failed\n{out.stderr[-2000:]}", flush=True)

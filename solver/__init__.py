@@ -6,6 +6,7 @@
 from solver.evaluate import Evaluation, evaluate
 from solver.iopddl import load as load_iopddl
 from solver.iopddl import save as save_iopddl
+from solver.overlap import OverlapWindows, WindowsAnswer, solve_windows
 from solver.problem import FORBIDDEN, Problem, ProblemError
 from solver.schedule import Schedule
 from solver.solve import BACKENDS, InfeasibleError, MemoryFree, Solution, Status, memory_free, solve
@@ -16,6 +17,7 @@ __all__ = [
     "Evaluation",
     "InfeasibleError",
     "MemoryFree",
+    "OverlapWindows",
     "Problem",
     "ProblemError",
     "Schedule",
@@ -26,4 +28,6 @@ __all__ = [
     "memory_free",
     "save_iopddl",
     "solve",
+    "solve_windows",
+    "WindowsAnswer",
 ]

@@ -134,17 +134,26 @@ class Problem:
         return new
 
     def with_edge_costs(self, edge_costs: list[np.ndarray]) -> Problem:
-        """This problem with other edge cost matrices, each of the shape of the one it replaces
-        (re-weighed costs: the rest of the arrays are shared, not validated again)."""
-        if len(edge_costs) != len(self.edge_costs):
-            raise ProblemError(f"with_edge_costs: expected {len(self.edge_costs)} matrices, found {len(edge_costs)}")
-        mats = [np.asarray(m, dtype=np.float64) for m in edge_costs]
-        for e, (m, old) in enumerate(zip(mats, self.edge_costs)):
-            if m.shape != old.shape or np.isnan(m).any():
-                raise ProblemError(f"with_edge_costs: edge {e} expected a {old.shape} matrix without NaN, "
-                                   f"found shape {m.shape}")
+        """This problem with other edge cost matrices (:meth:`with_costs`)."""
+        return self.with_costs(edge_costs=edge_costs)
+
+    def with_costs(self, node_costs: list[np.ndarray] | None = None,
+                   edge_costs: list[np.ndarray] | None = None) -> Problem:
+        """This problem with other node cost vectors and/or edge cost matrices, each of the shape
+        of the one it replaces (re-weighed costs: the rest of the arrays are shared, not
+        validated again)."""
         new = copy.copy(self)
-        new.edge_costs = mats
+        for label, given, old_list in (("node", node_costs, self.node_costs), ("edge", edge_costs, self.edge_costs)):
+            if given is None:
+                continue
+            if len(given) != len(old_list):
+                raise ProblemError(f"with_costs: expected {len(old_list)} {label} cost arrays, found {len(given)}")
+            arrays = [np.asarray(m, dtype=np.float64) for m in given]
+            for k, (m, old) in enumerate(zip(arrays, old_list)):
+                if m.shape != old.shape or np.isnan(m).any():
+                    raise ProblemError(f"with_costs: {label} {k} expected shape {old.shape} without NaN, "
+                                       f"found shape {m.shape}")
+            setattr(new, f"{label}_costs", arrays)
         return new
 
     def _check_constraints(self) -> None:

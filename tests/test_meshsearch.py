@@ -243,7 +243,7 @@ class _ScriptedPlanner:
         self.solves.append((self.shape, time_limit))
         self.clock[0] += 5.0  # the stall rule ends it early
         return SimpleNamespace(summary=PlanSummary(step_us=1.5 * self.bound(), peak_mem_bytes=1,
-                                                   overlap={"rounds": [{"additive_us": 1.5 * self.bound()}]}),
+                                                   overlap={"additive_us": 1.5 * self.bound()}),
                                solver={"status": "heuristic", "bound": None})
 
 
@@ -306,7 +306,7 @@ class _FittingPlanner(_ScriptedPlanner):
         self.solves.append((self.shape, time_limit))
         step = self.simulated[self.shape]
         return SimpleNamespace(summary=PlanSummary(step_us=step, peak_mem_bytes=1,
-                                                   overlap={"rounds": [{"additive_us": self.additive[self.shape]}]}),
+                                                   overlap={"additive_us": self.additive[self.shape]}),
                                solver={"status": "optimal", "bound": self.additive[self.shape]})
 
 

@@ -1,5 +1,7 @@
-"""The overlap-aware objective: plans re-weighed by the slack of their simulation and solved again."""
+"""The overlap objective: windows of the run hide the communication beside their compute
+(:mod:`solver.overlap`, :mod:`autoshard.planning.windows`, :mod:`autoshard.planning.overlap`)."""
 
+import itertools
 import time
 from collections import namedtuple
 from types import SimpleNamespace
@@ -10,98 +12,199 @@ import torch
 
 import autoshard
 import solver
+from autoshard.graph.layers import node_layer
 from autoshard.models import llama
-from autoshard.planning.overlap import additive_solve, refine, reweighed
-from autoshard.planning.simulate import plan_slack, simulate_plan
+from autoshard.planning.overlap import additive_solve, follow
+from autoshard.planning.simulate import simulate_plan
+from autoshard.planning.windows import _reach, _segments, overlap_windows
 
 Edge = namedtuple("Edge", "producer consumer arg out")
 
 
-def prefetch_or_recompute():
+def prefetch_or_not():
     """A parameter ``p``, a layer ``a`` (100 us) and a node ``b`` that reads both: ``b`` either
     gathers ``p`` (50 us of communication, then 10 us of compute) or works without it (45 us).
-    Additive: 160 against 145, so the additive optimum skips the gather. The gather can start at
-    once and run beside ``a``: perfectly overlapped the step is 110."""
+    Additive: 160 against 145, so the additive optimum skips the gather. The gather can run
+    beside ``a``: with overlap share ``eta`` the step is ``160 - 50 eta``, the window of ``a``
+    hiding it."""
     problem = solver.Problem(
         node_costs=[[0.0], [100.0], [10.0, 45.0]], node_usages=[[1.0], [1.0], [1.0, 1.0]],
         intervals=[[0, 3], [1, 3], [2, 3]], edges=[[0, 2], [1, 2]],
         edge_costs=[np.array([[50.0, 0.0]]), np.zeros((1, 2))])
     gp = SimpleNamespace(nodes=[None] * 3, num_originals=3, problem=problem, issue_us=lambda: [0.0] * 3, bucket_mb=0.0,
-                         run_order=lambda: [0, 1, 2], edges=[Edge(0, 2, 0, 0), Edge(1, 2, 1, 0)])
+                         run_order=lambda: [0, 1, 2], edges=[Edge(0, 2, 0, 0), Edge(1, 2, 1, 0)], copy_of={})
     return problem, gp
 
 
-def resolve(problem, seconds, starts):
+def oracle(problem, seconds, starts):
     return solver.solve(problem, time_limit=seconds, starts=starts)
 
 
-def test_slack_is_the_compute_a_move_can_run_beside():
-    problem, gp = prefetch_or_recompute()
-    # The gather may start at 0 and is needed at 100; a's output is needed the moment it exists.
-    assert plan_slack(gp, np.array([0, 0, 1])).tolist() == [100.0, 0.0]
-    assert plan_slack(gp, np.array([0, 0, 0])).tolist() == [100.0, 0.0]
-    assert simulate_plan(gp, np.array([0, 0, 0]), 1.0).step_us == pytest.approx(110.0)
-    assert simulate_plan(gp, np.array([0, 0, 0]), 0.0).step_us == pytest.approx(160.0)
-    assert simulate_plan(gp, np.array([0, 0, 0]), 0.5).step_us == pytest.approx(135.0)
-    weighed = reweighed(problem, np.array([100.0, 0.0]), 0.5)
-    assert weighed.edge_costs[0].tolist() == [[25.0, 0.0]]
-    forbidden = problem.with_edge_costs([np.array([[solver.FORBIDDEN, 0.0]]), np.zeros((1, 2))])
-    assert reweighed(forbidden, np.array([100.0, 0.0]), 1.0).edge_costs[0][0, 0] >= solver.FORBIDDEN
+def test_objective_is_the_step_with_the_window_hiding_what_its_compute_lasts():
+    problem, gp = prefetch_or_not()
+    for share in (0.0, 0.3, 1.0):
+        w = solver.OverlapWindows(share, nodes=[[1]], edges=[[0]])
+        for choice in ([0, 0, 0], [0, 0, 1]):
+            assert w.cost(problem, choice) == pytest.approx(simulate_plan(gp, np.array(choice), share).step_us)
+    w = solver.OverlapWindows(1.0, nodes=[[1]], edges=[[0]])
+    assert w.terms(problem, [0, 0, 0])[0] == 160.0 and w.hidden(problem, [0, 0, 0]) == 50.0
+    # A window hides no more than its compute: 20 us of it hide 20 of the 50.
+    short = problem.with_costs(node_costs=[np.array([0.0]), np.array([20.0]), np.array([10.0, 45.0])])
+    assert w.cost(short, [0, 0, 0]) == pytest.approx(80.0 - 20.0)
 
 
 @pytest.mark.parametrize("share, gathers", [(1.0, True), (0.5, True), (0.2, False), (0.0, False)])
-def test_rounds_choose_the_plan_the_simulation_prefers(share, gathers):
-    """The additive solve skips the gather; one round re-weighed by the gather's slack takes it
-    wherever the overlap share hides more than the 35 us it adds (share > 0.7 of its 50 us)."""
-    problem, gp = prefetch_or_recompute()
+def test_windows_solve_takes_the_gather_where_the_share_hides_more_than_it_adds(share, gathers):
+    """The gather adds 35 us of additive cost and hides ``50 share`` of it: worth it above 0.7."""
+    problem, _ = prefetch_or_not()
     first = solver.solve(problem, time_limit=5)
     assert first.choice.tolist() == [0, 0, 1] and first.cost == pytest.approx(145.0)
-    sol, record = refine(problem, gp, first, share, resolve, deadline=time.perf_counter() + 10)
-    assert (sol.choice[2] == 0) == gathers, record
-    assert sol.cost == pytest.approx(160.0 if gathers else 145.0)  # the additive objective of its choice
-    assert record["simulated_us"] == pytest.approx(160.0 - share * 50.0 if gathers else 145.0)
-    assert record["rounds"][0] == {"additive_us": 145.0, "simulated_us": 145.0}
-    assert sol.lower_bound == first.lower_bound  # a bound on the additive objective, kept
+    w = solver.OverlapWindows(share, nodes=[[1]], edges=[[0]])
+    answer = solver.solve_windows(problem, w, oracle, time.perf_counter() + 10, starts=[("additive", first.choice)])
+    best = min(w.cost(problem, c) for c in ([0, 0, 0], [0, 0, 1]))
+    assert answer.cost == pytest.approx(best)
+    assert (answer.best[1][2] == 0) == gathers, answer
+    assert answer.lower_bound is not None and answer.lower_bound <= best + 1e-6
 
 
-def test_rounds_off_or_no_time_keep_the_additive_plan_unless_a_candidate_is_faster():
-    problem, gp = prefetch_or_recompute()
+def random_problem(rng, n=6, k=3):
+    costs = [rng.uniform(1, 20, size=k) for _ in range(n)]
+    edges = [(u, v) for u in range(n) for v in range(u + 1, n) if rng.random() < 0.5]
+    mats = [rng.uniform(0, 15, size=(k, k)) for _ in edges]
+    return solver.Problem(node_costs=costs, node_usages=[np.ones(k)] * n, intervals=[[0, 1]] * n,
+                          edges=edges or np.zeros((0, 2)), edge_costs=mats)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_objective_is_the_largest_of_its_weighed_additive_problems(seed):
+    """F(x) = max over lam in {0, 1}^W of L(x, lam), and L(., lam) is the weighed problem's
+    additive cost: the decomposition solves the objective it states."""
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng)
+    m = problem.num_edges
+    w = solver.OverlapWindows(0.8, nodes=[[0, 1], [2, 3]], edges=[list(range(0, m, 2)), list(range(1, m, 2))])
+    for choice in itertools.islice(itertools.product(range(3), repeat=6), 0, None, 37):
+        lams = [np.array(lam, dtype=float) for lam in itertools.product((0.0, 1.0), repeat=2)]
+        weighed = [solver.evaluate(w.weighed(problem, lam), choice).cost for lam in lams]
+        assert w.cost(problem, choice) == pytest.approx(max(weighed))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_windows_solve_is_never_worse_than_its_start_and_its_bound_holds(seed):
+    rng = np.random.default_rng(10 + seed)
+    problem = random_problem(rng, n=7)
+    m = problem.num_edges
+    w = solver.OverlapWindows(0.9, nodes=[[0, 1, 2], [3, 4]], edges=[list(range(0, m, 2)), list(range(1, m, 2))])
     first = solver.solve(problem, time_limit=5)
-    sol, record = refine(problem, gp, first, 1.0, resolve, deadline=time.perf_counter() + 10, rounds=0)
-    assert sol is first and record["stopped"] == "rounds off"
-    sol, record = refine(problem, gp, first, 1.0, resolve, deadline=0.0)
-    assert sol is first and record["stopped"] == "time limit"
-    sol, record = refine(problem, gp, first, 1.0, resolve, deadline=0.0, candidates=[("fsdp", np.array([0, 0, 0]))])
-    assert sol.choice.tolist() == [0, 0, 0] and record["kept"] == "start:fsdp"
-    assert record["simulated_us"] == pytest.approx(110.0)
+    answer = solver.solve_windows(problem, w, oracle, time.perf_counter() + 20, starts=[("additive", first.choice)])
+    optimum = min(w.cost(problem, c) for c in itertools.product(range(3), repeat=7))
+    assert optimum - 1e-6 <= answer.cost <= w.cost(problem, first.choice) + 1e-9
+    assert answer.lower_bound <= optimum + 1e-6
+    assert answer.candidates[0][1].tobytes() == answer.best[1].tobytes()
 
 
-def test_overlap_aware_plan_is_predicted_no_slower_than_the_additive_or_hand_written_ones(world):
-    """A small LLaMA on (2, 2) with the measured gloo profile: the rounds keep the plan of least
-    simulated step they find, never above the additive plan's; where ``compare`` takes a hand-written
-    plan predicted faster, the plan records the solve it replaced."""
-    world(4)
+def test_equal_windows_merge_into_their_union_and_the_objective_stays():
+    """Two tied layers: their windows are one function of the choice, merged (one weight)."""
+    problem = solver.Problem(
+        node_costs=[[0.0], [30.0, 20.0], [30.0, 20.0], [5.0, 9.0], [5.0, 9.0]], node_usages=[[1.0], [1.0] * 2, [1.0] * 2,
+                                                                                            [1.0] * 2, [1.0] * 2],
+        intervals=[[0, 1]] * 5, edges=[[0, 3], [0, 4], [1, 3], [2, 4]],
+        edge_costs=[np.array([[40.0, 0.0]]), np.array([[40.0, 0.0]]), np.ones((2, 2)), np.ones((2, 2))],
+        ties=[[1, 2], [3, 4]])
+    merged = solver.OverlapWindows.merged(problem, 0.9, nodes=[[1], [2], [0]], edges=[[0], [1], []])
+    assert len(merged) == 1 and merged.count == (2,)
+    plain = solver.OverlapWindows(0.9, nodes=[[1], [2]], edges=[[0], [1]])
+    for choice in ([0, 0, 0, 0, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]):
+        assert merged.cost(problem, choice) == pytest.approx(plain.cost(problem, choice))
+
+
+def test_windows_refuse_what_would_count_twice_or_is_not_there():
+    with pytest.raises(solver.ProblemError, match=r"share must be in \[0, 1\], found 1.5"):
+        solver.OverlapWindows(1.5, nodes=[[0]], edges=[[0]])
+    with pytest.raises(solver.ProblemError, match="a node is in more than one window"):
+        solver.OverlapWindows(0.5, nodes=[[0, 1], [1]], edges=[[0], [1]])
+    with pytest.raises(solver.ProblemError, match="2 node sets but 1 edge sets"):
+        solver.OverlapWindows(0.5, nodes=[[0], [1]], edges=[[0]])
+    problem, _ = prefetch_or_not()
+    with pytest.raises(solver.ProblemError, match="window 0 names edge 7 but the problem has 2 edges"):
+        solver.OverlapWindows(0.5, nodes=[[1]], edges=[[7]]).check(problem)
+
+
+def tiny_llama(n_layers=4):
     torch.manual_seed(0)
+    return llama("tiny", dim=256, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512,
+                 max_seq_len=64)
+
+
+def test_windows_of_a_llama_hide_gathers_one_layer_ahead_and_reductions_one_layer_behind(world):
+    world(8)
+    model = tiny_llama()
+    planner = autoshard.Planner(model, (torch.randint(0, 512, (16, 64)),), autoshard.fake_mesh((2, 4), ("dp", "tp")),
+                                profile="h100-sxm", time_limit=10, memory_budget=None)
+    gp = planner.built
+    windows = overlap_windows(gp, 0.9)
+    segment, count = _segments(gp)
+    release, deadline = _reach(gp, segment, count)
+    # Embedding, 4 layers' forwards, the head; the head's backward, 4 layers', the embedding's.
+    assert count == 12
+    assert sum(windows.count) >= 8  # the layers' windows, equal ones merged
+    where = {int(k): w for w, edges in enumerate(windows.edges) for k in edges.tolist()}
+    window_segments = [set(segment[windows.nodes[w]].tolist()) for w in range(len(windows))]
+    for k, w in where.items():
+        e = gp.edges[k]
+        d = count if e.arg < 0 else deadline[e.consumer]
+        # It runs beside one of the window's layers (a merged window is the union of equal ones),
+        # one strictly between where its data is made and where it is first computed on.
+        assert any(release[e.producer] < s < d for s in window_segments[w]), (k, gp.nodes[e.producer].name)
+    # layers.2's query projection gathers its weight beside layers.1's forward.
+    wq = next(k for k, e in enumerate(gp.edges) if gp.nodes[e.producer].op == "placeholder"
+              and "layers.2.attn.wq.weight" == planner.traced.fqn_of.get(gp.nodes[e.producer].name, "")
+              and node_phase_of(gp, e.consumer) == "fwd")
+    hidden_by = {node_layer(gp.nodes[v]) for v in windows.nodes[where[wq]].tolist()}
+    assert ("layers.1", "fwd") in hidden_by
+
+
+def node_phase_of(gp, v):
+    tag = node_layer(gp.nodes[v])
+    return tag[1] if tag else None
+
+
+def test_overlap_plan_is_predicted_no_slower_than_the_additive_one(world):
+    """A small LLaMA on (2, 2) with the measured gloo profile: the plan kept is the least
+    simulated of the additive optimum and the windows' plans, and says how it was found."""
+    world(4)
     model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128)
     inputs = (torch.randint(0, 2048, (16, 128)),)
-    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
-    planner = autoshard.Planner(model, inputs, mesh, profile="cpu-gloo", time_limit=20, overlap_objective=True)
-    # The solves' own plans (a hand-written plan predicted faster would be the plan).
+    planner = autoshard.Planner(model, inputs, autoshard.fake_mesh((2, 2), ("dp", "tp")), profile="cpu-gloo",
+                                time_limit=20)
     additive = planner.solve(overlap_objective=False, seed_baselines=False)
-    assert additive.summary["overlap"]["stopped"] == "rounds off"
+    assert "objective_us" not in additive.summary["overlap"]
     solved = planner.solve(seed_baselines=False)
-    rounds = solved.summary["overlap"]["rounds"]
-    assert len(rounds) >= 2
+    ov = solved.summary["overlap"]
+    assert ov["solves"] and ov["stopped"]
     assert additive_solve(solved) == pytest.approx(additive.summary["additive_us"])
-    # The plan kept is the least simulated of the rounds, none above the additive plan's.
-    assert solved.summary["step_us"] == pytest.approx(min(r["simulated_us"] for r in rounds), abs=1e-3)
+    assert ov["additive_simulated_us"] == pytest.approx(additive.summary["step_us"], abs=1e-3)
     assert solved.summary["step_us"] <= additive.summary["step_us"] + 1e-3
+    assert ov["dual_us"] is None or ov["dual_us"] <= ov["objective_best_us"] + 1e-3
+    assert "overlap objective:" in solved.describe()
     # compare() may take a hand-written plan predicted faster; it then records the solve it replaced.
     ours = planner.compare()["autoshard"]
     alone = ours.summary.solve_alone
     assert alone is not None and alone["step_us"] >= ours.summary.step_us - 1e-3
-    if ours.solver["source"].startswith("baseline "):
-        assert ours.summary.step_us < alone["step_us"]
+
+
+def test_follow_keeps_the_least_simulated_plan_of_those_it_is_given():
+    problem, gp = prefetch_or_not()
+    first = solver.solve(problem, time_limit=5)
+    sol, record = follow(problem, gp, first, 1.0, None, oracle, deadline=0.0)
+    assert sol is first and record["kept"] == "additive optimum"
+    sol, record = follow(problem, gp, first, 1.0, None, oracle, deadline=0.0, candidates=[("fsdp", np.array([0, 0, 0]))])
+    assert sol.choice.tolist() == [0, 0, 0] and record["kept"] == "fsdp"
+    assert record["simulated_us"] == pytest.approx(110.0) and sol.cost == pytest.approx(160.0)
+    assert sol.lower_bound == first.lower_bound  # a bound on the additive objective, kept
+    w = solver.OverlapWindows(1.0, nodes=[[1]], edges=[[0]])
+    sol, record = follow(problem, gp, first, 1.0, w, oracle, deadline=time.perf_counter() + 10)
+    assert sol.choice.tolist() == [0, 0, 0] and record["objective_us"] == pytest.approx(110.0)
 
 
 def test_overlap_relaxed_optimum_bounds_every_simulated_step(world):
@@ -110,11 +213,10 @@ def test_overlap_relaxed_optimum_bounds_every_simulated_step(world):
     with the overlap objective); it lies below the additive optimum, which bounds only
     additive steps."""
     world(8)
-    torch.manual_seed(0)
-    model = llama("tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, max_seq_len=64)
+    model = tiny_llama(n_layers=2)
     inputs = (torch.randint(0, 512, (16, 64)),)
     planner = autoshard.Planner(model, inputs, autoshard.fake_mesh((2, 4), ("dp", "tp")), profile="h100-sxm",
-                                time_limit=10, memory_budget=None, overlap_objective=True)
+                                time_limit=10, memory_budget=None)
     bound = planner.overlap_free(time_limit=10).lower_bound
     additive = planner.memory_free(time_limit=10).lower_bound
     steps = {name: p.summary["step_us"] for name, p in planner.compare().items() if not isinstance(p, str)}

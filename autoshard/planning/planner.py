@@ -30,11 +30,11 @@ from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
 from autoshard.planfile import RECOMPUTE_MODES, Plan
 from autoshard.planning.assemble import assemble_plan
 from autoshard.planning.baselines import HandWritten, baseline_pins, baseline_recompute, baselines_for
-from autoshard.planning.overlap import MAX_ROUNDS, additive_solve, relaxed
-from autoshard.planning.overlap import refine as refine_overlap
+from autoshard.planning.overlap import additive_solve, follow, relaxed
 from autoshard.planning.pins import resolve_pins, to_spec
 from autoshard.planning.problem import GraphProblem, build_problem, pin_indices, with_recompute
 from autoshard.planning.simulate import step_floor
+from autoshard.planning.windows import overlap_windows
 from autoshard.units import human_bytes
 from costmodel import Profile, load_profile
 
@@ -50,9 +50,9 @@ ASSEMBLY_OF_BUILD = 0.5
 #: Share of ``time_limit`` for all the hand-written plans together when ``seed_baselines`` is on
 #: (solved only when the solve's cheap stages prove nothing); the solve has the rest.
 BASELINES_SHARE = 0.25
-#: The optimality gap the overlap rounds' re-solves stop at (:func:`autoshard.planning.overlap.refine`):
-#: a round's re-weighed objective only approximates the simulated step, so a round's answer
-#: within this share of its bound is as good as its optimum.
+#: The optimality gap the overlap objective's weighed solves stop at (:func:`solver.solve_windows`):
+#: each is one plane of a decomposition, and an answer within this share of its bound is as good
+#: to it as its optimum.
 ROUND_GAP = 1e-3
 
 
@@ -437,8 +437,10 @@ class Planner:
             share = max(1.0, (end - time.perf_counter()) / (len(names) - k))
             pins, inputs = baseline_pins(name, self.model, len(tuple(self.mesh.shape)), tuple(self.mesh.shape))
             inputs = inputs * len(self.traced.input_nodes())
+            # A hand-written plan fixes the parameters' specs, which is what the overlap objective
+            # trades; the rest is its additive optimum (ranked by simulated step), as written.
             seed_opts = dataclasses.replace(opts, pins={**pins, **mine}, input_specs=inputs, export_problem=None,
-                                            recompute=baseline_recompute(name))
+                                            recompute=baseline_recompute(name), overlap_objective=False)
             key = _key(seed_opts.replace(time_limit=1.0))
             cached = self._seeds.get(key)
             # A hand-written plan only adds pins to the user's problem in its mode (its input
@@ -534,8 +536,7 @@ class Planner:
                 self._infeasible[_problem_key(opts)] = err  # proved: even the least-usage plan breaks it
             raise err from exc
 
-        def resolve_weighed(weighed: solver.Problem, seconds: float, round_starts) -> solver.Solution:
-            # A round's objective is the simulation's proxy: proving it past ROUND_GAP buys nothing.
+        def solve_weighed(weighed: solver.Problem, seconds: float, round_starts) -> solver.Solution:
             return solver.solve(weighed, time_limit=seconds, backend=opts.backend, starts=round_starts,
                                 mip_gap=ROUND_GAP)
 
@@ -543,9 +544,9 @@ class Planner:
         # plans the additive objective barely tells apart, overlap moves the step by percents.
         given = {np.asarray(choice).tobytes() for _, choice in starts + asked}
         pool = [(f"{source} (pool)", choice) for source, choice in sol.pool if choice.tobytes() not in given]
-        sol, overlap = refine_overlap(problem, gp, sol, self.profile.overlap, resolve_weighed, t1 + time_limit,
-                                      candidates=starts + asked + pool,
-                                      rounds=MAX_ROUNDS if opts.overlap_objective else 0)
+        windows = overlap_windows(gp, self.profile.overlap) if opts.overlap_objective else None
+        sol, overlap = follow(problem, gp, sol, self.profile.overlap, windows, solve_weighed, t1 + time_limit,
+                              candidates=starts + asked + pool)
         phases = dict(self.phases, solve_s=time.perf_counter() - t1)
 
         def assemble() -> Plan:

@@ -43,11 +43,8 @@ so a program of small ops lasts as long as its issue, and one of large ops hides
 behind them. ``idle`` is compute-stream time spent waiting for the host: neither compute nor
 exposed communication. ``h = 0`` (CPU devices, uncalibrated GPU profiles) is the two-stream walk.
 
-:func:`simulate_plan` also gives each planned edge its *slack* (:func:`plan_slack`): the time
-between when its redistribute could start (its producer done, the communication stream free)
-and when its consumer would run (a gradient's move: when the compute stream ends). An edge of
-time ``c`` then costs ``c - eta * min(c, slack)``: the re-weighed edge costs the overlap-aware
-objective is solved with (:mod:`autoshard.planning.overlap`).
+The solver's overlap objective (:mod:`autoshard.planning.overlap`) cuts this walk into windows
+(:mod:`autoshard.planning.windows`).
 """
 
 from __future__ import annotations
@@ -55,7 +52,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 import torch.fx as fx
 
@@ -231,7 +227,7 @@ def simulate_plan(gp, choice, overlap: float = 1.0, buckets: Buckets | None = No
     after its last producer. Default: the buckets of the problem's ``bucket_mb``."""
     if buckets is None:
         buckets = problem_buckets(gp, choice)
-    return _walk(gp, choice, None, buckets).overlapped(overlap)
+    return _walk(gp, choice, buckets).overlapped(overlap)
 
 
 def problem_buckets(gp, choice) -> Buckets | None:
@@ -241,28 +237,17 @@ def problem_buckets(gp, choice) -> Buckets | None:
     return plan_buckets(gp, choice, run_order(gp), gp.topo, gp.profile, gp.bucket_mb)
 
 
-def plan_slack(gp, choice) -> np.ndarray:
-    """Per planned edge, the time its redistribute could run beside compute in the walk of
-    :func:`simulate_plan` (module doc), whether or not ``choice`` moves anything along it: an
-    edge whose consumer runs right after its producer has none, a parameter's gather prefetched
-    at the start as much as the compute before its consumer less the collectives queued ahead
-    of it."""
-    slack = np.zeros(len(gp.edges))
-    _walk(gp, choice, slack)
-    return slack
-
-
-def _walk(gp, choice, slack: np.ndarray | None, buckets: Buckets | None = None) -> Timeline:
-    """:func:`simulate_plan` hiding perfectly; each edge's slack written into ``slack``."""
-    return _Walk(gp, choice, slack, buckets).run()
+def _walk(gp, choice, buckets: Buckets | None = None) -> Timeline:
+    """:func:`simulate_plan` hiding perfectly."""
+    return _Walk(gp, choice, buckets).run()
 
 
 class _Walk:
     """One walk of a plan's nodes in run order on two streams, compute and communication: the
     clocks (``t_compute``, ``t_comm``, ``t_host``) and what is in flight, as attributes."""
 
-    def __init__(self, gp, choice, slack: np.ndarray | None, buckets: Buckets | None):
-        self.gp, self.choice, self.slack, self.buckets = gp, choice, slack, buckets
+    def __init__(self, gp, choice, buckets: Buckets | None):
+        self.gp, self.choice, self.buckets = gp, choice, buckets
         self.costs, self.mats = gp.problem.node_costs, gp.problem.edge_costs
         self.into: dict[int, list[int]] = {}
         self.grads_from: dict[int, list[int]] = {}
@@ -272,7 +257,6 @@ class _Walk:
         self.host = gp.issue_us()
         self.t_compute = self.t_comm = self.t_host = 0.0
         self.done: dict[int, float] = {}
-        self.grad_starts: list[tuple[int, float]] = []
         self.tl = Timeline()
         self.order = run_order(gp)
         self.chains = buckets.chains if buckets is not None else {}
@@ -343,8 +327,6 @@ class _Walk:
                 arrived = max(arrived, self.arrival[k])
                 continue
             start = max(self.done.get(e.producer, self.t_compute), self.t_comm)
-            if self.slack is not None:
-                self.slack[k] = max(0.0, self.t_compute - start)
             us = float(self.mats[k][self.choice[e.producer], self.choice[v]])
             if us <= 0:
                 arrived = max(arrived, self.done.get(e.producer, 0.0))
@@ -381,7 +363,6 @@ class _Walk:
                 continue
             e = self.gp.edges[k]
             start = max(end, self.t_comm)
-            self.grad_starts.append((k, start))
             us = float(self.mats[k][self.choice[v], self.choice[e.consumer]])
             if us > 0:
                 self.t_comm = start + us
@@ -404,9 +385,6 @@ class _Walk:
             end = self.compute(v, self.inputs_arrive(v), v == last)
             self.send_gradients(v, end)
         self.release_backward()  # a graph with no backward node
-        if self.slack is not None:
-            for k, start in self.grad_starts:  # a gradient's move is waited for when the compute ends
-                self.slack[k] = max(0.0, self.t_compute - start)
         tl.step_us = max(self.t_compute, self.t_comm)
         tl.exposed_us += tl.step_us - self.t_compute
         return tl

@@ -1,0 +1,105 @@
+"""The windows of a planned step: where communication may run beside compute.
+
+The solver's overlap objective (:mod:`solver.overlap`) needs, per window of the run, the
+compute that runs in it and the communication that may run beside it. The windows are the
+simulator's (:mod:`autoshard.planning.simulate`: one compute stream, one communication
+stream, nodes in :meth:`~autoshard.planning.problem.GraphProblem.run_order`), cut where the run
+enters another layer or phase: the forward of what precedes the layers, each layer's forward,
+what follows them, the backward in reverse. A model without repeated layers has two: its
+forward and its backward.
+
+Each planned edge has a *release* (the window after which its data exists: its producer's,
+through views back to an op that computes; a parameter's: before the first) and a *deadline*
+(the window whose compute first reads it: its consumer's, through views on to an op that
+computes; a gradient's move, or a view chain that nothing computes on: the end of the step).
+An edge may run beside the compute of the windows strictly between the two, and is given to
+one of them, as the executors issue it:
+
+- read by a later window (a parameter's gather, an activation kept for a later layer): the
+  window just before its deadline (prefetched one layer ahead, as FSDP does);
+- waited for by the end of the step (a gradient's reduction): the window just after its
+  release (reduced beside the next layer's backward, as DDP's buckets and FSDP do);
+- read within the window it is made in, or by the next: exposed (no window).
+
+A window hides at most its compute: ``min(C_w, H_w)`` (its own exposed activation moves hold
+both streams alike). This is the walk's two streams cut at layer boundaries, so the objective
+and the simulated step agree where one layer's communication is hidden by one layer's compute
+(FSDP, DDP, TP+FSDP): the walk also lets a gather run any number of windows ahead when the
+stream is free, which the windows do not count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import solver
+from autoshard.graph.layers import node_layer
+from autoshard.graph.tracing import node_phase
+
+
+def overlap_windows(gp, share: float) -> solver.OverlapWindows | None:
+    """The windows of ``gp``'s step (module doc) at overlap share ``share``, tied layers'
+    identical windows merged; None where nothing may hide or ``share`` is 0."""
+    if share <= 0:
+        return None
+    segment, count = _segments(gp)
+    release, deadline = _reach(gp, segment, count)
+    nodes = [[] for _ in range(count)]
+    for v, s in enumerate(segment.tolist()):
+        nodes[s].append(v)
+    edges = [[] for _ in range(count)]
+    for k, e in enumerate(gp.edges):
+        r = release[e.producer]
+        d = count if e.arg < 0 else deadline[e.consumer]
+        if d == count and r + 1 < count:
+            edges[r + 1].append(k)
+        elif d < count and d - 1 > r:
+            edges[d - 1].append(k)
+    windows = solver.OverlapWindows.merged(gp.problem, share, nodes, edges)
+    return windows if len(windows) else None
+
+
+def _segments(gp) -> tuple[np.ndarray, int]:
+    """Per node its window in run order, and the number of windows: a new one wherever the run
+    enters another (layer, phase); a recomputed copy runs in its original's layer's backward."""
+    segment = np.empty(len(gp.nodes), dtype=np.int64)
+    current, last = -1, None
+    for v in gp.run_order():
+        original = gp.copy_of.get(v, v)
+        tag = node_layer(gp.nodes[original])
+        backward = v in gp.copy_of or node_phase(gp.nodes[original]) == "backward"
+        key = (tag[0] if tag else None, backward)
+        if key != last:
+            current, last = current + 1, key
+        segment[v] = current
+    return segment, current + 1
+
+
+def _reach(gp, segment: np.ndarray, count: int) -> tuple[list[int], list[int]]:
+    """Per node, the window after which its data exists (-1: before the first) and the first
+    window whose compute reads it (``count``: none, the end of the step); views pass both
+    through (they compute nothing: the simulator runs them where their inputs are)."""
+    n = len(gp.nodes)
+    computes = np.array([bool(np.any((c > 0) & (c < solver.FORBIDDEN))) for c in gp.problem.node_costs])
+    inputs: list[list[int]] = [[] for _ in range(n)]
+    readers: list[list[int]] = [[] for _ in range(n)]
+    for e in gp.edges:
+        if e.arg >= 0:
+            inputs[e.consumer].append(e.producer)
+            readers[e.producer].append(e.consumer)
+    order = gp.run_order()
+    release = [-1] * n
+    for v in order:  # producers run before their readers
+        if gp.nodes[v].op == "placeholder":
+            release[v] = -1
+        elif computes[v]:
+            release[v] = int(segment[v])
+        else:
+            release[v] = max((release[u] for u in inputs[v]), default=-1)
+    deadline = [count] * n
+    for v in reversed(order):
+        if computes[v]:
+            deadline[v] = int(segment[v])
+        else:
+            deadline[v] = min((deadline[c] for c in readers[v]), default=count)
+    return release, deadline
