@@ -12,45 +12,54 @@ before it in the backward):
 
     C_w(x) = sum_(v in N_w) c_v(x_v)            (:attr:`OverlapWindows.nodes`)
     H_w(x) = sum_(e in E_w) M_e(x_u, x_v)       (:attr:`OverlapWindows.edges`)
+    I_w                                         (:attr:`OverlapWindows.floor`)
 
-each node in at most one ``N_w``, each edge in at most one ``E_w``. A window hides at most its
-compute and at most its hideable communication; with the overlap share ``eta`` (what a stream
+each node in at most one ``N_w``, each edge in at most one ``E_w``; ``I_w`` is a time the
+window lasts whatever its compute (a GPU's host issuing its ops one by one: a window of small
+ops lasts as long as their issue). A window lasts ``S_w(x) = max(C_w(x), I_w)`` and hides at
+most that much of its hideable communication; with the overlap share ``eta`` (what a stream
 beside compute really hides of it) the objective is
 
-    F(x) = A(x) - eta * sum_w min(C_w(x), H_w(x))                      (:meth:`OverlapWindows.cost`)
+    F(x) = A(x) + sum_w (S_w(x) - C_w(x)) - eta * sum_w min(S_w(x), H_w(x))   (:meth:`OverlapWindows.cost`)
 
-Windows that are one and the same function of ``x`` (tied layers) are merged into one whose
-sets are their union (:meth:`OverlapWindows.merged`): ``n`` equal windows hide ``n`` times
-what one does, ``min(n C, n H) = n min(C, H)``, so the objective is unchanged and the
-decomposition below has one weight for all of them. As a MILP, over the additive MILP's
-columns and rows (:mod:`solver.highs_model`) plus a continuous ``h_w >= 0`` per window:
+(with every ``I_w = 0``: ``A(x) - eta * sum_w min(C_w(x), H_w(x))``). Windows that are one and
+the same function of ``x`` (tied layers) are merged into one whose sets are their union and
+whose floor is their floors' sum (:meth:`OverlapWindows.merged`): ``n`` equal windows hide ``n``
+times what one does, so ``F`` is unchanged and the decomposition below has one weight for all
+of them. As a MILP, over the additive MILP's columns and rows (:mod:`solver.highs_model`)
+plus continuous ``s_w`` and ``h_w`` per window:
 
-    min  A(x) - eta * sum_w h_w
-    s.t. h_w <= C_w(x)          a window hides no more than its compute
-         h_w <= H_w(x)          nor more than the communication that may run beside it
+    min  A(x) + sum_w (s_w - C_w(x)) - eta * sum_w h_w
+    s.t. s_w >= C_w(x),  s_w >= I_w      the window lasts its compute, at least its floor
+         h_w <= s_w                      it hides no more than it lasts
+         h_w <= H_w(x)                   nor more than the communication that may run beside it
          (one strategy per node, edge marginals, memory rows: as the additive MILP)
 
-``F`` is non-decreasing in every node and edge cost (each enters ``A`` with weight 1 and at
-most one ``min``, with weight at most ``eta <= 1``), so a strategy that costs no more everywhere
-is still never worse: the dominance reductions stay exact.
+``F`` is non-decreasing in every node and edge cost (a cost enters ``A`` with weight 1 and
+at most one window, where it moves ``S_w - eta min(S_w, H_w)`` or ``-eta min(S_w, H_w)`` by
+no less than ``-eta`` times as much), so a strategy that costs no more everywhere is still never
+worse: the dominance reductions stay exact.
 
 That MILP's edge columns made it slow (LLaMA-8B on (8, 8): 174k columns, 30-50 s, where
 toulbar2 proves the additive optimum in 0.3 s), so it is solved by decomposition
-(:func:`solve_windows`). As ``min(C, H) = min over lam in [0, 1] of lam C + (1 - lam) H``,
+(:func:`solve_windows`). Per window, ``S + H - eta min(S, H)`` is the largest over
+``a, b >= 0``, ``1 - eta <= a + b <= 1`` of ``a C + b I + (2 - eta - a - b) H`` (at
+``a + b = 1`` where ``S > H``, ``1 - eta`` where not; ``a`` where ``C >= I``, ``b`` where
+not), so
 
-    F(x) = max over lam in [0, 1]^W of  L(x, lam)
-    L(x, lam) = A(x) - eta * sum_w (lam_w C_w(x) + (1 - lam_w) H_w(x))
+    F(x) = max over (a, b) of L(x; a, b)
+    L(x; a, b) = A(x) - sum_w (C_w(x) + H_w(x)) + sum_w (a_w C_w(x) + b_w I_w + (2 - eta - a_w - b_w) H_w(x))
 
-and for a fixed ``lam``, ``L`` is additive: node ``v`` of ``N_w`` costs ``(1 - eta lam_w) c_v``,
-edge ``e`` of ``E_w`` costs ``(1 - eta (1 - lam_w)) M_e`` (:meth:`OverlapWindows.weighed`), a
-problem the portfolio (:func:`solver.solve`) solves as any other, toulbar2 and memory rows
-included. The dual ``g(lam) = min_x L(x, lam)`` bounds ``min F`` from below and is concave;
-``lam`` follows Kelley's cutting planes: each plan ``x_i`` found gives the plane
-``L(x_i, .)``, and the next ``lam`` maximizes the least of the planes over the box (an LP of
-``W + 1`` columns, :func:`_next_weights`). Every plan found is a candidate, kept by ``F``; the
-largest ``g`` seen (each oracle's proved bound) is the lower bound. It stops when the planes'
-maximum is within ``gap`` of the best dual value (the decomposition's answer cannot improve),
-after ``stall`` solves without a better ``F``, or at the time limit.
+and for fixed weights ``L`` is additive: node ``v`` of ``N_w`` costs ``a_w c_v``, edge ``e`` of
+``E_w`` costs ``(2 - eta - a_w - b_w) M_e``, plus the constant ``sum_w b_w I_w``
+(:meth:`OverlapWindows.weighed`), a problem the portfolio (:func:`solver.solve`) solves as any
+other, toulbar2 and memory rows included. The dual ``g(a, b) = min_x L(x; a, b)`` bounds
+``min F`` from below and is concave; the weights follow Kelley's cutting planes: each plan
+``x_i`` found gives the plane ``L(x_i; .)``, and the next weights maximize the least of the
+planes over their polytope (an LP of ``2W + 1`` columns, :func:`_next_weights`). Every plan
+found is a candidate, kept by ``F``; the largest dual value proved (each solve's bound plus
+its constant) is the lower bound. It stops when the planes' maximum is within ``gap`` of the
+best dual value, after ``stall`` solves without a better ``F``, or at the time limit.
 """
 
 from __future__ import annotations
@@ -77,8 +86,8 @@ MIN_ORACLE_SECONDS = 0.5
 
 @dataclass(frozen=True)
 class OverlapWindows:
-    """Windows of a problem's run (module doc): per window the nodes whose compute it holds and
-    the edges whose communication may run beside that compute."""
+    """Windows of a problem's run (module doc): per window the nodes whose compute it holds, the
+    edges whose communication may run beside that compute, and the time it lasts at least."""
 
     share: float
     """``eta``: the share of hideable communication that running beside compute hides, in [0, 1]."""
@@ -86,6 +95,8 @@ class OverlapWindows:
     """Per window, the node indices of ``N_w`` (int64)."""
     edges: tuple[np.ndarray, ...]
     """Per window, the edge indices of ``E_w`` (int64)."""
+    floor: tuple[float, ...] = ()
+    """Per window, ``I_w >= 0``: the time it lasts whatever its compute (default: 0 each)."""
     count: tuple[int, ...] = ()
     """Per window, how many equal windows of the run it is the union of (default: 1 each)."""
 
@@ -97,8 +108,12 @@ class OverlapWindows:
                                f"(expected one of each per window)")
         object.__setattr__(self, "nodes", tuple(np.asarray(n, dtype=np.int64).reshape(-1) for n in self.nodes))
         object.__setattr__(self, "edges", tuple(np.asarray(e, dtype=np.int64).reshape(-1) for e in self.edges))
-        if not self.count:
-            object.__setattr__(self, "count", (1,) * len(self.nodes))
+        for name, default, kind in (("floor", 0.0, float), ("count", 1, int)):
+            given = getattr(self, name)
+            object.__setattr__(self, name, tuple(kind(x) for x in given) if len(given) else (default,) * len(self.nodes))
+        if len(self.floor) != len(self.nodes) or not all(np.isfinite(f) and f >= 0 for f in self.floor):
+            raise ProblemError(f"OverlapWindows.floor: expected {len(self.nodes)} finite times >= 0, "
+                               f"found {self.floor}")
         if len(self.count) != len(self.nodes) or any(int(c) < 1 for c in self.count):
             raise ProblemError(f"OverlapWindows.count: expected {len(self.nodes)} counts >= 1, found {self.count}")
         for label, sets in (("node", self.nodes), ("edge", self.edges)):
@@ -119,30 +134,33 @@ class OverlapWindows:
                                        f"has {size} {label}s")
 
     @classmethod
-    def merged(cls, problem: Problem, share: float, nodes, edges) -> OverlapWindows:
-        """Windows ``(nodes[w], edges[w])`` with those that are the same function of the
-        problem's choice (same tie heads, same costs: tied layers) merged into their union (module
-        doc), and those with nothing to hide dropped."""
+    def merged(cls, problem: Problem, share: float, nodes, edges, floor=None) -> OverlapWindows:
+        """Windows ``(nodes[w], edges[w], floor[w])`` with those that are the same function of
+        the problem's choice (same tie heads, same costs, same floor: tied layers) merged into
+        their union (module doc), and those with nothing to hide dropped."""
         from solver.quotient import tie_heads
 
         rep = tie_heads(problem)
+        floor = [0.0] * len(nodes) if floor is None else list(floor)
         seen: dict[bytes, int] = {}
-        out_n, out_e, count = [], [], []
-        for ns, es in zip(nodes, edges):
+        out_n, out_e, out_f, count = [], [], [], []
+        for ns, es, f in zip(nodes, edges, floor):
             ns, es = np.asarray(ns, dtype=np.int64), np.asarray(es, dtype=np.int64)
             if es.size == 0:
                 continue
-            key = _signature(problem, rep, ns, es)
+            key = _signature(problem, rep, ns, es) + np.float64(f).tobytes()
             if key in seen:
                 w = seen[key]
                 out_n[w], out_e[w] = np.concatenate([out_n[w], ns]), np.concatenate([out_e[w], es])
+                out_f[w] += float(f)
                 count[w] += 1
                 continue
             seen[key] = len(out_n)
             out_n.append(ns)
             out_e.append(es)
+            out_f.append(float(f))
             count.append(1)
-        return cls(share, tuple(out_n), tuple(out_e), tuple(count))
+        return cls(share, tuple(out_n), tuple(out_e), tuple(out_f), tuple(count))
 
     def terms(self, problem: Problem, choice) -> tuple[float, np.ndarray, np.ndarray]:
         """``(A(x), C_w(x), H_w(x))`` of ``choice``."""
@@ -153,28 +171,40 @@ class OverlapWindows:
         return (float(c.sum() + m.sum()), np.array([c[s].sum() for s in self.nodes]),
                 np.array([m[s].sum() for s in self.edges]))
 
+    def value(self, a: float, c: np.ndarray, h: np.ndarray) -> float:
+        """``F`` from a plan's :meth:`terms`."""
+        span = np.maximum(c, np.asarray(self.floor))
+        return float(a + (span - c).sum() - self.share * np.minimum(span, h).sum())
+
     def cost(self, problem: Problem, choice) -> float:
         """``F(x)`` (module doc)."""
-        a, c, h = self.terms(problem, choice)
-        return a - self.share * float(np.minimum(c, h).sum())
+        return self.value(*self.terms(problem, choice))
 
     def hidden(self, problem: Problem, choice) -> float:
-        """``A(x) - F(x)``: the communication the windows hide."""
-        a, c, h = self.terms(problem, choice)
-        return self.share * float(np.minimum(c, h).sum())
+        """``eta * sum_w min(S_w(x), H_w(x))``: the communication the windows hide."""
+        _, c, h = self.terms(problem, choice)
+        return self.share * float(np.minimum(np.maximum(c, np.asarray(self.floor)), h).sum())
 
-    def weighed(self, problem: Problem, lam: np.ndarray) -> Problem:
-        """The additive problem of ``L(., lam)`` (module doc); forbidden entries stay forbidden."""
+    def weighed(self, problem: Problem, a: np.ndarray, b: np.ndarray) -> tuple[Problem, float]:
+        """The additive problem of ``L(.; a, b)`` and its constant (module doc): ``L(x; a, b)`` is
+        that problem's cost of ``x`` plus the constant. Forbidden entries stay forbidden."""
         node_costs, edge_costs = list(problem.node_costs), list(problem.edge_costs)
         for w, (ns, es) in enumerate(zip(self.nodes, self.edges)):
-            node_scale, edge_scale = 1.0 - self.share * lam[w], 1.0 - self.share * (1.0 - lam[w])
+            edge_scale = 2.0 - self.share - a[w] - b[w]
             for v in ns.tolist():
                 c = node_costs[v]
-                node_costs[v] = np.where(c >= FORBIDDEN, c, c * node_scale)
+                node_costs[v] = np.where(c >= FORBIDDEN, c, c * a[w])
             for k in es.tolist():
                 m = edge_costs[k]
                 edge_costs[k] = np.where(m >= FORBIDDEN, m, m * edge_scale)
-        return problem.with_costs(node_costs=node_costs, edge_costs=edge_costs)
+        constant = float(np.dot(b, self.floor))
+        return problem.with_costs(node_costs=node_costs, edge_costs=edge_costs), constant
+
+    def plane(self, a_total: float, c: np.ndarray, h: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """``L(x; a, b) = k + sum_w a_w p_w + b_w q_w`` for a plan of :meth:`terms` ``(a_total, c,
+        h)``: ``(k, p, q)``."""
+        k = a_total - c.sum() - h.sum() + (2.0 - self.share) * h.sum()
+        return float(k), c - h, np.asarray(self.floor) - h
 
 
 def _signature(problem: Problem, rep: np.ndarray, nodes: np.ndarray, edges: np.ndarray) -> bytes:
@@ -228,21 +258,20 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
         choice = np.asarray(choice)
         key = choice.tobytes()
         if key not in seen:
-            a, c, h = windows.terms(problem, choice)
-            planes.append((a, c, h))
-            ok = evaluate(problem, choice).feasible
-            f = a - windows.share * float(np.minimum(c, h).sum())
-            seen[key] = (name, choice, f if ok else np.inf)
+            terms = windows.terms(problem, choice)
+            planes.append(windows.plane(*terms))
+            f = windows.value(*terms) if evaluate(problem, choice).feasible else np.inf
+            seen[key] = (name, choice, f)
         return seen[key][2]
 
     for name, choice in starts:
         offer(name, choice)
     best = min((f for _, _, f in seen.values()), default=np.inf)
     dual, stopped, dry = None, "solves", 0
-    lam = np.full(len(windows), 0.5)
+    a, b = np.full(len(windows), 1.0 - windows.share / 2), np.zeros(len(windows))
     for i in range(max_solves):
         if planes:
-            lam, top = _next_weights(planes, windows)
+            a, b, top = _next_weights(planes, windows)
             if dual is not None and top - dual <= gap * max(abs(top), 1e-9):
                 stopped = "converged"
                 break
@@ -252,14 +281,14 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
             break
         t0 = time.perf_counter()
         ordered = sorted(seen.values(), key=lambda s: s[2])[:2]
-        sol = solve(windows.weighed(problem, lam), max(MIN_ORACLE_SECONDS, left / 3),
+        weighed, constant = windows.weighed(problem, a, b)
+        sol = solve(weighed, max(MIN_ORACLE_SECONDS, left / 3),
                     [(f"windows {name}", choice) for name, choice, _ in ordered])
         f = offer(f"windows {i + 1} ({sol.source})", sol.choice)
-        proved = sol.lower_bound if sol.lower_bound is not None else None
+        proved = None if sol.lower_bound is None else float(sol.lower_bound) + constant
         if proved is not None:
             dual = proved if dual is None else max(dual, proved)
-        record.append({"weights_mean": round(float(lam.mean()), 4), "objective_us": round(f, 3),
-                       "dual_us": None if proved is None else round(float(proved), 3),
+        record.append({"objective_us": round(f, 3), "dual_us": None if proved is None else round(proved, 3),
                        "seconds": round(time.perf_counter() - t0, 3)})
         log.info(f"overlap windows solve {i + 1}: objective {f / 1e3:.3f} ms (best {min(best, f) / 1e3:.3f} ms), "
                  f"dual {'-' if proved is None else f'{proved / 1e3:.3f} ms'}")
@@ -275,22 +304,23 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
     return WindowsAnswer(feasible[0] if feasible else None, best, dual, feasible, record, stopped)
 
 
-def _next_weights(planes, windows: OverlapWindows) -> tuple[np.ndarray, float]:
-    """Kelley's step: ``lam`` in the box maximizing ``min_i L(x_i, lam)``, and that maximum."""
+def _next_weights(planes, windows: OverlapWindows) -> tuple[np.ndarray, np.ndarray, float]:
+    """Kelley's step: the weights ``(a, b)`` maximizing ``min_i L(x_i; a, b)`` over ``a, b >= 0``,
+    ``1 - eta <= a_w + b_w <= 1``, and that maximum."""
     import highspy
 
     W, eta = len(windows), windows.share
+    inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    # columns: lam_0 .. lam_{W-1} in [0, 1], t free; maximize t (minimize -t)
-    h.addCols(W + 1, np.concatenate([np.zeros(W), [-1.0]]), np.concatenate([np.zeros(W), [-highspy.kHighsInf]]),
-              np.concatenate([np.ones(W), [highspy.kHighsInf]]), 0, np.zeros(0, np.int32), np.zeros(0, np.int32),
-              np.zeros(0))
-    # t <= L(x_i, lam) = A_i - eta * sum_w H_iw - eta * sum_w lam_w (C_iw - H_iw)
-    for a, c, hh in planes:
-        coef = np.concatenate([eta * (c - hh), [1.0]])
-        h.addRow(-highspy.kHighsInf, a - eta * float(hh.sum()), W + 1, np.arange(W + 1, dtype=np.int32), coef)
+    # columns: a_0 .. a_{W-1}, b_0 .. b_{W-1} in [0, 1], t free; maximize t (minimize -t)
+    n = 2 * W + 1
+    h.addCols(n, np.concatenate([np.zeros(2 * W), [-1.0]]), np.concatenate([np.zeros(2 * W), [-inf]]),
+              np.concatenate([np.ones(2 * W), [inf]]), 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    for w in range(W):  # 1 - eta <= a_w + b_w <= 1
+        h.addRow(1.0 - eta, 1.0, 2, np.array([w, W + w], dtype=np.int32), np.ones(2))
+    for k, p, q in planes:  # t - sum_w (a_w p_w + b_w q_w) <= k
+        h.addRow(-inf, k, n, np.arange(n, dtype=np.int32), np.concatenate([-p, -q, [1.0]]))
     h.run()
     vals = np.asarray(h.getSolution().col_value)
-    return np.clip(vals[:W], 0.0, 1.0), float(vals[W])
-
+    return np.clip(vals[:W], 0.0, 1.0), np.clip(vals[W:2 * W], 0.0, 1.0), float(vals[2 * W])

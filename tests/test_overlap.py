@@ -77,16 +77,31 @@ def random_problem(rng, n=6, k=3):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_objective_is_the_largest_of_its_weighed_additive_problems(seed):
-    """F(x) = max over lam in {0, 1}^W of L(x, lam), and L(., lam) is the weighed problem's
-    additive cost: the decomposition solves the objective it states."""
+    """F(x) = max over the weights of L(x; a, b), attained at a vertex of each window's weights
+    (a, b >= 0, 1 - eta <= a + b <= 1), and L(.; a, b) is the weighed problem's additive cost
+    plus its constant: the decomposition solves the objective it states, host floors included."""
     rng = np.random.default_rng(seed)
     problem = random_problem(rng)
-    m = problem.num_edges
-    w = solver.OverlapWindows(0.8, nodes=[[0, 1], [2, 3]], edges=[list(range(0, m, 2)), list(range(1, m, 2))])
+    m, eta = problem.num_edges, 0.8
+    w = solver.OverlapWindows(eta, nodes=[[0, 1], [2, 3]], edges=[list(range(0, m, 2)), list(range(1, m, 2))],
+                              floor=[0.0, float(rng.uniform(5, 40))])
+    vertices = [(1.0, 0.0), (0.0, 1.0), (1.0 - eta, 0.0), (0.0, 1.0 - eta)]
     for choice in itertools.islice(itertools.product(range(3), repeat=6), 0, None, 37):
-        lams = [np.array(lam, dtype=float) for lam in itertools.product((0.0, 1.0), repeat=2)]
-        weighed = [solver.evaluate(w.weighed(problem, lam), choice).cost for lam in lams]
-        assert w.cost(problem, choice) == pytest.approx(max(weighed))
+        values = []
+        for v0, v1 in itertools.product(vertices, repeat=2):
+            weighed, constant = w.weighed(problem, np.array([v0[0], v1[0]]), np.array([v0[1], v1[1]]))
+            values.append(solver.evaluate(weighed, choice).cost + constant)
+            k, p, q = w.plane(*w.terms(problem, choice))
+            assert values[-1] == pytest.approx(k + p @ [v0[0], v1[0]] + q @ [v0[1], v1[1]])
+        assert w.cost(problem, choice) == pytest.approx(max(values))
+
+
+def test_a_window_of_small_ops_lasts_its_issue_and_hides_that_much():
+    """Compute 100 us issued in 300: the window lasts 300 (its 200 idle count) and hides up to 300."""
+    problem, gp = prefetch_or_not()
+    w = solver.OverlapWindows(1.0, nodes=[[1]], edges=[[0]], floor=[300.0])
+    big = problem.with_costs(edge_costs=[np.array([[500.0, 0.0]]), np.zeros((1, 2))])
+    assert w.cost(big, [0, 0, 0]) == pytest.approx(610.0 + 200.0 - 300.0)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -94,7 +109,8 @@ def test_windows_solve_is_never_worse_than_its_start_and_its_bound_holds(seed):
     rng = np.random.default_rng(10 + seed)
     problem = random_problem(rng, n=7)
     m = problem.num_edges
-    w = solver.OverlapWindows(0.9, nodes=[[0, 1, 2], [3, 4]], edges=[list(range(0, m, 2)), list(range(1, m, 2))])
+    w = solver.OverlapWindows(0.9, nodes=[[0, 1, 2], [3, 4]], edges=[list(range(0, m, 2)), list(range(1, m, 2))],
+                              floor=[0.0, 30.0])
     first = solver.solve(problem, time_limit=5)
     answer = solver.solve_windows(problem, w, oracle, time.perf_counter() + 20, starts=[("additive", first.choice)])
     optimum = min(w.cost(problem, c) for c in itertools.product(range(3), repeat=7))
@@ -123,6 +139,8 @@ def test_windows_refuse_what_would_count_twice_or_is_not_there():
         solver.OverlapWindows(1.5, nodes=[[0]], edges=[[0]])
     with pytest.raises(solver.ProblemError, match="a node is in more than one window"):
         solver.OverlapWindows(0.5, nodes=[[0, 1], [1]], edges=[[0], [1]])
+    with pytest.raises(solver.ProblemError, match=r"floor: expected 1 finite times >= 0, found \(-1.0,\)"):
+        solver.OverlapWindows(0.5, nodes=[[0]], edges=[[0]], floor=[-1.0])
     with pytest.raises(solver.ProblemError, match="2 node sets but 1 edge sets"):
         solver.OverlapWindows(0.5, nodes=[[0], [1]], edges=[[0]])
     problem, _ = prefetch_or_not()

@@ -21,8 +21,10 @@ one of them, as the executors issue it:
   release (reduced beside the next layer's backward, as DDP's buckets and FSDP do);
 - read within the window it is made in, or by the next: exposed (no window).
 
-A window hides at most its compute: ``min(C_w, H_w)`` (its own exposed activation moves hold
-both streams alike). This is the walk's two streams cut at layer boundaries, so the objective
+A window hides at most what it lasts: ``min(S_w, H_w)`` (its own exposed activation moves hold
+both streams alike), where it lasts ``S_w = max(C_w, I_w)``, its compute or, where that is
+shorter, the time the host takes to issue its ops (``I_w``: the simulator's host clock,
+:meth:`~autoshard.planning.problem.GraphProblem.issue_us`). This is the walk's two streams cut at layer boundaries, so the objective
 and the simulated step agree where one layer's communication is hidden by one layer's compute
 (FSDP, DDP, TP+FSDP): the walk also lets a gather run any number of windows ahead when the
 stream is free, which the windows do not count.
@@ -55,7 +57,9 @@ def overlap_windows(gp, share: float) -> solver.OverlapWindows | None:
             edges[r + 1].append(k)
         elif d < count and d - 1 > r:
             edges[d - 1].append(k)
-    windows = solver.OverlapWindows.merged(gp.problem, share, nodes, edges)
+    issue = gp.issue_us()
+    floor = [sum(issue[v] for v in members) for members in nodes]
+    windows = solver.OverlapWindows.merged(gp.problem, share, nodes, edges, floor)
     return windows if len(windows) else None
 
 
