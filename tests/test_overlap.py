@@ -122,8 +122,8 @@ def test_windows_solve_is_never_worse_than_its_start_and_its_bound_holds(seed):
 def test_equal_windows_merge_into_their_union_and_the_objective_stays():
     """Two tied layers: their windows are one function of the choice, merged (one weight)."""
     problem = solver.Problem(
-        node_costs=[[0.0], [30.0, 20.0], [30.0, 20.0], [5.0, 9.0], [5.0, 9.0]], node_usages=[[1.0], [1.0] * 2, [1.0] * 2,
-                                                                                            [1.0] * 2, [1.0] * 2],
+        node_costs=[[0.0], [30.0, 20.0], [30.0, 20.0], [5.0, 9.0], [5.0, 9.0]],
+        node_usages=[[1.0], [1.0] * 2, [1.0] * 2, [1.0] * 2, [1.0] * 2],
         intervals=[[0, 1]] * 5, edges=[[0, 3], [0, 4], [1, 3], [2, 4]],
         edge_costs=[np.array([[40.0, 0.0]]), np.array([[40.0, 0.0]]), np.ones((2, 2)), np.ones((2, 2))],
         ties=[[1, 2], [3, 4]])
@@ -216,7 +216,8 @@ def test_follow_keeps_the_least_simulated_plan_of_those_it_is_given():
     first = solver.solve(problem, time_limit=5)
     sol, record = follow(problem, gp, first, 1.0, None, oracle, deadline=0.0)
     assert sol is first and record["kept"] == "additive optimum"
-    sol, record = follow(problem, gp, first, 1.0, None, oracle, deadline=0.0, candidates=[("fsdp", np.array([0, 0, 0]))])
+    fsdp = [("fsdp", np.array([0, 0, 0]))]
+    sol, record = follow(problem, gp, first, 1.0, None, oracle, deadline=0.0, candidates=fsdp)
     assert sol.choice.tolist() == [0, 0, 0] and record["kept"] == "fsdp"
     assert record["simulated_us"] == pytest.approx(110.0) and sol.cost == pytest.approx(160.0)
     assert sol.lower_bound == first.lower_bound  # a bound on the additive objective, kept

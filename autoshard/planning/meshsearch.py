@@ -15,8 +15,8 @@ inter-node axes cost the same and are tried once. The model is traced once.
    memory-free optimum, both proofs), in the order of :func:`next_to_bound`, in worker processes
    where cores allow, for ``BOUND_SHARE`` of the time limit (``BOUND_SHARE_BINDING`` once memory
    binds the lowest bound). Bounds, pruning and proofs are on the objective the plans optimize:
-   the additive step by default; with ``overlap_objective``, the simulated step, bounded by the
-   optimum with every edge scaled by ``1 - eta``. Where the bounding finds a shape's plan alone
+   with ``overlap_objective`` (the default), the simulated step, bounded by the optimum with
+   every edge scaled by ``1 - eta``; else the additive step. Where the bounding finds a shape's plan alone
    (a proved memory-free optimum that fits, or where memory binds its best hand-written plan),
    the shape competes with that plan's predicted step.
 2. *Solving* (:meth:`MeshSearch.solve`): shapes with a hand-written plan first, by its predicted

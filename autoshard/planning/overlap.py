@@ -43,8 +43,8 @@ def relaxed(problem: solver.Problem, share: float) -> solver.Problem:
 
 def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
            windows: solver.OverlapWindows | None, solve: Callable[[solver.Problem, float, list], solver.Solution],
-           deadline: float, candidates: Sequence[tuple[str, np.ndarray]] = ()
-           ) -> tuple[solver.Solution, dict]:
+           deadline: float, candidates: Sequence[tuple[str, np.ndarray]] = (),
+           simulated: Callable[[np.ndarray], float] | None = None) -> tuple[solver.Solution, dict]:
     """The plan of least simulated step (module doc) from ``first`` (the additive solve of
     ``problem``, a problem of ``gp``'s graph): with ``windows``, their objective minimized by
     :func:`solver.solve_windows` (``solve(problem, seconds, starts)`` solves each additive
@@ -53,7 +53,8 @@ def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
     additive objective of its choice, and a record: the share, the additive solve's objective
     and simulated step, the windows' solve (its solves, why it stopped, its best ``F`` and
     lower bound), where the kept plan came from and its simulated step (``simulated_us``) and
-    ``F`` (``objective_us``)."""
+    ``F`` (``objective_us``). ``simulated(choice)``: a plan's simulated step (default
+    :func:`~autoshard.planning.simulate.simulate_plan` at ``share``; a caller's cache)."""
     record: dict = {"share": share, "additive_us": round(float(first.cost), 3)}
     ranked: list[tuple[str, np.ndarray]] = list(candidates)
     if windows is not None:
@@ -64,8 +65,9 @@ def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
                       stopped=answer.stopped, objective_best_us=round(answer.cost, 3),
                       dual_us=None if answer.lower_bound is None else round(answer.lower_bound, 3))
 
-    def simulated(choice) -> float:
-        return simulate_plan(gp, choice, share).step_us
+    if simulated is None:
+        def simulated(choice) -> float:
+            return simulate_plan(gp, choice, share).step_us
 
     best, best_us = first, simulated(first.choice)
     record["additive_simulated_us"] = round(best_us, 3)

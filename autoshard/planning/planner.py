@@ -33,10 +33,11 @@ from autoshard.planning.baselines import HandWritten, baseline_pins, baseline_re
 from autoshard.planning.overlap import additive_solve, follow, relaxed
 from autoshard.planning.pins import resolve_pins, to_spec
 from autoshard.planning.problem import GraphProblem, build_problem, pin_indices, with_recompute
-from autoshard.planning.simulate import step_floor
+from autoshard.planning.simulate import simulate_plan, step_floor
 from autoshard.planning.windows import overlap_windows
 from autoshard.units import human_bytes
 from costmodel import Profile, load_profile
+from solver.stall import StallRule
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ BASELINES_SHARE = 0.25
 #: each is one plane of a decomposition, and an answer within this share of its bound is as good
 #: to it as its optimum.
 ROUND_GAP = 1e-3
+#: The stall rule of those solves: a plane needs a good plan, not a proof of it (LLaMA-70B on
+#: (8, 8, 8): the exact search found its answer in a second and proved it in four).
+ORACLE_STALL = StallRule(patience=0.5, min_seconds=1.0)
 
 
 @fewer_gc_passes()
@@ -154,6 +158,11 @@ class Planner:
         problem has its answer (:meth:`memory_free`)."""
         self._infeasible: dict[str, MemoryBudgetError] = {}
         """Problems (by :func:`_problem_key`) proved infeasible under their budget."""
+        self._steps: dict[str, dict[bytes, float]] = {}
+        """Simulated steps of the plans seen, by recompute mode and choice."""
+        self._additive: dict[str, solver.Solution] = {}
+        """The last additive solve's answer per problem (by :func:`_problem_key`): where the
+        overlap objective starts from (:meth:`_with_windows`)."""
         self._hints: list[tuple[str, np.ndarray]] = []
         """Plans of this model on this mesh found by another planner (:meth:`hint`)."""
         self._seeds: dict[str, tuple[HandWritten | str, float, bool]] = {}
@@ -297,16 +306,15 @@ class Planner:
         modes = RECOMPUTE_MODES
         best, tried, failed, floor = None, {}, None, None
         for k, mode in enumerate(modes):
-            # Bounds are on the additive objective the solver minimizes: a mode is not solved when
-            # none of its plans can beat the best additive plan so far (the overlap rounds start
-            # from that plan; another mode's could hide more, untried).
+            # Bounds are on the additive objective the modes are solved with: a mode is not solved
+            # when none of its plans can beat the best additive plan so far.
             if best is not None and floor is not None \
                     and additive_solve(best[0]) <= floor + self.recompute_floor(mode, opts):
                 tried[mode] = "pruned"
                 continue
             share = max(1.0, (opts.time_limit - (time.perf_counter() - t0)) / (len(modes) - k))
             try:
-                result = self._solve_mode(opts.replace(recompute=mode), share)
+                result = self._solve_mode(opts.replace(recompute=mode), share, windows=False)
             except MemoryBudgetError as exc:
                 tried[mode], failed = "infeasible", exc
                 log.info(f"recompute {mode}: {first_line(exc)}")
@@ -318,8 +326,27 @@ class Planner:
                 floor = result[0].solver.get("memory_free_bound")
         if best is None:
             raise failed
+        if opts.overlap_objective:
+            best = self._with_windows(opts.replace(recompute=best[0].recompute["mode"]), best,
+                                      max(1.0, opts.time_limit - (time.perf_counter() - t0)))
         best[0].summary.recompute_tried = tried
         return best
+
+    def _with_windows(self, opts: PlanOptions, result: tuple[Plan, object], seconds: float) -> tuple[Plan, object]:
+        """``result`` (the plan of ``opts``'s mode, solved additively) followed by the overlap
+        objective from its additive solve's answer, in ``seconds``: the modes are compared on
+        their additive plans, and the objective, whose solves each cost about what the additive
+        solve did where memory binds, runs once, in the mode chosen."""
+        additive = self._additive.get(_problem_key(opts))
+        if additive is None:
+            return result
+        plan, choice = result
+        followed = self._solve_once(opts, seconds, starts=[("additive plan", choice)], hints=self._hints,
+                                    additive=additive)
+        if "seeds" in plan.solver:
+            followed[0].solver["seeds"] = plan.solver["seeds"]
+        # The additive pass's plan is one of its candidates: never slower, and it has the record.
+        return followed if followed[0].summary.step_us <= plan.summary.step_us + 1e-3 else result
 
     def recompute_floor(self, mode: str, opts: PlanOptions | None = None) -> float:
         """What recomputing in ``mode`` adds to any plan at least: each recomputed node's cheapest
@@ -330,15 +357,16 @@ class Planner:
         return float(sum(np.min(gp.compute_us[v][problem.allowed(v)], initial=np.inf)
                          for v, n in enumerate(gp.nodes) if n in rec))
 
-    def _solve_mode(self, opts: PlanOptions, time_limit: float) -> tuple[Plan, object]:
+    def _solve_mode(self, opts: PlanOptions, time_limit: float, windows: bool = True) -> tuple[Plan, object]:
         """The plan in ``opts.recompute``'s mode: one solve; where ``seed_baselines`` is on and
         its cheap stages prove nothing, it asks for the hand-written plans (solved under their
         pins in their share of the time) and starts its long searches from them
         (``solver.solve(late_starts=...)``), so the plan is never dearer than any of them and
         the exact search begins at the best of them (LLaMA-405B on (8, 16, 8): FSDP+TP+AC's
-        57.7 s step, where the search from its own start ended at 63.7 s)."""
+        57.7 s step, where the search from its own start ended at 63.7 s). ``windows``: follow
+        the overlap objective where the options ask for it."""
         if not opts.seed_baselines:
-            return self._solve_once(opts, time_limit, hints=self._hints)
+            return self._solve_once(opts, time_limit, hints=self._hints, windows=windows)
         seeds: dict[str, HandWritten | str] = {}
 
         def hand_written():
@@ -346,7 +374,7 @@ class Planner:
             return [(name, s.choice) for name, s in seeds.items() if isinstance(s, HandWritten)]
 
         result = self._solve_once(opts, (1 - BASELINES_SHARE) * time_limit, late_starts=hand_written,
-                                  hints=self._hints)
+                                  hints=self._hints, windows=windows)
         if seeds:
             result[0].solver["seeds"] = {name: round(s.step_us, 3) if isinstance(s, HandWritten) else None
                                          for name, s in seeds.items()}
@@ -359,9 +387,9 @@ class Planner:
 
         ``"autoshard"`` is what :meth:`solve` returns under the same options (pins included),
         unless a baseline that the options allow (no input specs given, its recompute mode the
-        one asked for or ``"auto"``) is predicted faster: the solve minimizes the additive step
-        (or, with ``overlap_objective``, follows the simulation from its own additive optimum),
-        so a pinned plan may overlap more. That baseline's plan then is ours, and :meth:`solve`
+        one asked for or ``"auto"``) is predicted faster: the solve minimizes the overlap
+        objective (:mod:`autoshard.planning.overlap`), which the simulated step need not follow
+        everywhere (buckets, prefetches further ahead). That baseline's plan then is ours, and :meth:`solve`
         returns it from then on. A baseline fixes the parameter
         and input specs as people write them by hand (see :mod:`autoshard.planning.baselines`; the pins
         given win over its own) and the solver chooses the rest. A baseline that does not fit
@@ -494,13 +522,16 @@ class Planner:
         return list(once.values())
 
     def _solve_once(self, opts: PlanOptions, time_limit: float, starts=(), late_starts=None, lazy: bool = False,
-                    hints=()):
+                    hints=(), windows: bool = True, additive: solver.Solution | None = None):
         """(plan, the solver's choice per problem node): one solve under ``opts`` (``starts`` and
         ``late_starts``: choices made in any recompute mode, see :func:`solver.solve`). With
         ``lazy``, a :class:`HandWritten` whose plan is assembled when first asked for. ``hints``: more
         starts, made under other options, that are not candidates of their own: the solver moves
         them onto this problem's pins, and a moved hint is then a plan of it like any other the
-        search offers (its answer, or one of its pool ranked by simulated step)."""
+        search offers (its answer, or one of its pool ranked by simulated step). With ``windows``
+        and ``opts.overlap_objective``, the answer follows the overlap objective
+        (:func:`autoshard.planning.overlap.follow`); ``additive``: the additive solve's answer, known
+        (not solved again)."""
         problem = self.problem(**_solve_fields(opts))
         rc, gp = self.variant(opts.recompute)
         t1 = time.perf_counter()
@@ -512,14 +543,16 @@ class Planner:
         # that fit it).
         recomputing = f" ({'these pins, ' if problem.pins else ''}recompute={rc.mode!r})"
         free = self._free.get(_problem_key(opts))
-        asked: list = []  # the late starts, once the solve asks for them: candidates of the overlap rounds
+        asked: list = []  # the late starts, once the solve asks for them: candidates of the overlap objective
 
         def late():
             asked.extend((name, _project(choice, gp)) for name, choice in late_starts())
             return asked
 
         try:
-            if free is not None:  # proved optimal where memory cannot bind: no start beats it
+            if additive is not None:
+                sol = additive
+            elif free is not None:  # proved optimal where memory cannot bind: no start beats it
                 sol = free.solution(opts.backend)
             else:
                 sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts + hints,
@@ -536,17 +569,31 @@ class Planner:
                 self._infeasible[_problem_key(opts)] = err  # proved: even the least-usage plan breaks it
             raise err from exc
 
+        # Where memory bound the additive solve, its memory-free stage (the optimum without memory,
+        # repaired into it) lost to its starts: the weighed solves skip it (a second each on
+        # LLaMA-70B) and search from the plans they are given.
+        free_stage = sol.source == "pairwise" or problem.usage_limit is None
+
         def solve_weighed(weighed: solver.Problem, seconds: float, round_starts) -> solver.Solution:
             return solver.solve(weighed, time_limit=seconds, backend=opts.backend, starts=round_starts,
-                                mip_gap=ROUND_GAP)
+                                mip_gap=ROUND_GAP, stall=ORACLE_STALL, pairwise=free_stage)
 
         # The solve's other answers of about its cost compete by their simulated step too: among
         # plans the additive objective barely tells apart, overlap moves the step by percents.
         given = {np.asarray(choice).tobytes() for _, choice in starts + asked}
         pool = [(f"{source} (pool)", choice) for source, choice in sol.pool if choice.tobytes() not in given]
-        windows = overlap_windows(gp, self.profile.overlap) if opts.overlap_objective else None
+        self._additive[_problem_key(opts)] = sol
+        windows = overlap_windows(gp, self.profile.overlap) if windows and opts.overlap_objective else None
+        steps = self._steps.setdefault(opts.recompute, {})
+
+        def simulated(choice) -> float:  # a plan is simulated once per mode (0.5 s on LLaMA-70B)
+            key = np.asarray(choice).tobytes()
+            if key not in steps:
+                steps[key] = simulate_plan(gp, choice, self.profile.overlap).step_us
+            return steps[key]
+
         sol, overlap = follow(problem, gp, sol, self.profile.overlap, windows, solve_weighed, t1 + time_limit,
-                              candidates=starts + asked + pool)
+                              candidates=starts + asked + pool, simulated=simulated)
         phases = dict(self.phases, solve_s=time.perf_counter() - t1)
 
         def assemble() -> Plan:

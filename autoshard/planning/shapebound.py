@@ -130,10 +130,10 @@ def fits_alone(free) -> bool:
 
 
 def bound_share(planner: ShapePlanner) -> float:
-    """The overlap share the search bounds with: the profile's where plans follow the simulated
-    step (``overlap_objective``), else 0: shapes are then bounded, pruned and proved on the
-    additive objective their plans optimize (the overlap-relaxed bounds lie far below plans
-    that do not seek overlap), and chosen by their predicted steps."""
+    """The overlap share the search bounds with: the profile's where plans minimize the overlap
+    objective (``overlap_objective``, the default: the relaxed optimum bounds it and the
+    simulated step), else 0: shapes are then bounded, pruned and proved on the additive
+    objective their plans optimize, and chosen by their predicted steps."""
     return planner.profile.overlap if planner.options.overlap_objective else 0.0
 
 

@@ -24,10 +24,10 @@ one of them, as the executors issue it:
 A window hides at most what it lasts: ``min(S_w, H_w)`` (its own exposed activation moves hold
 both streams alike), where it lasts ``S_w = max(C_w, I_w)``, its compute or, where that is
 shorter, the time the host takes to issue its ops (``I_w``: the simulator's host clock,
-:meth:`~autoshard.planning.problem.GraphProblem.issue_us`). This is the walk's two streams cut at layer boundaries, so the objective
-and the simulated step agree where one layer's communication is hidden by one layer's compute
-(FSDP, DDP, TP+FSDP): the walk also lets a gather run any number of windows ahead when the
-stream is free, which the windows do not count.
+:meth:`~autoshard.planning.problem.GraphProblem.issue_us`). This is the walk's two streams cut
+at layer boundaries, so the objective and the simulated step agree where one layer's
+communication is hidden by one layer's compute (FSDP, DDP, TP+FSDP): the walk also lets a gather
+run any number of windows ahead when the stream is free, which the windows do not count.
 """
 
 from __future__ import annotations
