@@ -211,10 +211,10 @@ class _ScriptedPlanner:
 
         self.shape, self.traced, self.built = tuple(mesh.shape), "traced", None
         self.profile = load_profile("h100-sxm")
-        self.options = options or PlanOptions()
+        self.options = options or PlanOptions(overlap_objective=False)
 
     def overlap_free(self, time_limit=60.0):
-        raise AssertionError("scripted searches plan on the additive objective")
+        raise AssertionError("scripted searches plan on the additive objective (overlap_objective=False)")
 
     def hand_written(self, time_limit, additive_floor_us=0.0, compute_floor_us=0.0, below=float("inf")):
         return None
@@ -263,7 +263,7 @@ def test_where_memory_binds_bounding_stops_at_half_and_two_shapes_share_the_solv
     monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _ScriptedPlanner.clock[0]))
     _ScriptedPlanner.clock[0], _ScriptedPlanner.solves = 0.0, []
     assert mesh_shapes(8, 8) == [(8,), (2, 4), (4, 2), (2, 2, 2)]
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), _ScriptedPlanner)
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0, overlap_objective=False), _ScriptedPlanner)
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
     # bounded at 20, 40 (the 2-D shapes' cost is known: 20 s > 50 - 40 left), the 3-D one at 60
     assert rows[(4, 2)]["outcome"] == "skipped" and "50 s of time_limit, memory binding" in rows[(4, 2)]["note"]
@@ -325,7 +325,7 @@ def _search_fitting(world, monkeypatch, planner_cls):
     monkeypatch.setattr(sb, "simulate_plan",
                         lambda built, choice, eta: SimpleNamespace(step_us=_FittingPlanner.simulated[choice]))
     _FittingPlanner.clock[0], _FittingPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0), planner_cls)
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=100.0, overlap_objective=False), planner_cls)
     return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
 
 
@@ -415,7 +415,7 @@ def _search_scripted(monkeypatch, planner, **options):
     monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
     monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0, **options), planner)
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0, **options, overlap_objective=False), planner)
     return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
 
 
@@ -445,7 +445,8 @@ def test_shapes_that_refine_only_slow_shapes_are_not_bounded(world, monkeypatch)
 
     def search(margin):
         _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-        plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0, mesh_margin=margin), _RefiningPlanner)
+        plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0, mesh_margin=margin,
+                                                     overlap_objective=False), _RefiningPlanner)
         return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
 
     plan, rows = search(0.25)
@@ -593,7 +594,7 @@ def test_the_stall_count_starts_over_after_a_solve_that_pays(world, monkeypatch)
     monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
     monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0), _RestartPlanner)
+    plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0, overlap_objective=False), _RestartPlanner)
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
     assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(2, 8), (4, 4), (8, 2), (2, 2, 4)]
     assert rows[(4, 4)]["outcome"] == "chosen" and plan.summary["step_us"] == 280.0
@@ -641,7 +642,7 @@ def test_shapes_kept_by_different_workers_are_solved_side_by_side_on_a_core_each
     monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
     monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0] = 0.0
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0), _SideBySidePlanner)
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0, overlap_objective=False), _SideBySidePlanner)
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
     assert plan.summary["step_us"] == 300.0 and rows[(4, 2)]["outcome"] == "chosen"
     # (4, 2) and (2, 4), bounded by the two workers at once, solved at once (else the barrier
@@ -676,7 +677,7 @@ def test_a_shape_refining_only_shapes_bounded_far_above_the_least_is_not_bounded
     monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
     monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0), Planless)
+    plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0, overlap_objective=False), Planless)
     rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
     assert rows[(8, 2)]["bound_us"] == 650.0 and rows[(8, 2)]["step_us"] is None
     assert rows[(4, 2, 2)]["bound_us"] is None

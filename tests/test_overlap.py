@@ -16,7 +16,7 @@ from autoshard.graph.layers import node_layer
 from autoshard.models import llama
 from autoshard.planning.overlap import additive_solve, follow
 from autoshard.planning.simulate import simulate_plan
-from autoshard.planning.windows import _reach, _segments, overlap_windows
+from autoshard.planning.windows import overlap_windows, reach, segments
 
 Edge = namedtuple("Edge", "producer consumer arg out")
 
@@ -161,8 +161,8 @@ def test_windows_of_a_llama_hide_gathers_one_layer_ahead_and_reductions_one_laye
                                 profile="h100-sxm", time_limit=10, memory_budget=None)
     gp = planner.built
     windows = overlap_windows(gp, 0.9)
-    segment, count = _segments(gp)
-    release, deadline = _reach(gp, segment, count)
+    segment, count = segments(gp)
+    release, deadline = reach(gp, segment, count)
     # Embedding, 4 layers' forwards, the head; the head's backward, 4 layers', the embedding's.
     assert count == 12
     assert sum(windows.count) >= 8  # the layers' windows, equal ones merged
@@ -242,3 +242,17 @@ def test_overlap_relaxed_optimum_bounds_every_simulated_step(world):
     assert len(steps) >= 5
     assert all(bound <= us * (1 + 1e-9) for us in steps.values()), (bound, steps)
     assert bound <= additive * (1 + 1e-5)  # toulbar2 rounds costs to integers
+
+
+@pytest.mark.parametrize("profile", ["h100-sxm", "cpu-gloo"])
+def test_objective_is_within_five_percent_of_the_simulated_step(world, profile):
+    """How tight the proxy is: on a LLaMA whose layers hide one layer's communication behind one
+    layer's compute, the overlap objective of the plan is its simulated step within 5% (2% and
+    -2% measured on these two profiles; the plan_quality cases print theirs)."""
+    world(8)
+    planner = autoshard.Planner(tiny_llama(), (torch.randint(0, 512, (16, 64)),),
+                                autoshard.fake_mesh((2, 4), ("dp", "tp")), profile=profile, time_limit=10,
+                                memory_budget=None, seed_baselines=False)
+    plan = planner.solve()
+    objective, step = plan.summary.overlap["objective_us"], plan.summary.step_us
+    assert abs(objective / step - 1) <= 0.05, (objective, step)

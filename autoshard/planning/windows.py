@@ -44,8 +44,8 @@ def overlap_windows(gp, share: float) -> solver.OverlapWindows | None:
     identical windows merged; None where nothing may hide or ``share`` is 0."""
     if share <= 0:
         return None
-    segment, count = _segments(gp)
-    release, deadline = _reach(gp, segment, count)
+    segment, count = segments(gp)
+    release, deadline = reach(gp, segment, count)
     nodes = [[] for _ in range(count)]
     for v, s in enumerate(segment.tolist()):
         nodes[s].append(v)
@@ -63,7 +63,7 @@ def overlap_windows(gp, share: float) -> solver.OverlapWindows | None:
     return windows if len(windows) else None
 
 
-def _segments(gp) -> tuple[np.ndarray, int]:
+def segments(gp) -> tuple[np.ndarray, int]:
     """Per node its window in run order, and the number of windows: a new one wherever the run
     enters another (layer, phase); a recomputed copy runs in its original's layer's backward."""
     segment = np.empty(len(gp.nodes), dtype=np.int64)
@@ -79,7 +79,7 @@ def _segments(gp) -> tuple[np.ndarray, int]:
     return segment, current + 1
 
 
-def _reach(gp, segment: np.ndarray, count: int) -> tuple[list[int], list[int]]:
+def reach(gp, segment: np.ndarray, count: int) -> tuple[list[int], list[int]]:
     """Per node, the window after which its data exists (-1: before the first) and the first
     window whose compute reads it (``count``: none, the end of the step); views pass both
     through (they compute nothing: the simulator runs them where their inputs are)."""

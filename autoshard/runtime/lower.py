@@ -289,7 +289,12 @@ class Lowering:
         except (RuntimeError, ValueError) as exc:
             if n.target not in _VIEWS or not isinstance(args[0], DTensor) or "view" not in str(exc):
                 raise
-        return n.target(args[0].contiguous(), *args[1:], **kwargs)
+        # The shard itself made contiguous: DTensor.contiguous() looks at the global strides, which
+        # a kernel that laid its shard out otherwise (CUDA's SDPA against the CPU kernel traced) keeps.
+        t = args[0]
+        local = DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
+                                   shape=t.shape, stride=t.stride())
+        return n.target(local, *args[1:], **kwargs)
 
     def _local_kernel(self, n: fx.Node, kernel, args, kwargs, entry: dict) -> tuple:
         """A traced CPU attention kernel run by the mesh's device's kernel on each rank's shards
