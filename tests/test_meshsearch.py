@@ -60,12 +60,13 @@ def test_memory_free_optimum_that_fits_is_the_plan(world):
     from autoshard.planning.planner import Planner
 
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
-    screened = Planner(model, (tokens,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
+    screened = Planner(model, (tokens,), mesh, profile=SHARDING_PROFILE, memory_budget=None, overlap_objective=False)
     free = screened.memory_free(time_limit=30)
     assert free.proved and free.fits and free.lower_bound <= free.cost
     plan = screened.solve()
     assert plan.solver["status"] == "optimal" and plan.solver["source"] == "pairwise"
-    alone = autoshard.plan(model, (tokens,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
+    alone = autoshard.plan(model, (tokens,), mesh, profile=SHARDING_PROFILE, memory_budget=None,
+                           overlap_objective=False)
     assert plan.summary["step_us"] == pytest.approx(alone.summary["step_us"], rel=1e-9)
     assert additive_solve(plan) == pytest.approx(free.cost / 1.0, rel=1e-9)
 

@@ -149,20 +149,20 @@ def test_non_default_shard_order_is_chosen_when_cheaper(world):
     assert default.summary["step_us"] > plan.summary["step_us"] + 100
 
 
-def test_the_solve_alone_is_never_dearer_than_a_baseline_on_its_objective(world):
-    """The solve without hand-written seeds, proved optimal, costs no more than any hand-written
-    plan on the objective it minimizes (a hand-written plan is a solve under more pins); the plan
-    compare() gives records that solve beside itself."""
+def test_the_solve_alone_is_predicted_no_slower_than_any_baseline(world):
+    """The solve without hand-written seeds (the overlap objective, nothing taken from the
+    baselines) is predicted no slower than any hand-written plan; the plan compare() gives
+    records that solve beside itself."""
     world(4)
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
     model, x = tiny("llama"), tokens()
     alone = autoshard.plan(model, (x,), mesh, profile=SHARDING_PROFILE, memory_budget=None, seed_baselines=False)
-    assert alone.solver["status"] == "optimal", alone.solver
+    assert not alone.solver["source"].startswith("baseline"), alone.solver
     res = autoshard.compare(model, (x,), mesh, profile=SHARDING_PROFILE, memory_budget=None)
     assert set(res) == {"autoshard", "ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac"}
     for name in ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac"):
         assert not isinstance(res[name], str), res[name]
-        assert alone.summary.additive_us <= res[name].summary.additive_us * (1 + 1e-6), name
+        assert alone.summary.step_us <= res[name].summary.step_us * (1 + 1e-6), name
     recorded = res["autoshard"].summary.solve_alone
     assert recorded["seeded"] or recorded["step_us"] == alone.summary.step_us
     # DDP pins every parameter replicated (buffers are not pinned: the solver places them).
@@ -228,7 +228,7 @@ def test_hugging_face_models_plan(world, arch, shape, names):
     plan = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
     assert set(plan.params) >= {f for f, _ in model.named_parameters()}
     assert all(len(p.placements) == len(shape) for p in plan.params.values())
-    assert plan.summary["step_us"] > 0 and plan.solver["status"] == "optimal"
+    assert plan.summary["step_us"] > 0 and plan.summary.overlap["additive_status"] == "optimal"
     if len(shape) < 3:  # determinism (the 3-D plans take longest; one check is enough)
         again = autoshard.plan(model, (x,), mesh, profile="h100-sxm")
         assert again.params == plan.params and again.nodes == plan.nodes

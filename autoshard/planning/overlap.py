@@ -57,7 +57,7 @@ def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
     lower bound), where the kept plan came from and its simulated step (``simulated_us``) and
     ``F`` (``objective_us``). ``simulated(choice)``: a plan's simulated step (default
     :func:`~autoshard.planning.simulate.simulate_plan` at ``share``; a caller's cache)."""
-    record: dict = {"share": share, "additive_us": round(float(first.cost), 3)}
+    record: dict = {"share": share, "additive_us": round(float(first.cost), 3), "additive_status": first.status.value}
     ranked: list[tuple[str, np.ndarray]] = list(candidates)
     if windows is not None:
         starts = [("additive optimum", first.choice), *candidates]
