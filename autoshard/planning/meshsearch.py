@@ -14,11 +14,14 @@ inter-node axes cost the same and are tried once. The model is traced once.
    (:func:`~autoshard.planning.shapebound.bound_shape`: its cheapest strategy per node and its
    memory-free optimum, both proofs), in the order of :func:`next_to_bound`, in worker processes
    where cores allow, for ``BOUND_SHARE`` of the time limit (``BOUND_SHARE_BINDING`` once memory
-   binds the lowest bound). Bounds, pruning and proofs are on the objective the plans optimize:
-   with ``overlap_objective`` (the default), the simulated step, bounded by the optimum with
-   every edge scaled by ``1 - eta``; else the additive step. Where the bounding finds a shape's plan alone
-   (a proved memory-free optimum that fits, or where memory binds its best hand-written plan),
-   the shape competes with that plan's predicted step.
+   binds the lowest bound). Bounds, pruning and proofs are on the additive step, the objective
+   each shape's additive solve minimizes before its plan follows the overlap objective (the
+   overlap objective's own bounds, a Lagrangian dual per shape, cost about what solving the shape
+   does, and the overlap-relaxed optimum lies 20-35% below the plans: LLaMA-8B on 64 ranks);
+   the step floors (:func:`~autoshard.planning.simulate.step_floor`) compare shapes by their
+   predicted steps. Where the bounding finds a shape's plan alone (a proved memory-free optimum
+   that fits, or where memory binds its best hand-written plan), the shape competes with that
+   plan's predicted step.
 2. *Solving* (:meth:`MeshSearch.solve`): shapes with a hand-written plan first, by its predicted
    step, then by increasing bound; each solved as a plan on a given mesh is, with half the time
    left while another shape is worth solving after it, else all of it; where its worker keeps its
@@ -54,7 +57,6 @@ from autoshard.planning.shapebound import (
     Shape,
     ShapeBound,
     ShapePlanner,
-    bound_share,
     bounding_workers,
     fits_alone,
     plan_held,
@@ -161,7 +163,6 @@ class MeshSearch:
         self.shapes = search_order(mesh_shapes(ranks, per_node, max_axes), per_node)
         log.info(f"mesh search over {len(self.shapes)} shapes of {ranks} ranks: "
                  f"{', '.join(map(_name, self.shapes))}")
-        self.eta = bound_share(self.first)
         self.rows = {shape: ShapeResult(shape, "skipped") for shape in self.shapes}
         self.todo = list(self.shapes)
         self.bounded: list[BoundedShape] = []
@@ -214,11 +215,11 @@ class MeshSearch:
     def plan_floor(self, b: BoundedShape) -> float:
         """What every plan of ``b`` is predicted at least, by its bounds: on the additive objective
         the floor of a step with that additive and compute (:func:`step_floor`)."""
-        return b.bound_us if self.eta > 0 else step_floor(b.bound_us, b.cheapest_us, self.first.profile.overlap)
+        return step_floor(b.bound_us, b.cheapest_us, self.first.profile.overlap)
 
     def unpromising(self, b: BoundedShape) -> str | None:
         """Why shape ``b`` is not worth solving now, by the plans found so far, or None."""
-        objective = [*(p.summary.step_us if self.eta > 0 else additive_solve(p) for p in self.solved.values()),
+        objective = [*(additive_solve(p) for p in self.solved.values()),
                      *([self.free_plan_us] if self.free_plan_shape not in (None, b.shape) else [])]
         best_us = min(objective, default=None)
         if best_us is not None and b.bound_us >= best_us:
@@ -463,7 +464,7 @@ class MeshSearch:
         if b.planner is not None:
             return b.planner
         planner = self._planner(b.shape)
-        if b.free is not None and bound_share(planner) <= 0:  # the additive optimum
+        if b.free is not None:  # the additive optimum
             planner.memory_free(found=b.free)
         if b.hints:
             planner.hint(b.hints)
@@ -487,7 +488,7 @@ class MeshSearch:
         row.outcome, row.step_us = "planned", plan.summary.step_us
         row.peak_mem_bytes = plan.summary.peak_mem_bytes
         proved = plan.solver.get("bound")
-        if proved is not None and self.eta <= 0:
+        if proved is not None:
             row.bound_us = max(row.bound_us, proved)  # the solver's bound is additive: a step's only then
         row.note = str(plan.solver.get("status", ""))
         log.info(f"mesh {_name(b.shape)}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "

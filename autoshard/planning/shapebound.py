@@ -53,8 +53,6 @@ class ShapePlanner(Protocol):
 
     def memory_free(self, time_limit: float = ..., found: Any = ...) -> Any: ...
 
-    def overlap_free(self, time_limit: float = ...) -> Any: ...
-
     def hand_written(self, time_limit: float, additive_floor_us: float = ..., compute_floor_us: float = ...,
                      below: float = ...) -> tuple[str, HandWrittenPlan] | None: ...
 
@@ -81,8 +79,8 @@ class ShapeBound:
     plan: Plan | None = None
     """Its plan where the bounding assembled it (below every plan known when it was submitted)."""
     free_plan_objective: float | None = None
-    """The objective (:func:`bound_share`) of its memory-free optimum where that fits the budget:
-    a plan of the shape, so an upper bound of the shape's objective."""
+    """The additive objective of its memory-free optimum where that fits the budget: a plan of
+    the shape, so an upper bound of the shape's additive optimum."""
     step_us: float | None = None
     """The predicted (simulated) step of the plan of the shape the bounding found, else None: on
     the additive objective, its memory-free optimum where proved and fitting (the plan the shape
@@ -129,14 +127,6 @@ def fits_alone(free) -> bool:
     return free is not None and free.proved and free.fits
 
 
-def bound_share(planner: ShapePlanner) -> float:
-    """The overlap share the search bounds with: the profile's where plans minimize the overlap
-    objective (``overlap_objective``, the default: the relaxed optimum bounds it and the
-    simulated step), else 0: shapes are then bounded, pruned and proved on the additive
-    objective their plans optimize, and chosen by their predicted steps."""
-    return planner.profile.overlap if planner.options.overlap_objective else 0.0
-
-
 def hand_written_plan(name: str, seed: HandWrittenPlan) -> Plan:
     """A hand-written plan as a search's answer, labelled."""
     return seed.as_ours(name, "hand-written, under its pins: predicted faster than the plans the mesh search solved")
@@ -154,24 +144,10 @@ def bound_shape(shape: Shape, seconds: float, make: Callable[[Shape], ShapePlann
     try:
         planner = make(shape) if planner is None else planner
         cheapest = planner.cheapest_bound()
-        if bound_share(planner) > 0:
-            found = _bound_on_overlap(planner, seconds)
-        else:
-            found = _bound_additive(planner, seconds, cheapest, plan_below, best_us, started)
+        found = _bound_additive(planner, seconds, cheapest, plan_below, best_us, started)
     except AutoshardError as exc:  # e.g. a pin written for another number of axes
         return ShapeBound(shape, time.perf_counter() - started, error=str(exc))
     return replace(found, shape=shape, seconds=time.perf_counter() - started, cheapest_us=cheapest, planner=planner)
-
-
-def _bound_on_overlap(planner: ShapePlanner, seconds: float) -> ShapeBound:
-    # Plans are compared by their simulated step, which hides up to eta of each plan's
-    # communication: the additive optimum bounds nothing, the overlap-relaxed one does. Where it
-    # fits, it is a plan: its simulated step is an upper bound of the shape's.
-    free = planner.overlap_free(time_limit=seconds)
-    upper = None
-    if free is not None and free.fits:
-        upper = simulate_plan(planner.built, free.choice, bound_share(planner)).step_us
-    return ShapeBound((), 0.0, free=free, free_plan_objective=upper)
 
 
 def _bound_additive(planner: ShapePlanner, seconds: float, cheapest: float, plan_below: float, best_us: float,
