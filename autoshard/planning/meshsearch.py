@@ -352,7 +352,10 @@ class MeshSearch:
             row.note = "its memory-free optimum (proved, fits): its plan" if res.hand is None else \
                 f"hand-written {res.hand}: its plan (predicted faster than its memory-free optimum, which fits)" \
                 if res.fits else f"hand-written {res.hand}, its best (memory binds)"
-        if res.step_us is None or (res.hand is not None and not res.fits):  # a plan may beat its hand-written one
+        # A plan may beat its hand-written one where memory binds; with the overlap objective, a
+        # solve may beat the memory-free optimum and the hand-written plans alike.
+        if res.step_us is None or (res.hand is not None and not res.fits) \
+                or (self.options.overlap_objective and res.plan is None):
             self.bounded.append(entry)
         found = res.free_plan_objective
         log.info(f"mesh {_name(shape)}: bound {bound / 1e3:.3f} ms"

@@ -170,8 +170,9 @@ def _bound_additive(planner: ShapePlanner, seconds: float, cheapest: float, plan
             hand, step = found[0], found[1].step_us
         plan = None
         if step < plan_below:
-            plan = planner.solve(time_limit=max(1.0, seconds))  # the optimum or the hand-written plan
-            peak = plan.summary.peak_mem_bytes
+            # The optimum or the hand-written plan, or with the overlap objective a faster one.
+            plan = planner.solve(time_limit=max(1.0, seconds))
+            step, peak = min(step, plan.summary.step_us), plan.summary.peak_mem_bytes
         return ShapeBound((), 0.0, free=free, plan=plan, free_plan_objective=upper, step_us=step, peak_bytes=peak,
                           hand=hand)
     # Memory binds: planned alone, the shape's plan is the least predicted of its solve and its
