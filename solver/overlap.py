@@ -317,6 +317,9 @@ def _next_weights(planes, windows: OverlapWindows) -> tuple[np.ndarray, np.ndarr
     inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
+    # HiGHS's thread pool is global and sized by the first model run: every model here asks for
+    # one thread (solver.highs_model.to_highs), or the MILPs after this LP fail to start.
+    h.setOptionValue("threads", 1)
     # columns: a_0 .. a_{W-1}, b_0 .. b_{W-1} in [0, 1], t free; maximize t (minimize -t)
     n = 2 * W + 1
     h.addCols(n, np.concatenate([np.zeros(2 * W), [-1.0]]), np.concatenate([np.zeros(2 * W), [-inf]]),
