@@ -289,12 +289,13 @@ class Lowering:
         except (RuntimeError, ValueError) as exc:
             if n.target not in _VIEWS or not isinstance(args[0], DTensor) or "view" not in str(exc):
                 raise
-        # The shard itself made contiguous: DTensor.contiguous() looks at the global strides, which
-        # a kernel that laid its shard out otherwise (CUDA's SDPA against the CPU kernel traced) keeps.
-        t = args[0]
-        local = DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
+        t = args[0].contiguous()
+        if not t.to_local().is_contiguous():
+            # DTensor.contiguous() makes the global strides contiguous, not a shard that a kernel laid
+            # out otherwise (CUDA's SDPA against the CPU kernel traced): that shard too.
+            t = DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
                                    shape=t.shape, stride=t.stride())
-        return n.target(local, *args[1:], **kwargs)
+        return n.target(t, *args[1:], **kwargs)
 
     def _local_kernel(self, n: fx.Node, kernel, args, kwargs, entry: dict) -> tuple:
         """A traced CPU attention kernel run by the mesh's device's kernel on each rank's shards
