@@ -46,7 +46,8 @@ def relaxed(problem: solver.Problem, share: float) -> solver.Problem:
 def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
            windows: solver.OverlapWindows | None, solve: Callable[[solver.Problem, float, list], solver.Solution],
            deadline: float, candidates: Sequence[tuple[str, np.ndarray]] = (),
-           simulated: Callable[[np.ndarray], float] | None = None) -> tuple[solver.Solution, dict]:
+           simulated: Callable[[np.ndarray], float] | None = None, stall: int = solver.overlap.STALL
+           ) -> tuple[solver.Solution, dict]:
     """The plan of least simulated step (module doc) from ``first`` (the additive solve of
     ``problem``, a problem of ``gp``'s graph): with ``windows``, their objective minimized by
     :func:`solver.solve_windows` (``solve(problem, seconds, starts)`` solves each additive
@@ -55,13 +56,14 @@ def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
     additive objective of its choice, and a record: the share, the additive solve's objective
     and simulated step, the windows' solve (its solves, why it stopped, its best ``F`` and
     lower bound), where the kept plan came from and its simulated step (``simulated_us``) and
-    ``F`` (``objective_us``). ``simulated(choice)``: a plan's simulated step (default
+    ``F`` (``objective_us``). ``stall``: the decomposition's solves without a better plan
+    after which it stops. ``simulated(choice)``: a plan's simulated step (default
     :func:`~autoshard.planning.simulate.simulate_plan` at ``share``; a caller's cache)."""
     record: dict = {"share": share, "additive_us": round(float(first.cost), 3), "additive_status": first.status.value}
     ranked: list[tuple[str, np.ndarray]] = list(candidates)
     if windows is not None:
         starts = [("additive optimum", first.choice), *candidates]
-        answer = solver.solve_windows(problem, windows, solve, deadline, starts=starts)
+        answer = solver.solve_windows(problem, windows, solve, deadline, starts=starts, stall=stall)
         ranked = answer.candidates[:SIMULATED] + ranked
         record.update(windows=len(windows), window_layers=int(sum(windows.count)), solves=answer.record,
                       stopped=answer.stopped, objective_best_us=round(answer.cost, 3),
