@@ -328,8 +328,10 @@ class Planner:
         if best is None:
             raise failed
         if opts.overlap_objective:
-            best = self._with_windows(opts.replace(recompute=best[0].recompute["mode"]), best,
+            mode = best[0].recompute["mode"]
+            best = self._with_windows(opts.replace(recompute=mode), best,
                                       max(1.0, opts.time_limit - (time.perf_counter() - t0)))
+            tried[mode] = best[0].summary.step_us  # the mode's plan, the objective followed
         best[0].summary.recompute_tried = tried
         return best
 
