@@ -184,11 +184,6 @@ class OverlapWindows:
         """``F(x)`` (module doc)."""
         return self.value(*self.terms(problem, choice))
 
-    def hidden(self, problem: Problem, choice) -> float:
-        """``eta * sum_w min(S_w(x), H_w(x))``: the communication the windows hide."""
-        _, c, h = self.terms(problem, choice)
-        return self.share * float(np.minimum(np.maximum(c, np.asarray(self.floor)), h).sum())
-
     def weighed(self, problem: Problem, a: np.ndarray, b: np.ndarray) -> tuple[Problem, float]:
         """The additive problem of ``L(.; a, b)`` and its constant (module doc): ``L(x; a, b)`` is
         that problem's cost of ``x`` plus the constant. Forbidden entries stay forbidden."""
@@ -238,7 +233,8 @@ class WindowsAnswer:
     candidates: list[tuple[str, np.ndarray]]
     """Every distinct plan seen, least ``F`` first."""
     record: list[dict]
-    """Per oracle solve: its weights' summary, the plan's ``F`` and ``A``, the dual value, seconds."""
+    """Per weighed solve: its plan's ``F`` (``objective_us``), its proved dual value (``dual_us``,
+    None where the solve proved no bound) and its seconds."""
     stopped: str
 
 

@@ -492,7 +492,7 @@ class MeshSearch:
         row.peak_mem_bytes = plan.summary.peak_mem_bytes
         proved = plan.solver.get("bound")
         if proved is not None:
-            row.bound_us = max(row.bound_us, proved)  # the solver's bound is additive: a step's only then
+            row.bound_us = max(row.bound_us, proved)  # the additive solve's bound: the search's objective
         row.note = str(plan.solver.get("status", ""))
         log.info(f"mesh {_name(b.shape)}: {plan.summary['step_us'] / 1e3:.3f} ms predicted "
                  f"({plan.solver.get('status')}) in {row.seconds:.1f}s")
