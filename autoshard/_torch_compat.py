@@ -31,6 +31,18 @@ def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.
     return _LazyGraphModule(root, graph)
 
 
+def boxed_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` called with one list that it empties once it has read its inputs (FX's boxed
+    convention, as AOTAutograd runs its graphs): each input is then freed at its last use in the
+    graph, not held by the caller until the call returns (a backward's saved activations)."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(_BoxedCodeGen())
+    return lazy_graph_module(gm, graph)
+
+
 def preserve_node_meta():
     """FX's metadata channel: while active, ``node_meta_custom()`` lands on every traced node."""
     return fx_traceback.preserve_node_meta()

@@ -70,7 +70,14 @@ def reduce_scatter(local, src: Spec, dst: Spec, axis: int, mesh, i: int):
 
 
 def chunk(local, dst: Spec, axis: int, mesh, i: int):
-    return placements_of(dst)[axis]._replicate_to_shard(local, mesh, i, coordinate(mesh, i))
+    place = placements_of(dst)[axis]
+    if local.dim() and local.stride(place.dim) == 0:
+        # A broadcast value (a loss's gradient seed, expanded to the logits' global shape): its
+        # shard is the same broadcast, smaller. DTensor's chunk clones it, materializing the
+        # global tensor's shard.
+        return place._select_split_tensor(local, mesh.size(mesh_dim=i), coordinate(mesh, i), with_padding=False,
+                                          contiguous=False, clone=False)
+    return place._replicate_to_shard(local, mesh, i, coordinate(mesh, i))
 
 
 def partition(local, dst: Spec, axis: int, mesh, i: int):

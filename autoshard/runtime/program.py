@@ -56,6 +56,7 @@ class PlannedProgram:
         self.tg, self.plan, self.mesh = tg, plan, mesh
         self.compile = compile
         self._compiled: dict[tuple[str, int], object] = {}
+        self._boxed: dict[tuple[str, int], object] = {}
         self._warned_eager = False
         self.bucket_mb, self.overlap, self.with_loss = bucket_mb, overlap, with_loss
         self.split = split(tg, with_loss, Recompute(**plan.recompute))
@@ -182,14 +183,24 @@ class PlannedProgram:
         return self._base_seed + self._runs
 
     def _callable(self, which: str, rank: int, program: RankProgram):
-        """The program's graph module, or that module compiled by torch.compile (on first use)."""
-        if not self.compile:
-            return program.gm
+        """The program as a function of one list of inputs, which it empties: its graph module
+        in FX's boxed convention, or that module compiled by torch.compile (on first use)."""
         key = (which, rank)
+        if not self.compile:
+            if key not in self._boxed:
+                self._boxed[key] = tc.boxed_graph_module(program.gm)
+            return self._boxed[key]
         if key not in self._compiled:
             backend = "inductor" if self.compile is True else self.compile
             log.info(f"compiling the {which} program of rank {rank} ({backend})")
-            self._compiled[key] = torch.compile(program.gm, backend=backend, fullgraph=True, dynamic=False)
+            compiled = torch.compile(program.gm, backend=backend, fullgraph=True, dynamic=False)
+
+            def boxed(args: list, compiled=compiled):
+                own = list(args)
+                args.clear()
+                return compiled(*own)
+
+            self._compiled[key] = boxed
         return self._compiled[key]
 
     def compiled(self) -> list[str]:
@@ -197,14 +208,17 @@ class PlannedProgram:
         return sorted(f"{which}@{rank}" for which, rank in self._compiled)
 
     def run(self, which: str, locals_: list) -> list:
-        """Run every local rank's ``forward`` or ``backward`` program on its shards."""
+        """Run every local rank's ``forward`` or ``backward`` program on its shards. ``locals_`` is
+        emptied: a backward frees each saved activation at its last use, as autograd does."""
         get = self.forward_program if which == "forward" else self.backward_program
         if which == "forward":
             rng.next_run(self._next_seed())
         ranks = tc.local_tensor_ranks()
         if ranks is None:
             rank = dist.get_rank()
-            return list(self._callable(which, rank, get(rank))(*get(rank).conform(locals_)))
+            args = get(rank).conform(locals_)
+            locals_.clear()
+            return list(self._callable(which, rank, get(rank))(args))
         if self.compile and not self._warned_eager:
             self._warned_eager = True
             log.warning("compile applies to real processes: under LocalTensorMode every rank's program runs eagerly")
@@ -213,6 +227,7 @@ class PlannedProgram:
         for t in locals_:
             for r, part in tc.rank_parts(t, ranks).items():
                 args[r].append(part)
+        locals_.clear()
         args = {r: get(r).conform(a) for r, a in args.items()}
         with tc.outside_local_tensor_mode():
             outs = run_ranks(programs, args, self.mesh)
@@ -265,8 +280,10 @@ class StepFunction(torch.autograd.Function):
                 g = torch.zeros(val.shape, dtype=val.dtype, device=program.mesh.device_type)
             # A plain gradient (of an output the plan left unsharded) is the same on every rank.
             tangents.append(program.lowering._move(g, spec).to_local().contiguous())
-        grads = program.run("backward", list(ctx.saved) + tangents)
-        del ctx.saved
+        args = list(ctx.saved) + tangents
+        del ctx.saved, tangents
+        g = None
+        grads = program.run("backward", args)
         out = [None] * ctx.n_flat
         index = {f: i for i, f in enumerate(program.tg.param_fqns)}
         for f, local, spec, meta in zip(program.trainable, grads, bwd.out_specs, bwd.out_meta):
