@@ -28,7 +28,11 @@ class PlanSummary(MutableMapping):
     comm_us: float | None = None
     """Communication, added: ``additive_us - compute_us``."""
     peak_mem_bytes: int | None = None
-    """Predicted peak memory per device."""
+    """Predicted peak memory per device: the memory account's (``memory``)."""
+    memory: dict | None = None
+    """The memory account (:mod:`autoshard.planning.memory`): bytes per category live at the peak,
+    the node running there, the largest values live there, and the solver rows' peak
+    (``rows_peak_bytes``: node outputs alone, what the solver's memory constraints count)."""
     memory_budget_bytes: int | None = None
     """The budget it was planned under; None: none."""
     graph_nodes: int | None = None

@@ -8,6 +8,7 @@ from autoshard.graph.attention import attention_summary
 from autoshard.graph.recompute import Recompute
 from autoshard.mesh import axis_names_of
 from autoshard.planfile import ParamPlacement, Plan
+from autoshard.planning.memory import account
 from autoshard.planning.problem import GraphProblem
 from autoshard.planning.simulate import problem_buckets, simulate_plan
 from autoshard.plansummary import PlanSummary
@@ -77,12 +78,14 @@ def assemble_plan(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: P
     shapes = {fqn: list(p.shape) for fqn, p in list(model.named_parameters()) + list(model.named_buffers())}
     buckets = problem_buckets(gp, choice)
     tl = simulate_plan(gp, choice, prof.overlap, buckets)
+    memory = account(gp, tg, choice)
     summary = PlanSummary(
         step_us=round(tl.step_us, 3),
         additive_us=round(total, 3),
         compute_us=round(compute, 3),
         comm_us=round(comm_total, 3),
-        peak_mem_bytes=int(sol.peak_usage),
+        peak_mem_bytes=memory.peak_bytes,
+        memory=memory.to_json(),
         graph_nodes=gp.num_originals,
         strategies=int(sum(len(s) for s in gp.strategies[:gp.num_originals])),
         edges=len(gp.edges),

@@ -1,0 +1,216 @@
+"""What a plan holds in memory on a rank over its step: the account its peak is reported from.
+
+The solver's memory rows (:mod:`autoshard.planning.problem`) charge each node's output shard
+from the node to its last read, which a node's own choice decides. What the account adds
+depends on a pair of choices, so it is counted here, on a chosen plan, over the same time axis
+(the problem's intervals, recomputed copies included):
+
+- **communication buffers**: an argument redistributed to its consumer's spec is a new buffer
+  of that spec's local shard, live from the consumer to its last read through views (a gathered
+  weight that a transpose keeps for the backward: FSDP's gathered weights held from forward to
+  backward; a gathered activation read once lives for that read);
+- **gradients**: a gradient moved to its parameter's spec (data parallel's all-reduce, FSDP's
+  reduce-scatter) is held to the end of the step in that spec; the unreduced value dies once
+  read (the rows hold it to the end, in its own spec);
+- **the optimizer step**, after the backward: parameters, optimizer state and gradients, plus
+  the optimizer's temporaries: AdamW's denominator is one parameter's shard at a time where the
+  step loops over parameters (torch's default on a CPU), every parameter's at once where it
+  runs its foreach kernels (its default on GPUs).
+
+Categories (bytes at the peak): parameters (and buffers), optimizer state, gradients,
+activations (forward values), temporaries (backward values, the loss), recomputed copies,
+communication buffers, optimizer step temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autoshard.graph.pricing import is_view
+from autoshard.planning.problem import GraphProblem, live_root, local_bytes
+from costmodel.spec import shard_dim
+
+CATEGORIES = ("parameters", "optimizer state", "gradients", "activations", "temporaries", "recomputed",
+              "communication buffers", "optimizer step")
+
+
+@dataclass
+class MemoryAccount:
+    """A plan's memory per rank: its peak, where it is, and what is live there."""
+
+    peak_bytes: int
+    """The largest total over the step, the optimizer step included."""
+    at_peak: dict[str, int] = field(default_factory=dict)
+    """Bytes per category (:data:`CATEGORIES`) live at the peak."""
+    peak_at: str = ""
+    """The node running at the peak (``"optimizer step"`` when it is there)."""
+    rows_peak_bytes: int = 0
+    """The solver's rows' peak for the same choice (node outputs alone)."""
+    largest: list = field(default_factory=list)
+    """The largest values live at the peak: ``(bytes, category, what)``, largest first."""
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": int(self.peak_bytes), "at_peak": {k: int(v) for k, v in self.at_peak.items() if v},
+                "peak_at": self.peak_at, "rows_peak_bytes": int(self.rows_peak_bytes),
+                "largest": [[int(b), c, w] for b, c, w in self.largest]}
+
+
+def _value(node, out: int):
+    v = node.meta["val"]
+    return v[out] if isinstance(v, (tuple, list)) else v
+
+
+def _view_ends(gp: GraphProblem, lo: np.ndarray) -> np.ndarray:
+    """Per node, the last time its output is read through views (its own slot + 1 at least)."""
+    n = len(gp.nodes)
+    readers: dict[int, list[int]] = {}
+    for e in gp.edges:
+        if e.arg >= 0:
+            readers.setdefault(e.producer, []).append(e.consumer)
+    view = [gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) for v in range(n)]
+    end = lo + 1
+    # Readers come after their producer in the run: from the last node back, a view's end is known
+    # before its producer's.
+    for v in sorted(range(n), key=lambda x: lo[x], reverse=True):
+        for c in readers.get(v, ()):
+            end[v] = max(end[v], end[c] if view[c] else lo[c] + 1)
+    return end
+
+
+def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> MemoryAccount:
+    """The memory account of ``choice`` (a strategy per node of ``gp``, built from ``tg``).
+    ``foreach``: whether the optimizer steps every parameter at once (default: unless the
+    problem's profile describes a CPU)."""
+    p = gp.problem
+    choice = np.asarray(choice, dtype=np.int64)
+    n = len(gp.nodes)
+    mesh_shape = tuple(gp.topo.shape) if gp.topo is not None else ()
+    if foreach is None:
+        foreach = gp.profile is None or not str(gp.profile.device).lower().startswith("cpu")
+    chosen = [gp.strategies[v][choice[v]] for v in range(n)]
+    iv = np.asarray(p.intervals, dtype=np.int64)
+    lo, hi = iv[:, 0].copy(), iv[:, 1].copy()
+    usage = np.array([p.node_usages[v][choice[v]] for v in range(n)], dtype=np.float64)
+    rows_peak = _peak(lo, hi, usage)[0]
+    end = int(hi.max()) if n else 0
+    view_end = _view_ends(gp, lo)
+
+    grads = {live_root(g)[0] for g in tg.grad_of.values()}
+    placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
+    trainable = {placeholder_of[f].name for f in tg.grad_of}
+    events = []  # (lo, hi, bytes, category, what)
+    event_of: dict[int, int] = {}
+    param_bytes = {}
+    for v, node in enumerate(gp.nodes):
+        if usage[v] == 0:
+            continue
+        if node.op == "placeholder" or node.op == "get_attr":
+            kind = tg.kinds.get(node.name, "buffer")
+            if kind == "input":
+                events.append((lo[v], hi[v], usage[v], "activations", node.name))
+                continue
+            own = local_bytes(chosen[v].outs[0], node.meta["val"], mesh_shape)
+            events.append((lo[v], hi[v], own, "parameters", tg.fqn_of.get(node.name, node.name)))
+            if node.name in trainable:
+                param_bytes[v] = own
+                if usage[v] > own:
+                    events.append((lo[v], hi[v], usage[v] - own, "optimizer state", tg.fqn_of[node.name]))
+            continue
+        if v in gp.copy_of:
+            cat = "recomputed"
+        elif node in grads:
+            cat = "gradients"
+        else:
+            cat = "activations" if tg.phase(node) == "forward" else "temporaries"
+        event_of[v] = len(events)
+        events.append((lo[v], hi[v], usage[v], cat, node.name + ("@recompute" if v in gp.copy_of else "")))
+
+    for ae in gp.edges:
+        u, v = ae.producer, ae.consumer
+        src = chosen[u].outs[ae.out]
+        if ae.arg < 0:
+            dst = chosen[v].outs[0]
+            if src == dst:
+                continue
+            # The gradient in its parameter's spec, held to the end; its unreduced value lives to
+            # its last read (the move reads it at once).
+            events.append((lo[u], end, param_bytes.get(v, 0), "gradients", f"{tg.fqn_of[gp.nodes[v].name]}.grad"))
+            r = gp.index.get(live_root(gp.nodes[u])[0].name, u)
+            if r in event_of:
+                a, _, nbytes, cat, what = events[event_of[r]]
+                events[event_of[r]] = (a, max(int(view_end[r]), a + 1), nbytes, cat, what)
+            continue
+        dst = chosen[v].ins[ae.arg]
+        if src == dst:
+            continue
+        val = _value(gp.nodes[u], ae.out)
+        if _broadcast_chunk(src, dst, val):
+            continue
+        nbytes = local_bytes(dst, val, mesh_shape)
+        last = view_end[v] if gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) else lo[v] + 1
+        events.append((lo[v], max(last, lo[v] + 1), nbytes, "communication buffers",
+                       f"{gp.nodes[u].name} -> {gp.nodes[v].name} ({src} -> {dst})"))
+
+    e_lo = np.array([e[0] for e in events], dtype=np.int64)
+    e_hi = np.array([e[1] for e in events], dtype=np.int64)
+    e_b = np.array([e[2] for e in events], dtype=np.float64)
+    peak, at = _peak(e_lo, e_hi, e_b)
+    live = (e_lo <= at) & (at < e_hi)
+    at_peak = dict.fromkeys(CATEGORIES, 0)
+    for k in np.flatnonzero(live):
+        at_peak[events[k][3]] += int(e_b[k])
+    peak_at = _node_at(gp, lo, at)
+    largest = sorted(((int(e_b[k]), events[k][3], events[k][4]) for k in np.flatnonzero(live)), reverse=True)[:8]
+
+    # The optimizer step: what is held to the end, and AdamW's temporaries.
+    held = e_hi >= end
+    step = dict.fromkeys(CATEGORIES, 0)
+    for k in np.flatnonzero(held):
+        step[events[k][3]] += int(e_b[k])
+    top = max(param_bytes.items(), key=lambda kv: kv[1], default=None)
+    shards = list(param_bytes.values())
+    step["optimizer step"] = int(sum(shards) if foreach else max(shards, default=0))
+    if sum(step.values()) > peak:
+        peak, at_peak, peak_at = float(sum(step.values())), step, "optimizer step"
+        largest = sorted(((int(e_b[k]), events[k][3], events[k][4]) for k in np.flatnonzero(held)), reverse=True)[:7]
+        what = "every parameter's shard (foreach)" if foreach else f"{tg.fqn_of[gp.nodes[top[0]].name]}'s shard"
+        largest = sorted(largest + [(step["optimizer step"], "optimizer step", what)], reverse=True)
+    return MemoryAccount(peak_bytes=int(peak), at_peak=at_peak, peak_at=peak_at, rows_peak_bytes=int(rows_peak),
+                         largest=largest)
+
+
+def _broadcast_chunk(src, dst, val) -> bool:
+    """Whether the move only splits dims the value broadcasts (stride 0: a loss's expanded
+    gradient seed), which the executor does by a view (:func:`costmodel._torch_compat.chunk`)."""
+    for a, b in zip(src.placements, dst.placements):
+        if a == b:
+            continue
+        d = shard_dim(b)
+        if a != "R" or d is None or val.stride(d) != 0:
+            return False
+    return True
+
+
+def _peak(lo: np.ndarray, hi: np.ndarray, nbytes: np.ndarray) -> tuple[float, int]:
+    """(largest total of the intervals live at once, a time where it is reached)."""
+    live = hi > lo
+    if not live.any():
+        return 0.0, 0
+    times = np.concatenate([lo[live], hi[live]])
+    deltas = np.concatenate([nbytes[live], -nbytes[live]])
+    order = np.lexsort((deltas, times))  # frees before allocations at one time
+    t, d = times[order], deltas[order]
+    uniq, start = np.unique(t, return_index=True)
+    total = np.cumsum(np.add.reduceat(d, start))
+    k = int(np.argmax(total))
+    return float(total[k]), int(uniq[k])
+
+
+def _node_at(gp: GraphProblem, lo: np.ndarray, at: int) -> str:
+    started = np.flatnonzero(lo <= at)
+    if not len(started):
+        return ""
+    v = started[np.argmax(lo[started])]
+    return gp.nodes[v].name + ("@recompute" if v in gp.copy_of else "")
