@@ -51,6 +51,17 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_budget(text: str) -> float:
+    """``--memory-budget 70GiB`` or ``90%``: :func:`autoshard.units.parse_budget` as an argparse type."""
+    from autoshard.errors import ConfigError
+    from autoshard.units import parse_budget as parse
+
+    try:
+        return parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _log(msg: str) -> None:
     logging.getLogger("autoshard.cli").info(msg)
 
@@ -104,8 +115,9 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_comput
                         "plan this share slower than the best of them, nor solved where its own plan is this share "
                         "slower than the best found (default 0.25; negative: bound and solve every shape)")
     p.add_argument("--profile", default="h100-sxm", help="shipped profile name or profile file")
-    p.add_argument("--memory-budget", type=parse_bytes, default=None,
-                   help="bytes per device, e.g. 70GiB (default: the profile's device memory)")
+    p.add_argument("--memory-budget", type=parse_budget, default=None,
+                   help="bytes per device, e.g. 70GiB, or a share of the device's memory, e.g. 85%% (default: the "
+                        "device's memory less a 10%% reserve for the CUDA context, NCCL and fragmentation)")
     p.add_argument("--time-limit", type=float, default=60.0,
                    help="seconds the plan may take, tracing and building the problem included")
     p.add_argument("--recompute", default="auto", choices=RECOMPUTE,
@@ -164,6 +176,7 @@ def _run_plan(model, inputs, args) -> int:
                                 bucket_mb=args.bucket_mb)
     plan = planner.solve()
     print(plan.describe())
+    _warn_reserve(plan, planner.profile.memory_bytes)
     if args.compare:
         # The same planner: one trace, the plan above as the "autoshard" row, the pins honoured.
         results = planner.compare()
@@ -182,6 +195,18 @@ def _run_plan(model, inputs, args) -> int:
     return 0
 
 
+def _warn_reserve(plan, device_bytes: int) -> None:
+    """Say so where the plan's predicted peak leaves less of the device than the reserve that
+    ``memory_budget="auto"`` keeps for the CUDA context, NCCL's buffers and fragmentation."""
+    from autoshard.options import MEMORY_RESERVE
+
+    peak = plan.summary.get("peak_mem_bytes") or 0
+    if peak > device_bytes * (1 - MEMORY_RESERVE):
+        print(f"warning: the plan's predicted peak {peak / 2**30:.2f} GiB leaves less than the {MEMORY_RESERVE:.0%} "
+              f"reserve of the device's {device_bytes / 2**30:.2f} GiB that no plan models (CUDA context, NCCL "
+              f"buffers, the allocator's fragmentation): it may run out of memory", file=sys.stderr)
+
+
 def _run_mesh_search(model, inputs, args, pins) -> int:
     import autoshard
     from autoshard.errors import AutoshardError
@@ -197,6 +222,9 @@ def _run_mesh_search(model, inputs, args, pins) -> int:
                           compute_dtype=_compute_dtype(args), bucket_mb=args.bucket_mb,
                           mesh_margin=None if args.mesh_margin < 0 else args.mesh_margin)
     print(plan.describe())
+    from costmodel import load_profile
+
+    _warn_reserve(plan, load_profile(args.profile).memory_bytes)
     print("\n".join(mesh_search_table(plan)))
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     if args.output:

@@ -17,6 +17,23 @@ TRACE_FIELDS = ("profile", "compute_dtype", "loss_fn", "example_kwargs", "tie_la
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
                 "overlap_objective", "export_problem")
+#: Share of a device's memory ``memory_budget="auto"`` leaves to what no plan holds: the CUDA
+#: context and the libraries' workspaces (cuBLAS, the attention kernels), NCCL's buffers (a few
+#: MiB per channel and peer, per communicator) and the caching allocator's fragmentation (what it
+#: reserves beyond what is allocated). docs/planning.md gives the measurements it rests on.
+MEMORY_RESERVE = 0.10
+
+
+def resolve_budget(budget: float | str | None, device_bytes: int) -> float | None:
+    """Bytes per device of a ``memory_budget`` (:attr:`PlanOptions.memory_budget`) on a device
+    of ``device_bytes``."""
+    if budget is None:
+        return None
+    if budget == "auto":
+        return device_bytes * (1 - MEMORY_RESERVE)
+    return budget * device_bytes if budget <= 1 else float(budget)
+
+
 #: Values of ``PlanOptions.recompute``.
 RECOMPUTE = ("auto", *RECOMPUTE_MODES)
 
@@ -31,8 +48,10 @@ class PlanOptions:
     file written by ``autoshard calibrate``, or a :class:`costmodel.Profile`."""
 
     memory_budget: float | str | None = "auto"
-    """Bytes per device the plan may use at its peak; ``"auto"`` takes the profile's device
-    memory, ``None`` plans without a memory constraint."""
+    """Bytes per device the plan may use at its peak (a number above 1), or a share of the
+    profile's device memory (a number in (0, 1]); ``"auto"``: the device memory less
+    :data:`MEMORY_RESERVE` of it, for what no plan holds (:func:`resolve_budget`); ``None``: no
+    memory constraint."""
 
     time_limit: float = 60.0
     """Seconds a plan may take (a proved optimum returns earlier): from the call of
@@ -134,7 +153,8 @@ class PlanOptions:
                               f"found {type(self.profile).__name__}")
         b = self.memory_budget
         if not (b is None or b == "auto" or (isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0)):
-            raise ConfigError(f"memory_budget: expected bytes > 0, 'auto' or None, found {b!r}")
+            raise ConfigError(f"memory_budget: expected bytes (> 1), a share of the device's memory (in (0, 1]), "
+                              f"'auto' or None, found {b!r}")
         if not (isinstance(self.time_limit, (int, float)) and self.time_limit > 0):
             raise ConfigError(f"time_limit: expected seconds > 0, found {self.time_limit!r}")
         if self.backend not in BACKENDS:

@@ -19,6 +19,21 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 
+def parse_budget(text: str) -> float:
+    """A memory budget as given on the command line: a size (``"70GiB"``) or a share of the
+    device's memory (``"90%"`` -> 0.9)."""
+    t = text.strip()
+    if t.endswith("%"):
+        try:
+            share = float(t[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 1:
+            raise ConfigError(f"memory budget {text!r}: expected a share of the device's memory in (0%, 100%]")
+        return share
+    return parse_bytes(text)
+
+
 def human_bytes(n: float) -> str:
     """The largest binary unit that keeps the number >= 1: ``1.500 GiB``, ``12 B``."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -95,7 +95,27 @@ def _attention_source() -> str:
 
     funcs = (attention._no_dropout, attention._has_flash, attention.flash_fits, attention._sdpa,
              attention.cuda_forward, attention.cuda_backward)
-    return "\n\n".join(inspect.getsource(f) for f in funcs)
+    # The traced program reads the CPU kernel's layouts (output and gradients contiguous in
+    # (B, H, L, E)); the executor's views take a contiguous copy where they cannot view a kernel's
+    # own layout (Lowering._call), as these do, up front.
+    glue = """
+def _strided(kernel, strides, *args, **kwargs):
+    return tuple(o if tuple(o.stride()) == tuple(st) else torch.empty_strided(o.shape, st, dtype=o.dtype,
+                                                                               device=o.device).copy_(o)
+                 for o, st in zip(kernel(*args, **kwargs), strides))
+"""
+    return "\n\n".join(inspect.getsource(f) for f in funcs) + "\n\n" + glue
+
+
+def _device_attention(code: str, gm) -> str:
+    """``code`` with each traced CPU attention kernel run by the executor's CUDA kernels, its
+    outputs in the layouts the CPU kernel gave the trace (the program's views rely on them)."""
+    for n in gm.graph.nodes:
+        for cpu, kernel in ((CPU_FORWARD, "cuda_forward"), (CPU_BACKWARD, "cuda_backward")):
+            if n.op == "call_function" and str(n.target) == cpu[len("torch.ops."):-1]:
+                strides = [tuple(v.stride()) for v in n.meta["val"]]
+                code = code.replace(f"{n.name} = {cpu}", f"{n.name} = _strided({kernel}, {strides!r}, ", 1)
+    return code
 
 
 def export(args) -> None:
@@ -124,7 +144,7 @@ def export(args) -> None:
                     gm = strip_collectives(prog.gm, high)
                     boxed = tc.boxed_graph_module(gm)
                     consts = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-                    code = boxed.code.replace(CPU_FORWARD, "cuda_forward(").replace(CPU_BACKWARD, "cuda_backward(")
+                    code = _device_attention(boxed.code, gm)
                     parts[part] = {"code": code, "inputs": _inputs_meta(gm), "consts": consts}
                 kinds = [tg.kinds[n.name] for n in tg.placeholders]
                 fqns = [tg.fqn_of.get(n.name) for n in tg.placeholders]
@@ -225,7 +245,13 @@ def measure(args) -> None:
         global _cuda
         _cuda = _NoStats()
     data = torch.load(args.programs, weights_only=False)
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "programs": {}, "eager": {}}
+    context = None
+    if device.type == "cuda":
+        torch.zeros(1, device=device)  # the CUDA context, made
+        free, total = torch.cuda.mem_get_info()
+        # What the process holds beyond the allocator's pool: the context, kernels, cuBLAS' handle.
+        context = {"total_bytes": total, "context_bytes": total - free - torch.cuda.memory_reserved()}
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "context": context, "torch": torch.__version__, "programs": {}, "eager": {}}
     for key, parts in data["programs"].items():
         try:
             results["programs"][key] = _measure_program(parts, data["attention"], device, args.steps)
@@ -238,6 +264,10 @@ def measure(args) -> None:
         except Exception as e:
             results["eager"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
         print(f"{name}/eager", json.dumps(results["eager"][name]), flush=True)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        # After matmuls, attention kernels and AdamW ran: their workspaces and handles too.
+        results["context"]["after_bytes"] = total - free - torch.cuda.memory_reserved()
     Path(args.json).write_text(json.dumps(results, indent=1))
 
 
@@ -245,6 +275,10 @@ def report(args) -> None:
     data = torch.load(args.programs, weights_only=False)
     measured = json.loads(Path(args.measured).read_text())
     print(f"device: {measured['device']}, torch {measured['torch']}")
+    ctx = measured.get("context") or {}
+    if ctx:
+        print(f"outside the allocator: {ctx['context_bytes'] / 2**30:.2f} GiB at start, "
+              f"{ctx.get('after_bytes', 0) / 2**30:.2f} GiB after every program ran (of {ctx['total_bytes'] / 2**30:.1f} GiB)")
     errors, above = [], 0
     for key, parts in data["programs"].items():
         m = measured["programs"].get(key, {})

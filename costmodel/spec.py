@@ -99,3 +99,15 @@ class Spec:
             if d is not None:
                 out[d] = -(-out[d] // mesh_shape[axis])
         return tuple(out)
+
+
+def on_mesh(spec: Spec, mesh_shape) -> Spec:
+    """``spec`` as it lays a tensor out on a mesh of ``mesh_shape``: an axis of one rank splits
+    nothing, so its placement reads as replicated (two specs that differ only there hold the
+    same local tensor, and moving between them moves nothing)."""
+    if all(n > 1 for n in mesh_shape):
+        return spec
+    keep = [a for a, n in enumerate(mesh_shape) if n > 1]
+    return Spec(tuple(p if mesh_shape[a] > 1 else "R" for a, p in enumerate(spec.placements)),
+                tuple((d, tuple(a for a in axes if a in keep)) for d, axes in spec.shard_order
+                      if sum(a in keep for a in axes) > 1))

@@ -36,6 +36,10 @@ class Strategy:
     """Per output (one for single-output ops); None for non-tensor outputs."""
     ins: tuple[Spec, ...]
     """Per tensor argument, in ``tensor_args`` order."""
+    moved: bool = False
+    """A view whose argument arrives redistributed: it holds the new buffer (its output's shard)
+    until its last read. A view that is not moved aliases its argument in the spec it comes in
+    (:func:`autoshard.planning.problem.held_views`)."""
 
 
 @dataclass

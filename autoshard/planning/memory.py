@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoshard.graph.pricing import is_view
-from autoshard.planning.problem import GraphProblem, live_root, local_bytes
-from costmodel.spec import shard_dim
+from autoshard.planning.problem import GraphProblem, grad_views, live_root, local_bytes
+from costmodel.spec import on_mesh, shard_dim
 
 CATEGORIES = ("parameters", "optimizer state", "gradients", "activations", "temporaries", "recomputed",
               "communication buffers", "optimizer step")
@@ -48,12 +48,16 @@ class MemoryAccount:
     """The node running at the peak (``"optimizer step"`` when it is there)."""
     rows_peak_bytes: int = 0
     """The solver's rows' peak for the same choice (node outputs alone)."""
+    at_step: dict[str, int] = field(default_factory=dict)
+    """Bytes per category during the optimizer step (what is held to the end of the step, and
+    the optimizer's temporaries)."""
     largest: list = field(default_factory=list)
     """The largest values live at the peak: ``(bytes, category, what)``, largest first."""
 
     def to_json(self) -> dict:
         return {"peak_bytes": int(self.peak_bytes), "at_peak": {k: int(v) for k, v in self.at_peak.items() if v},
                 "peak_at": self.peak_at, "rows_peak_bytes": int(self.rows_peak_bytes),
+                "at_step": {k: int(v) for k, v in self.at_step.items() if v},
                 "largest": [[int(b), c, w] for b, c, w in self.largest]}
 
 
@@ -97,7 +101,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
     end = int(hi.max()) if n else 0
     view_end = _view_ends(gp, lo)
 
-    grads = {live_root(g)[0] for g in tg.grad_of.values()}
+    grads = {live_root(g)[0] for g in tg.grad_of.values()} | grad_views(tg)
     placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
     trainable = {placeholder_of[f].name for f in tg.grad_of}
     events = []  # (lo, hi, bytes, category, what)
@@ -118,7 +122,9 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
                 if usage[v] > own:
                     events.append((lo[v], hi[v], usage[v] - own, "optimizer state", tg.fqn_of[node.name]))
             continue
-        if v in gp.copy_of:
+        if chosen[v].moved and node not in grads:
+            cat = "communication buffers"  # a held view's redistributed argument
+        elif v in gp.copy_of:
             cat = "recomputed"
         elif node in grads:
             cat = "gradients"
@@ -127,23 +133,30 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         event_of[v] = len(events)
         events.append((lo[v], hi[v], usage[v], cat, node.name + ("@recompute" if v in gp.copy_of else "")))
 
+    def release(r: int) -> None:
+        """The unreduced gradient ``r`` ends at its last read: the gradient is a moved buffer."""
+        if r in event_of:
+            a, _, nbytes, cat, what = events[event_of[r]]
+            events[event_of[r]] = (a, max(int(view_end[r]), a + 1), nbytes, cat, what)
+
+    for v, node in enumerate(gp.nodes):
+        if chosen[v].moved and node in grads:
+            release(gp.index.get(live_root(node)[0].name, v))
+
     for ae in gp.edges:
         u, v = ae.producer, ae.consumer
         src = chosen[u].outs[ae.out]
         if ae.arg < 0:
             dst = chosen[v].outs[0]
-            if src == dst:
+            if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
                 continue
             # The gradient in its parameter's spec, held to the end; its unreduced value lives to
             # its last read (the move reads it at once).
             events.append((lo[u], end, param_bytes.get(v, 0), "gradients", f"{tg.fqn_of[gp.nodes[v].name]}.grad"))
-            r = gp.index.get(live_root(gp.nodes[u])[0].name, u)
-            if r in event_of:
-                a, _, nbytes, cat, what = events[event_of[r]]
-                events[event_of[r]] = (a, max(int(view_end[r]), a + 1), nbytes, cat, what)
+            release(gp.index.get(live_root(gp.nodes[u])[0].name, u))
             continue
         dst = chosen[v].ins[ae.arg]
-        if src == dst:
+        if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape) or chosen[v].moved:  # a moved view's: its usage
             continue
         val = _value(gp.nodes[u], ae.out)
         if _broadcast_chunk(src, dst, val):
@@ -178,7 +191,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         what = "every parameter's shard (foreach)" if foreach else f"{tg.fqn_of[gp.nodes[top[0]].name]}'s shard"
         largest = sorted(largest + [(step["optimizer step"], "optimizer step", what)], reverse=True)
     return MemoryAccount(peak_bytes=int(peak), at_peak=at_peak, peak_at=peak_at, rows_peak_bytes=int(rows_peak),
-                         largest=largest)
+                         at_step=step, largest=largest)
 
 
 def _broadcast_chunk(src, dst, val) -> bool:

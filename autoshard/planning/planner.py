@@ -27,7 +27,7 @@ from autoshard.graph.recompute import NONE, Recompute, choose, recomputed
 from autoshard.graph.tracing import trace
 from autoshard.graph.unroll import trace_unrolled
 from autoshard.mesh import axis_names_of, check_mesh
-from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve
+from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve, resolve_budget
 from autoshard.planfile import RECOMPUTE_MODES, Plan
 from autoshard.planning.assemble import assemble_plan
 from autoshard.planning.baselines import HandWritten, baseline_pins, baseline_recompute, baselines_for
@@ -52,6 +52,9 @@ ASSEMBLY_OF_BUILD = 0.5
 #: Share of ``time_limit`` for all the hand-written plans together when ``seed_baselines`` is on
 #: (solved only when the solve's cheap stages prove nothing); the solve has the rest.
 BASELINES_SHARE = 0.25
+#: Solves again, at most, with the memory rows' limit lowered, where a plan's account
+#: (:mod:`autoshard.planning.memory`) is above its budget and its rows are not.
+ACCOUNT_ROUNDS = 3
 #: The optimality gap the overlap objective's weighed solves stop at (:func:`solver.solve_windows`):
 #: each is one plane of a decomposition, and an answer within this share of its bound is as good
 #: to it as its optimum.
@@ -171,7 +174,7 @@ class Planner:
         whether more time cannot change it: proved optimal, or not writable for this model)."""
 
     def _budget(self, opts: PlanOptions) -> float | None:
-        return self.profile.memory_bytes if opts.memory_budget == "auto" else opts.memory_budget
+        return resolve_budget(opts.memory_budget, self.profile.memory_bytes)
 
     def _options(self, overrides) -> PlanOptions:
         fixed = sorted(set(overrides) & set(TRACE_FIELDS))
@@ -261,16 +264,70 @@ class Planner:
             solver.save_iopddl(self.problem(**_solve_fields(opts)), opts.export_problem)
             log.info(f"wrote the solver problem to {opts.export_problem}")
         started = time.perf_counter()
-        if opts.recompute != "auto":
-            result = self._solve_mode(opts, opts.time_limit)
-        elif not self.traced.layer_groups or self._budget(opts) is None:  # nothing to trade memory for
-            result = self._solve_mode(opts.replace(recompute="none"), opts.time_limit)
-        else:
-            result = self._solve_auto(opts)
-        left = opts.time_limit - (time.perf_counter() - started)
-        self._plans[key] = result = self._or_hand_written(opts, result, max(1.0, min(BASELINES_SHARE * opts.time_limit,
-                                                                                      left)))
+        budget = self._budget(opts)
+        rows = opts
+        for attempt in range(ACCOUNT_ROUNDS + 1):
+            result = self._solve_rows(rows, started) if rows is opts else self._resolve_rows(rows, opts, result)
+            peak = result[0].summary.peak_mem_bytes
+            if rows is opts:
+                tried = result[0].summary.recompute_tried
+            if budget is None or peak <= budget:
+                break
+            # The rows fit and the plan's account (transient buffers, the optimizer step) does not:
+            # the rows' limit is lowered by the excess and the plan solved again.
+            if attempt == ACCOUNT_ROUNDS:
+                raise MemoryBudgetError(
+                    f"memory budget {budget / 2**30:.3f} GiB per device: the plan found under it holds "
+                    f"{peak / 2**30:.3f} GiB at its peak ({result[0].summary.memory.get('peak_at')}) once its "
+                    f"communication buffers and optimizer step are counted, after {ACCOUNT_ROUNDS} solves with "
+                    f"the solver's limit lowered by the excess; a budget of at least {peak / 2**30:.3f} GiB fits it",
+                    budget, peak)
+            limit = self._budget(rows) - (peak - budget)
+            if limit <= 1:  # nothing left for the rows (and a number <= 1 would read as a share)
+                raise MemoryBudgetError(f"memory budget {budget / 2**30:.3f} GiB per device: the plan holds "
+                                        f"{peak / 2**30:.3f} GiB at its peak once its buffers are counted",
+                                        budget, peak)
+            log.info(f"plan: its peak {peak / 2**30:.3f} GiB is above the budget {budget / 2**30:.3f} GiB once "
+                     f"buffers are counted; solving again with the rows' limit at {limit / 2**30:.3f} GiB")
+            rows = opts.replace(memory_budget=limit)
+        if rows is not opts:
+            plan = result[0]
+            plan.summary["memory_budget_bytes"] = int(budget)
+            plan.summary.memory["rows_budget_bytes"] = int(self._budget(rows))
+            if tried is not None:  # the modes compared first; the kept mode's entry is this plan
+                plan.summary.recompute_tried = {**tried, plan.recompute["mode"]: plan.summary.step_us}
+        self._plans[key] = result
         return result[0]
+
+    def _resolve_rows(self, rows: PlanOptions, opts: PlanOptions, last: tuple[Plan, object]) -> tuple[Plan, object]:
+        """The plan again under the rows' lowered limit of ``rows``, in the recompute mode ``last``
+        (the plan above the budget) chose, then (``recompute="auto"``) with full recomputation,
+        which holds least; each in a quarter of ``opts.time_limit`` at least (the first solve
+        may have spent it all)."""
+        seconds = max(1.0, BASELINES_SHARE * opts.time_limit)
+        modes = [last[0].recompute["mode"]]
+        if opts.recompute == "auto" and self.traced.layer_groups and modes[0] != "full":
+            modes.append("full")
+        for k, mode in enumerate(modes):
+            try:
+                fixed = rows.replace(recompute=mode, time_limit=seconds)
+                return self._or_hand_written(fixed, self._solve_mode(fixed, seconds), seconds)
+            except MemoryBudgetError:
+                if k == len(modes) - 1:
+                    raise
+
+    def _solve_rows(self, opts: PlanOptions, started: float) -> tuple[Plan, object]:
+        """One plan under ``opts``, its memory rows limited by ``opts.memory_budget``, in what is
+        left of ``opts.time_limit`` since ``started``."""
+        left = max(1.0, opts.time_limit - (time.perf_counter() - started))
+        if opts.recompute != "auto":
+            result = self._solve_mode(opts, left)
+        elif not self.traced.layer_groups or self._budget(opts) is None:  # nothing to trade memory for
+            result = self._solve_mode(opts.replace(recompute="none"), left)
+        else:
+            result = self._solve_auto(opts.replace(time_limit=left))
+        left = opts.time_limit - (time.perf_counter() - started)
+        return self._or_hand_written(opts, result, max(1.0, min(BASELINES_SHARE * opts.time_limit, left)))
 
     def _or_hand_written(self, opts: PlanOptions, result: tuple[Plan, object],
                          seconds: float) -> tuple[Plan, object]:

@@ -13,12 +13,17 @@ producer). Costs, all in microseconds:
   redistribute to the parameter's spec (data parallel's all-reduce, FSDP's
   reduce-scatter).
 
-Memory (bytes per device): each node's output shard is live from the node to
-its last use; parameters, their optimizer state and buffers for the whole step;
-gradients from their producer to the end of the step. View ops alias their input:
-they add nothing, and reading a view keeps its source alive (:func:`node_intervals`).
-Recomputed activations (:mod:`autoshard.graph.recompute`) are copies of their nodes, live
-in the backward only.
+Memory (bytes per device), the terms of the solver's memory rows: each node's output shard
+is live from the node to its last use; parameters, their optimizer state and buffers for the
+whole step; gradients from their producer to the end of the step. View ops alias their input:
+they add nothing, and reading a view keeps its source alive (:func:`node_intervals`), except a
+forward view the backward reads whose argument arrives redistributed (``Strategy.moved``,
+:func:`held_views`): it holds that buffer, its output's shard, until its last read (a gathered
+weight kept for the backward). Recomputed activations (:mod:`autoshard.graph.recompute`) are
+copies of their nodes, live in the backward only. What depends on a pair of choices beyond that
+(a consumer's transient redistributed argument, a gradient reduced to its parameter's spec, the
+optimizer step's temporaries) is counted on the chosen plan by :mod:`autoshard.planning.memory`,
+whose peak the plan reports.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from autoshard.graph.tracing import TracedGraph
 from autoshard.planning.imbalance import expert_matmuls, imbalance_scale, move_scale, token_dims
 from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
 from costmodel.ops import host_kind
-from costmodel.spec import shard_dim
+from costmodel.spec import on_mesh, shard_dim
 
 
 @dataclass
@@ -180,7 +185,9 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
     c = np.zeros(len(strats))
     usage = np.zeros(len(strats))
     if view:
-        return c, usage  # views alias their input: no time, no memory
+        # A view aliases its argument: no time, no memory, unless the argument was moved into it.
+        usage = np.array([local_bytes(s.outs[0], outs_vals[0], mesh_shape) if s.moved else 0.0 for s in strats])
+        return c, usage
     # A matmul's rate follows the size of its local pieces, which each strategy sets.
     mm = matmul_operands(n) if profile.matmul_shares else None
     for i, s in enumerate(strats):
@@ -250,10 +257,18 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
     def in_backward(n):
         return tg.phase(n) == "backward"
 
+    last_view: dict[fx.Node, int] = {}
+
     def read(a, at, by_backward):
         r, copy = live_root(a, rec, in_backward) if by_backward else live_root(a)
         into = last_copy if copy else last
         into[r] = max(into.get(r, -1), at)
+        if not copy:
+            # A moved view holds its own buffer (Strategy.moved): the views between a and its root
+            # live to this read too.
+            while a is not r:
+                last_view[a] = max(last_view.get(a, -1), at)
+                a = a.args[0]
 
     for u in order:
         bwd = bool(rec) and tg.phase(u) == "backward"
@@ -262,7 +277,7 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
     for n in rec:
         for a in n.all_input_nodes:
             read(a, slot[n], True)
-    held = {live_root(g)[0] for g in tg.grad_of.values()}
+    held = {live_root(g)[0] for g in tg.grad_of.values()} | grad_views(tg)
     if tg.loss_node is not None:
         held.add(live_root(tg.loss_node)[0])
     out = []
@@ -273,7 +288,8 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
             out.append((0, last.get(n, 0) + 1))
         else:
             lo = pos[n] * S
-            out.append((lo, end if n in held else max(last.get(n, lo), lo) + 1))
+            last_read = last_view.get(n, lo) if is_view(n) else last.get(n, lo)
+            out.append((lo, end if n in held else max(last_read, lo) + 1))
     copies = [(slot[n], max(last_copy.get(n, slot[n]), slot[n]) + 1) for n in nodes if n in rec]
     return np.array(out, dtype=np.int64).reshape(-1, 2), np.array(copies, dtype=np.int64).reshape(-1, 2)
 
@@ -351,6 +367,75 @@ def _node_rows(tg, nodes, strategies, per_node, mesh_shape, profile, optimizer_s
     return costs, usages, compute, flop_failures
 
 
+def grad_views(tg: TracedGraph) -> set[fx.Node]:
+    """The views (and ``getitem`` selections) between each gradient and the node whose output
+    holds it: a gradient that a view of a redistributed value gives is that new buffer, held to
+    the end of the step."""
+    out = set()
+    for g in tg.grad_of.values():
+        root = live_root(g)[0]
+        while g is not root:
+            out.add(g)
+            g = g.args[0]
+    return out
+
+
+def held_views(tg: TracedGraph, nodes: list[fx.Node]) -> list[int]:
+    """The views that hold what they view for long: forward views read by the backward (through
+    further views), the values a step keeps across its two halves (a gathered weight that a
+    transpose keeps for the backward), and the views that give a gradient (:func:`grad_views`).
+    Their argument may arrive redistributed: each is offered its strategies twice
+    (:func:`_offer_moved`)."""
+    grads = grad_views(tg)
+    out = []
+    for v, n in enumerate(nodes):
+        if n.op == "call_function" and n in grads:
+            out.append(v)
+            continue
+        if n.op != "call_function" or not is_view(n) or tg.phase(n) != "forward":
+            continue
+        stack, seen = [n], set()
+        while stack:
+            x = stack.pop()
+            for w in x.users:
+                if w in seen:
+                    continue
+                seen.add(w)
+                if w.op == "call_function" and (is_getitem(w) or is_view(w)) and w.args and w.args[0] is x:
+                    stack.append(w)
+                elif tg.phase(w) == "backward":
+                    out.append(v)
+                    stack = []
+                    break
+    return out
+
+
+def _offer_moved(tg, nodes, strategies, per_node) -> None:
+    """Each held view (:func:`held_views`) gets its strategies twice: aliasing its argument as it
+    comes (no memory; a producer in another spec is forbidden), and moved (its argument
+    redistributed into a buffer of its own, the output's shard, live until the view's last
+    read; a producer already in the spec is forbidden). The solver then sees what keeping a
+    gathered weight for the backward costs in memory, against gathering it again there."""
+    doubled: dict[int, list[Strategy]] = {}
+    for v in held_views(tg, nodes):
+        base = strategies[v]
+        if id(base) not in doubled:
+            doubled[id(base)] = base + [dataclasses.replace(s, moved=True) for s in base]
+        strategies[v] = doubled[id(base)]
+        per_node[v] = dataclasses.replace(per_node[v], strategies=strategies[v])
+
+
+def _moved_or_aliased(m: np.ndarray, srcs: list[Spec], dst_strats: list[Strategy], mesh_shape) -> np.ndarray:
+    """Edge matrix ``m`` into a held view with each pair forbidden whose producer spec contradicts
+    the view's kind: an aliasing view takes its argument as it is, a moved one only when moved."""
+    codes: dict[Spec, int] = {}
+    src = np.array([codes.setdefault(on_mesh(s, mesh_shape), len(codes)) for s in srcs])
+    dst = np.array([codes.setdefault(on_mesh(s.ins[0], mesh_shape), len(codes)) for s in dst_strats])
+    moved = np.array([s.moved for s in dst_strats])
+    same = src[:, None] == dst[None, :]
+    return np.where(same == moved[None, :], solver.FORBIDDEN, m)
+
+
 def _edges(tg, index, strategies, per_node, resolve, redist, tokens, mesh_shape, load_imbalance):
     """Every argument edge (producer output -> consumer argument) and every gradient edge
     (gradient -> its parameter), with their cost matrices."""
@@ -364,6 +449,12 @@ def _edges(tg, index, strategies, per_node, resolve, redist, tokens, mesh_shape,
             u, o = resolve(a)
             edges.append(ArgEdge(v, k, u, o))
             m = redist.edge_matrix(strategies[u], o, strategies[v], k, a.meta["val"])
+            if k == 0 and strategies[v][-1].moved:
+                key = ("moved", id(m), id(strategies[u]), o, id(strategies[v]))
+                if key not in scaled:
+                    scaled[key] = (m, _moved_or_aliased(m, [s.outs[o] for s in strategies[u]], strategies[v],
+                                                        mesh_shape))
+                m = scaled[key][1]
             if a in tokens:
                 key = (id(m), id(strategies[u]), id(strategies[v]), k)
                 if key not in scaled:
@@ -399,6 +490,7 @@ def build_problem(
     redist = _RedistCost(topo, profile)
     en = StrategyEnumerator(mesh, partial_inputs)
     nodes, strategies, per_node = _strategies_of(tg, en)
+    _offer_moved(tg, nodes, strategies, per_node)
     index = {n.name: k for k, n in enumerate(nodes)}
 
     def resolve(a: fx.Node) -> tuple[int, int]:
