@@ -79,9 +79,9 @@ def calibrate(nproc: int, out: Path) -> float:
 
 
 def plan_all(name: str, profile: Path | str, folder: Path, nproc: int, models: dict | None = None,
-             **options) -> dict[str, Path]:
-    """Our plan and the hand-written ones for model ``name`` (of ``models``, default
-    :data:`MODELS`), planned with ``options``, saved; name -> plan file."""
+             only: tuple[str, ...] = PLANS, **options) -> dict[str, Path]:
+    """Our plan and the hand-written ones (``only`` those) for model ``name`` (of ``models``,
+    default :data:`MODELS`), planned with ``options``, saved; name -> plan file."""
     import torch.distributed as dist
 
     import autoshard
@@ -91,9 +91,9 @@ def plan_all(name: str, profile: Path | str, folder: Path, nproc: int, models: d
     model, inputs = (models or MODELS)[name]()
     planner = autoshard.Planner(model, inputs, autoshard.fake_mesh((2, nproc // 2), ("dp", "tp")),
                                 profile=str(profile), time_limit=30, **options)
-    results = planner.compare()
+    results = planner.compare() if only != ("autoshard",) else {"autoshard": planner.solve()}
     files = {}
-    for plan_name in PLANS:
+    for plan_name in only:
         res = results.get(plan_name)
         if res is None or isinstance(res, str):
             print(f"  {name}/{plan_name}: not planned ({res})", flush=True)
