@@ -186,7 +186,7 @@ def _measure_program(parts: dict, attention: str, device, steps: int) -> dict:
         kept[k] = p
     opt = torch.optim.AdamW(params, lr=1e-6)
     phases = {}
-    for step in range(steps):
+    for _ in range(steps):
         args = [kept[k].detach() if k in kept else _filled(m, device, gen, parts["int_high"])
                 for k, m in enumerate(metas)]
         outs = fwd(args)
@@ -251,7 +251,8 @@ def measure(args) -> None:
         free, total = torch.cuda.mem_get_info()
         # What the process holds beyond the allocator's pool: the context, kernels, cuBLAS' handle.
         context = {"total_bytes": total, "context_bytes": total - free - torch.cuda.memory_reserved()}
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "context": context, "torch": torch.__version__, "programs": {}, "eager": {}}
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "context": context,
+               "torch": torch.__version__, "programs": {}, "eager": {}}
     for key, parts in data["programs"].items():
         try:
             results["programs"][key] = _measure_program(parts, data["attention"], device, args.steps)
@@ -278,7 +279,8 @@ def report(args) -> None:
     ctx = measured.get("context") or {}
     if ctx:
         print(f"outside the allocator: {ctx['context_bytes'] / 2**30:.2f} GiB at start, "
-              f"{ctx.get('after_bytes', 0) / 2**30:.2f} GiB after every program ran (of {ctx['total_bytes'] / 2**30:.1f} GiB)")
+              f"{ctx.get('after_bytes', 0) / 2**30:.2f} GiB after every program ran "
+              f"(of {ctx['total_bytes'] / 2**30:.1f} GiB)")
     errors, above = [], 0
     for key, parts in data["programs"].items():
         m = measured["programs"].get(key, {})
@@ -290,8 +292,8 @@ def report(args) -> None:
         errors.append(abs(ratio - 1))
         above += peak > 1.05 * predicted
         phases = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in m["first_step"].items())
-        print(f"{key:28s} predicted {predicted / 2**30:7.3f} GiB  measured {peak / 2**30:7.3f} GiB  ratio {ratio:.3f}  "
-              f"(reserved {m['reserved_bytes'] / 2**30:.2f}; first step's peak after {phases})")
+        print(f"{key:28s} predicted {predicted / 2**30:7.3f} GiB  measured {peak / 2**30:7.3f} GiB  "
+              f"ratio {ratio:.3f}  (reserved {m['reserved_bytes'] / 2**30:.2f}; first step's peak after {phases})")
     for name, m in measured["eager"].items():
         one = data["programs"].get(f"{name}/one/single")
         if "peak_bytes" in m and one:

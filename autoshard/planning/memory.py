@@ -12,6 +12,9 @@ depends on a pair of choices, so it is counted here, on a chosen plan, over the 
 - **gradients**: a gradient moved to its parameter's spec (data parallel's all-reduce, FSDP's
   reduce-scatter) is held to the end of the step in that spec; the unreduced value dies once
   read (the rows hold it to the end, in its own spec);
+- **buckets**: the executor merges collectives into buckets (:mod:`autoshard.runtime.buckets`);
+  a bucket hands back one flat buffer that lives while any member is read (a layer's gathered
+  weights, as long as the last of them);
 - **the optimizer step**, after the backward: parameters, optimizer state and gradients, plus
   the optimizer's temporaries: AdamW's denominator is one parameter's shard at a time where the
   step loops over parameters (torch's default on a CPU), every parameter's at once where it
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoshard.graph.pricing import is_view
-from autoshard.planning.problem import GraphProblem, grad_views, live_root, local_bytes
+from autoshard.planning.problem import GraphProblem, block_bytes, caching_allocator, grad_views, live_root, local_bytes
+from autoshard.planning.simulate import problem_buckets
 from costmodel.spec import on_mesh, shard_dim
 
 CATEGORIES = ("parameters", "optimizer state", "gradients", "activations", "temporaries", "recomputed",
@@ -85,14 +89,15 @@ def _view_ends(gp: GraphProblem, lo: np.ndarray) -> np.ndarray:
 
 def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> MemoryAccount:
     """The memory account of ``choice`` (a strategy per node of ``gp``, built from ``tg``).
-    ``foreach``: whether the optimizer steps every parameter at once (default: unless the
-    problem's profile describes a CPU)."""
+    ``foreach``: whether the optimizer steps every parameter at once (default: where the device
+    allocates through torch's caching allocator, a GPU, whose rounding every buffer gets too)."""
     p = gp.problem
     choice = np.asarray(choice, dtype=np.int64)
     n = len(gp.nodes)
     mesh_shape = tuple(gp.topo.shape) if gp.topo is not None else ()
+    caching = caching_allocator(gp.profile)
     if foreach is None:
-        foreach = gp.profile is None or not str(gp.profile.device).lower().startswith("cpu")
+        foreach = caching
     chosen = [gp.strategies[v][choice[v]] for v in range(n)]
     iv = np.asarray(p.intervals, dtype=np.int64)
     lo, hi = iv[:, 0].copy(), iv[:, 1].copy()
@@ -115,7 +120,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
             if kind == "input":
                 events.append((lo[v], hi[v], usage[v], "activations", node.name))
                 continue
-            own = local_bytes(chosen[v].outs[0], node.meta["val"], mesh_shape)
+            own = block_bytes(local_bytes(chosen[v].outs[0], node.meta["val"], mesh_shape), caching)
             events.append((lo[v], hi[v], own, "parameters", tg.fqn_of.get(node.name, node.name)))
             if node.name in trainable:
                 param_bytes[v] = own
@@ -143,7 +148,18 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         if chosen[v].moved and node in grads:
             release(gp.index.get(live_root(node)[0].name, v))
 
-    for ae in gp.edges:
+    # The executor's buckets (:mod:`autoshard.runtime.buckets`): a bucket's collective hands back
+    # one flat buffer, which every member's view keeps alive (a layer's gathered weights live as
+    # long as the last of them is read).
+    bucket_of: dict[int, int] = {}
+    buckets = problem_buckets(gp, choice)
+    for b, members in enumerate(buckets.members if buckets is not None else ()):
+        for e, _ in members:
+            if gp.edges[e].arg >= 0:
+                bucket_of.setdefault(e, b)
+    flat: dict[int, list] = {}
+
+    for e, ae in enumerate(gp.edges):
         u, v = ae.producer, ae.consumer
         src = chosen[u].outs[ae.out]
         if ae.arg < 0:
@@ -156,15 +172,27 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
             release(gp.index.get(live_root(gp.nodes[u])[0].name, u))
             continue
         dst = chosen[v].ins[ae.arg]
-        if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape) or chosen[v].moved:  # a moved view's: its usage
+        if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
             continue
         val = _value(gp.nodes[u], ae.out)
         if _broadcast_chunk(src, dst, val):
             continue
-        nbytes = local_bytes(dst, val, mesh_shape)
+        nbytes = block_bytes(local_bytes(dst, val, mesh_shape), caching)
         last = view_end[v] if gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) else lo[v] + 1
+        if e in bucket_of:
+            if chosen[v].moved and v in event_of:  # the bucket's buffer holds it, not a buffer of its own
+                a, b_, _, cat, what = events[event_of[v]]
+                events[event_of[v]] = (a, b_, 0.0, cat, what)
+            flat.setdefault(bucket_of[e], []).append((lo[v], max(last, lo[v] + 1), local_bytes(dst, val, mesh_shape)))
+            continue
+        if chosen[v].moved:  # a moved view's buffer is its own usage
+            continue
         events.append((lo[v], max(last, lo[v] + 1), nbytes, "communication buffers",
                        f"{gp.nodes[u].name} -> {gp.nodes[v].name} ({src} -> {dst})"))
+    for b, parts in flat.items():
+        events.append((min(a for a, _, _ in parts), max(z for _, z, _ in parts),
+                       block_bytes(sum(n for _, _, n in parts), caching), "communication buffers",
+                       f"bucket {b} ({len(parts)} redistributed arguments)"))
 
     e_lo = np.array([e[0] for e in events], dtype=np.int64)
     e_hi = np.array([e[1] for e in events], dtype=np.int64)

@@ -265,7 +265,7 @@ class Planner:
             log.info(f"wrote the solver problem to {opts.export_problem}")
         started = time.perf_counter()
         budget = self._budget(opts)
-        rows = opts
+        rows, result, tried = opts, None, None
         for attempt in range(ACCOUNT_ROUNDS + 1):
             result = self._solve_rows(rows, started) if rows is opts else self._resolve_rows(rows, opts, result)
             peak = result[0].summary.peak_mem_bytes

@@ -128,6 +128,27 @@ class GraphProblem:
         return len(self.nodes) - len(self.copy_of)
 
 
+def caching_allocator(profile: Profile | None) -> bool:
+    """Whether the profile's device allocates through torch's caching allocator (a GPU: every
+    profile but those of CPUs, whose descriptions start with "CPU")."""
+    return profile is None or not str(profile.device).lower().startswith("cpu")
+
+
+MIB = 2**20
+
+
+def block_bytes(nbytes, caching: bool):
+    """Bytes a tensor of ``nbytes`` holds (a number or an array): on a CPU its storage; in the
+    caching allocator a request rounded up to 512 B, and a block over 1 MiB may keep up to 1 MiB
+    it does not split off, counted at that bound (up to the next MiB; measured, the sharded
+    programs of ``benchmarks/gpu_memory.py`` allocated 4-6% above their storage)."""
+    if not caching:
+        return nbytes
+    n = np.asarray(nbytes, dtype=np.float64)
+    out = np.where(n > MIB, np.ceil(n / MIB) * MIB, np.ceil(n / 512) * 512)
+    return out if out.ndim else float(out)
+
+
 def _itemsize(t: torch.Tensor) -> int:
     return t.element_size()
 
@@ -184,16 +205,19 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
     ins_vals = [a.meta["val"] for a in ns.tensor_args]
     c = np.zeros(len(strats))
     usage = np.zeros(len(strats))
+    caching = caching_allocator(profile)
     if view:
         # A view aliases its argument: no time, no memory, unless the argument was moved into it.
-        usage = np.array([local_bytes(s.outs[0], outs_vals[0], mesh_shape) if s.moved else 0.0 for s in strats])
+        usage = np.array([block_bytes(local_bytes(s.outs[0], outs_vals[0], mesh_shape), caching) if s.moved else 0.0
+                          for s in strats])
         return c, usage
     # A matmul's rate follows the size of its local pieces, which each strategy sets.
     mm = matmul_operands(n) if profile.matmul_shares else None
     for i, s in enumerate(strats):
-        out_b = sum(local_bytes(o, t, mesh_shape) for o, t in zip(s.outs, outs_vals)
-                    if o is not None and isinstance(t, torch.Tensor))
-        usage[i] = out_b
+        outs_b = [local_bytes(o, t, mesh_shape) for o, t in zip(s.outs, outs_vals)
+                  if o is not None and isinstance(t, torch.Tensor)]
+        out_b = sum(outs_b)
+        usage[i] = sum(block_bytes(b, caching) for b in outs_b)
         in_b = sum(local_bytes(sp, t, mesh_shape) for sp, t in zip(s.ins, ins_vals))
         split = 1
         for axis in range(len(mesh_shape)):
@@ -258,17 +282,18 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
         return tg.phase(n) == "backward"
 
     last_view: dict[fx.Node, int] = {}
+    last_view_copy: dict[fx.Node, int] = {}
 
     def read(a, at, by_backward):
         r, copy = live_root(a, rec, in_backward) if by_backward else live_root(a)
         into = last_copy if copy else last
         into[r] = max(into.get(r, -1), at)
-        if not copy:
-            # A moved view holds its own buffer (Strategy.moved): the views between a and its root
-            # live to this read too.
-            while a is not r:
-                last_view[a] = max(last_view.get(a, -1), at)
-                a = a.args[0]
+        # A moved view holds its own buffer (Strategy.moved): the views between a and its root
+        # (their recomputed copies where the backward reads those) live to this read too.
+        while a is not r:
+            views = last_view_copy if by_backward and a in rec else last_view
+            views[a] = max(views.get(a, -1), at)
+            a = a.args[0]
 
     for u in order:
         bwd = bool(rec) and tg.phase(u) == "backward"
@@ -290,7 +315,8 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
             lo = pos[n] * S
             last_read = last_view.get(n, lo) if is_view(n) else last.get(n, lo)
             out.append((lo, end if n in held else max(last_read, lo) + 1))
-    copies = [(slot[n], max(last_copy.get(n, slot[n]), slot[n]) + 1) for n in nodes if n in rec]
+    copies = [(slot[n], max((last_view_copy if is_view(n) else last_copy).get(n, slot[n]), slot[n]) + 1)
+              for n in nodes if n in rec]
     return np.array(out, dtype=np.int64).reshape(-1, 2), np.array(copies, dtype=np.int64).reshape(-1, 2)
 
 
@@ -331,13 +357,16 @@ def _node_rows(tg, nodes, strategies, per_node, mesh_shape, profile, optimizer_s
     for v, (n, strats) in enumerate(zip(nodes, strategies)):
         val = n.meta["val"]
         outs_vals = list(val) if isinstance(val, (tuple, list)) else [val]
+        caching = caching_allocator(profile)
         if n.op == "get_attr":  # a constant: every rank has it, any shard of it is free
-            usage = np.array([local_bytes(s.outs[0], val, mesh_shape) for s in strats], dtype=np.float64)
+            usage = block_bytes(np.array([local_bytes(s.outs[0], val, mesh_shape) for s in strats], dtype=np.float64),
+                                caching)
             c = np.zeros(len(strats))
         elif n.op == "placeholder":
             kind = tg.kinds[n.name]
             factor = 1 + (optimizer_states if kind == "param" and tg.fqn_of[n.name] in tg.grad_of else 0)
-            usage = np.array([local_bytes(s.outs[0], val, mesh_shape) * factor for s in strats], dtype=np.float64)
+            usage = block_bytes(np.array([local_bytes(s.outs[0], val, mesh_shape) for s in strats], dtype=np.float64),
+                                caching) * factor
             c = np.zeros(len(strats))
             if kind == "input":
                 # Loading the batch: a rank that holds a shard reads less, so ties go to sharded inputs.
