@@ -264,40 +264,59 @@ class Planner:
             solver.save_iopddl(self.problem(**_solve_fields(opts)), opts.export_problem)
             log.info(f"wrote the solver problem to {opts.export_problem}")
         started = time.perf_counter()
+        result = self._within_account(opts, started)
+        self._plans[key] = result
+        return result[0]
+
+    def _within_account(self, opts: PlanOptions, started: float) -> tuple[Plan, object]:
+        """The plan under ``opts`` whose account (:mod:`autoshard.planning.memory`), not only its
+        memory rows, meets the budget: where the rows fit and the account does not (transient
+        buffers, the executor's buckets, the optimizer step), solved again with the rows' limit
+        lowered by the excess, at most :data:`ACCOUNT_ROUNDS` times."""
         budget = self._budget(opts)
-        rows, result, tried = opts, None, None
-        for attempt in range(ACCOUNT_ROUNDS + 1):
-            result = self._solve_rows(rows, started) if rows is opts else self._resolve_rows(rows, opts, result)
+        result = self._solve_rows(opts, started)
+        tried = result[0].summary.recompute_tried
+        rows, least = opts, result
+        for _ in range(ACCOUNT_ROUNDS):
             peak = result[0].summary.peak_mem_bytes
-            if rows is opts:
-                tried = result[0].summary.recompute_tried
             if budget is None or peak <= budget:
                 break
-            # The rows fit and the plan's account (transient buffers, the optimizer step) does not:
-            # the rows' limit is lowered by the excess and the plan solved again.
-            if attempt == ACCOUNT_ROUNDS:
-                raise MemoryBudgetError(
-                    f"memory budget {budget / 2**30:.3f} GiB per device: the plan found under it holds "
-                    f"{peak / 2**30:.3f} GiB at its peak ({result[0].summary.memory.get('peak_at')}) once its "
-                    f"communication buffers and optimizer step are counted, after {ACCOUNT_ROUNDS} solves with "
-                    f"the solver's limit lowered by the excess; a budget of at least {peak / 2**30:.3f} GiB fits it",
-                    budget, peak)
             limit = self._budget(rows) - (peak - budget)
-            if limit <= 1:  # nothing left for the rows (and a number <= 1 would read as a share)
-                raise MemoryBudgetError(f"memory budget {budget / 2**30:.3f} GiB per device: the plan holds "
-                                        f"{peak / 2**30:.3f} GiB at its peak once its buffers are counted",
-                                        budget, peak)
             log.info(f"plan: its peak {peak / 2**30:.3f} GiB is above the budget {budget / 2**30:.3f} GiB once "
                      f"buffers are counted; solving again with the rows' limit at {limit / 2**30:.3f} GiB")
+            if limit <= 1:  # nothing left for the rows (and a number <= 1 would read as a share)
+                raise self._over_account(budget, least, limit, "no room is left for them")
             rows = opts.replace(memory_budget=limit)
+            try:
+                result = self._resolve_rows(rows, opts, result)
+            except MemoryBudgetError as exc:
+                raise self._over_account(budget, least, limit, first_line(exc), exc.min_feasible_bytes) from exc
+            if result[0].summary.peak_mem_bytes < least[0].summary.peak_mem_bytes:
+                least = result
+        if budget is not None and result[0].summary.peak_mem_bytes > budget:
+            raise self._over_account(budget, least, self._budget(rows), f"after {ACCOUNT_ROUNDS} solves")
         if rows is not opts:
             plan = result[0]
             plan.summary["memory_budget_bytes"] = int(budget)
             plan.summary.memory["rows_budget_bytes"] = int(self._budget(rows))
             if tried is not None:  # the modes compared first; the kept mode's entry is this plan
                 plan.summary.recompute_tried = {**tried, plan.recompute["mode"]: plan.summary.step_us}
-        self._plans[key] = result
-        return result[0]
+        return result
+
+    @staticmethod
+    def _over_account(budget: float, least: tuple[Plan, object], limit: float, why: str,
+                      rows_bound: float | None = None) -> MemoryBudgetError:
+        plan = least[0]
+        memory = plan.summary.memory or {}
+        largest = ", ".join(f"{w} {b / 2**30:.3f} GiB" for b, _, w in memory.get("largest", [])[:3])
+        return MemoryBudgetError(
+            f"memory budget {budget / 2**30:.3f} GiB per device is not met: the least plan found holds "
+            f"{plan.summary.peak_mem_bytes / 2**30:.3f} GiB at its peak ({memory.get('peak_at')}; largest there: "
+            f"{largest}) once its communication buffers, the executor's buckets and the optimizer step are "
+            f"counted, which the solver's memory rows do not see; with the rows' limit lowered to "
+            f"{limit / 2**30:.3f} GiB: {why}. A budget of {plan.summary.peak_mem_bytes / 2**30:.3f} GiB fits that "
+            f"plan (a smaller bucket_mb shortens what buckets hold)",
+            budget, rows_bound if rows_bound is not None else budget)
 
     def _resolve_rows(self, rows: PlanOptions, opts: PlanOptions, last: tuple[Plan, object]) -> tuple[Plan, object]:
         """The plan again under the rows' lowered limit of ``rows``, in the recompute mode ``last``

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 import solver
 from autoshard.errors import AutoshardError
-from autoshard.graph.attention import kernel_of
+from autoshard.graph.attention import KERNEL_BACKWARD, kernel_of
 from autoshard.graph.layers import layer_ties
 from autoshard.graph.pricing import is_view, matmul_operands, matmul_side, memory_pattern, node_flops, op_pricing
 from autoshard.graph.recompute import Recompute, recomputed
@@ -218,6 +218,10 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
                   if o is not None and isinstance(t, torch.Tensor)]
         out_b = sum(outs_b)
         usage[i] = sum(block_bytes(b, caching) for b in outs_b)
+        if kernel == KERNEL_BACKWARD and caching and outs_b:
+            # The flash backward accumulates the query's gradient in float32 (and its softmax
+            # row sums): a workspace of twice a half-precision gradient, charged with it.
+            usage[i] += block_bytes(outs_b[0] * 4 // max(1, outs_vals[0].element_size()), caching)
         in_b = sum(local_bytes(sp, t, mesh_shape) for sp, t in zip(s.ins, ins_vals))
         split = 1
         for axis in range(len(mesh_shape)):
