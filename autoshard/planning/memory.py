@@ -13,8 +13,8 @@ depends on a pair of choices, so it is counted here, on a chosen plan, over the 
   reduce-scatter) is held to the end of the step in that spec; the unreduced value dies once
   read (the rows hold it to the end, in its own spec);
 - **buckets**: the executor merges collectives into buckets (:mod:`autoshard.runtime.buckets`);
-  a bucket hands back one flat buffer that lives while any member is read (a layer's gathered
-  weights, as long as the last of them);
+  a bucket hands back one flat buffer, counted live while any member is read (measured so on
+  gloo: a layer's gathered weights live as long as the last of them);
 - **the optimizer step**, after the backward: parameters, optimizer state and gradients, plus
   the optimizer's temporaries: AdamW's denominator is one parameter's shard at a time where the
   step loops over parameters (torch's default on a CPU), every parameter's at once where it
@@ -70,14 +70,17 @@ def _value(node, out: int):
     return v[out] if isinstance(v, (tuple, list)) else v
 
 
-def _view_ends(gp: GraphProblem, lo: np.ndarray) -> np.ndarray:
-    """Per node, the last time its output is read through views (its own slot + 1 at least)."""
+def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None) -> np.ndarray:
+    """Per node, the last time its output is read through views (its own slot + 1 at least);
+    ``moved``: per node, whether it is a view whose argument was moved into a buffer of its own
+    (its reads do not hold what it views: the move read that at once)."""
     n = len(gp.nodes)
     readers: dict[int, list[int]] = {}
     for e in gp.edges:
         if e.arg >= 0:
             readers.setdefault(e.producer, []).append(e.consumer)
-    view = [gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) for v in range(n)]
+    view = [gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) and not (moved is not None and moved[v])
+            for v in range(n)]
     end = lo + 1
     # Readers come after their producer in the run: from the last node back, a view's end is known
     # before its producer's.
@@ -137,6 +140,17 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
             cat = "activations" if tg.phase(node) == "forward" else "temporaries"
         event_of[v] = len(events)
         events.append((lo[v], hi[v], usage[v], cat, node.name + ("@recompute" if v in gp.copy_of else "")))
+
+    # A value read through a view that moved it is held only until that move (the rows hold it to
+    # the view's last read: they cannot tell which way the view went).
+    moved = [s.moved for s in chosen]
+    if any(moved):
+        own_end = _view_ends(gp, lo, moved)
+        feeds_moved = {ae.producer for ae in gp.edges if ae.arg >= 0 and moved[ae.consumer]}
+        for v in feeds_moved:
+            if v in event_of and gp.nodes[v] not in grads and hi[v] < end:
+                a, b, nbytes, cat, what = events[event_of[v]]
+                events[event_of[v]] = (a, max(a + 1, min(b, int(own_end[v]))), nbytes, cat, what)
 
     def release(r: int) -> None:
         """The unreduced gradient ``r`` ends at its last read: the gradient is a moved buffer."""
