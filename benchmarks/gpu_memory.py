@@ -26,7 +26,6 @@ and how many plans measured above their prediction by more than 5%.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import statistics
@@ -93,8 +92,6 @@ def _attention_source() -> str:
     """The executor's CUDA attention functions, as source the GPU node runs without autoshard."""
     from autoshard.graph import attention
 
-    funcs = (attention._no_dropout, attention._has_flash, attention.flash_fits, attention._sdpa,
-             attention.cuda_forward, attention.cuda_backward)
     # The traced program reads the CPU kernel's layouts (output and gradients contiguous in
     # (B, H, L, E)); the executor's views take a contiguous copy where they cannot view a kernel's
     # own layout (Lowering._call), as these do, up front.
@@ -104,7 +101,7 @@ def _strided(kernel, strides, *args, **kwargs):
                                                                                device=o.device).copy_(o)
                  for o, st in zip(kernel(*args, **kwargs), strides))
 """
-    return "\n\n".join(inspect.getsource(f) for f in funcs) + "\n\n" + glue
+    return attention.device_kernel_source() + "\n\n" + glue
 
 
 def _device_attention(code: str, gm) -> str:

@@ -78,7 +78,10 @@ def _check_model(model, x, shape, names, only=None):
                 v = values[a]
                 if not isinstance(a.meta.get("val"), torch.Tensor):
                     return v
-                whole = DTensor.from_local(v.detach(), mesh, tc.placements_for(replicated, mesh), run_check=False)
+                # Each rank's copy a LocalTensor of its own: a partition (R -> P(sum)) divides every
+                # rank's value, which a plain tensor shared by the ranks would take more than once.
+                own = tc.from_rank_parts({r: v.detach().clone() for r in range(mesh.size())})
+                whole = DTensor.from_local(own, mesh, tc.placements_for(replicated, mesh), run_check=False)
                 return move(whole, next(specs), planner, mesh)
 
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), operand)

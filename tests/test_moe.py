@@ -73,16 +73,26 @@ def tokens(seed):
     return torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("shape, names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
-def test_expert_parallel_training_matches_single_device(world, shape, names):
-    """Experts split on the first axis (pinned), the model's own loss with its load-balance term:
-    the lowered programs move tokens by all_to_all, and loss, every gradient and three AdamW
-    steps equal single-device ones."""
+DENSE = ("layers.*.attn.w*", "layers.*.moe.shared.w*", "layers.*.moe.router.weight", "layers.*norm.weight")
+
+
+@pytest.mark.parametrize("shape, names, dense", [
+    ((4,), ("dp",), "R"), ((2, 2), ("dp", "tp"), "R"),
+    # Found 2026-11-27: with the dense layers fully sharded, the first step's loss and gradients
+    # are right and the second step's loss is not (LocalTensorMode); open.
+    pytest.param((2, 2), ("dp", "tp"), "S(0)", marks=pytest.mark.xfail(strict=True, reason="FSDP dense layers "
+                                                                        "beside experts: wrong after one AdamW step")),
+])
+def test_expert_parallel_training_matches_single_device(world, shape, names, dense):
+    """Experts split on the first axis (pinned), the dense layers replicated (or fully sharded),
+    the model's own loss with its load-balance term: the lowered programs move tokens by
+    all_to_all, and loss, every gradient and three AdamW steps equal single-device ones."""
     n = int(torch.tensor(shape).prod())
     world(n)
     torch.manual_seed(0)
     model, x, labels = moe("tiny", capacity_factor=1.0), tokens(1), tokens(2)
-    pins = {"layers.*.moe.experts.w*": "S(0)" + "R" * (len(shape) - 1)}
+    pins = {"layers.*.moe.experts.w*": "S(0)" + "R" * (len(shape) - 1),
+            **dict.fromkeys(DENSE, dense * len(shape))}
     plan = autoshard.plan(model, (x,), autoshard.fake_mesh(shape, names), profile=SLOW_LINKS, memory_budget=None,
                           loss_fn=lambda out: out, example_kwargs={"labels": labels}, pins=pins)
     assert not plan.summary.get("fallback_ops"), plan.describe()

@@ -249,6 +249,16 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def device_kernel_source() -> str:
+    """The source of :func:`cuda_forward` and :func:`cuda_backward` with their helpers: what a GPU
+    node runs for a traced CPU attention kernel, where it runs lowered programs without autoshard
+    (``benchmarks/gpu_memory.py``)."""
+    import inspect
+
+    return "\n\n".join(inspect.getsource(f) for f in (_no_dropout, _has_flash, flash_fits, _sdpa, cuda_forward,
+                                                        cuda_backward))
+
+
 def cuda_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     """``(out, lse)`` of the CPU kernel's schema by CUDA kernels: flash where it fits (its own
     log-sum-exp, grouped queries natively); otherwise SDPA's choice of kernel, whose
