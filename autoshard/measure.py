@@ -155,6 +155,12 @@ class Measurement:
                          f"{min(peaks) / 2**20:.2f}-{max(peaks) / 2**20:.2f}; optimizer step included)")
             parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in mem["at_peak"][top].items() if v)
             lines.append(f"  at rank {top}'s peak (MiB): {parts}")
+            if mem.get("predicted_at_peak"):
+                parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in mem["predicted_at_peak"].items() if v)
+                lines.append(f"  predicted at its peak, {mem.get('predicted_peak_at')} (MiB): {parts}")
+            for r, peak in enumerate(peaks):
+                lines.append(f"  rank {r}: measured {peak / 2**20:.2f} MiB, predicted / measured "
+                             f"{mem['predicted_peak_bytes'] / peak:.3f}")
         if self.collectives:
             lines.append("per step, per rank:     count pred/meas      MiB pred/meas        ms pred/exposed")
             for row in self.collectives:
@@ -464,9 +470,12 @@ def gather_measurement(plan: Plan, times: list[float], log: CollectiveLog, cfg: 
 def _memory_rows(plan: Plan, per_rank: list[dict]) -> dict:
     if not per_rank or not all(per_rank):
         return {}
+    account = plan.summary.get("memory") or {}
     out = {"predicted_peak_bytes": plan.summary.get("peak_mem_bytes"),
            "measured_peak_bytes": [r["peak_bytes"] for r in per_rank],
-           "at_peak": [r["at_peak"] for r in per_rank]}
+           "at_peak": [r["at_peak"] for r in per_rank],
+           # The plan's account by category (plans written before it have none).
+           "predicted_at_peak": account.get("at_peak", {}), "predicted_peak_at": account.get("peak_at")}
     if all("max_allocated_bytes" in r for r in per_rank):
         out["max_allocated_bytes"] = [r["max_allocated_bytes"] for r in per_rank]
     return out

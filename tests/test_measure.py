@@ -119,6 +119,8 @@ def test_measure_runs_the_plan_and_counts_exactly_its_collectives(tmp_path, worl
     assert len(mem["measured_peak_bytes"]) == 4 and mem["predicted_peak_bytes"] == plan.summary.peak_mem_bytes
     assert all(peak >= sum(at.values()) * 0.999 for peak, at in zip(mem["measured_peak_bytes"], mem["at_peak"]))
     assert "peak memory (MiB)" in res.stdout
+    assert mem["predicted_at_peak"] == plan.summary.memory["at_peak"]
+    assert all(f"rank {r}: measured" in res.stdout for r in range(4)), res.stdout
     for key, r in rows.items():  # nothing runs that the plan does not have, and the reverse
         assert r["measured"]["count"] == pytest.approx(r["predicted"]["count"]), key
         assert r["measured"]["bytes"] == pytest.approx(r["predicted"]["bytes"]), key
