@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu_rank_compute import _filled, _inputs_meta, strip_collectives  # noqa: E402
+from gpu_rank_compute import _filled, _inputs_meta, load, strip_collectives  # noqa: E402
 
 #: name -> (config overrides, batch, seq)
 MODELS = {
@@ -156,22 +156,10 @@ def export(args) -> None:
     print(f"wrote {args.out}")
 
 
-def _compile(part: dict, scope: dict, device):
-    code = part["code"].replace("device(type='cpu')", f"device(type='{device.type}')")
-    exec(compile(code, "<program>", "exec"), scope)
-    owner = type("Owner", (), {})()
-    for k, v in part["consts"].items():
-        setattr(owner, k, v.to(device))
-    fn = scope["forward"]
-    return lambda args: fn(owner, args)
-
-
 def _measure_program(parts: dict, attention: str, device, steps: int) -> dict:
-    scope = {"torch": torch, "device": torch.device, "inf": float("inf"), "nan": float("nan"),
-             "aten": torch.ops.aten}
-    exec(compile("import torch.nn.functional as F\n" + attention, "<attention>", "exec"), scope)
-    fwd = _compile(parts["forward"], dict(scope), device)
-    bwd = _compile(parts["backward"], dict(scope), device)
+    scope = {"torch": torch, "aten": torch.ops.aten}
+    exec(compile(attention, "<attention>", "exec"), scope)
+    fwd, bwd = load(parts["forward"], device, scope), load(parts["backward"], device, scope)
     gen = torch.Generator(device=device).manual_seed(0)
     metas = parts["forward"]["inputs"]
     _cuda.empty_cache()

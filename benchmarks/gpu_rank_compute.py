@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -189,17 +190,24 @@ def _int_high(name: str) -> int:
     return cfg["vocab_size"] // math.prod(shape)
 
 
-def _program(part: dict, device):
-    """The exported program as a callable, and its inputs on ``device``."""
-    scope = {"torch": torch, "device": torch.device, "inf": float("inf"), "nan": float("nan")}
+def load(part: dict, device, scope: dict | None = None):
+    """The exported program's ``forward`` on ``device``, its constants bound; ``scope``: more
+    names its code calls."""
+    scope = {"torch": torch, "device": torch.device, "inf": float("inf"), "nan": float("nan"), **(scope or {})}
     code = part["code"].replace("device(type='cpu')", f"device(type='{device.type}')")
     exec(compile(code, "<program>", "exec"), scope)
     owner = type("Owner", (), {})()
     for k, v in part["consts"].items():
         setattr(owner, k, v.to(device))
+    return functools.partial(scope["forward"], owner)
+
+
+def _program(part: dict, device):
+    """The exported program as a callable, and its inputs on ``device``."""
+    fn = load(part, device)
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = [None if m is None else _filled(m, device, gen, part["int_high"]) for m in part["inputs"]]
-    return (lambda: scope["forward"](owner, *inputs)), inputs
+    return (lambda: fn(*inputs)), inputs
 
 
 def _filled(m: dict, device, gen, int_high: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ import numpy as np
 from costmodel.bounds import Bound, CoverBound, agreed, mesh_costs
 from costmodel.collectives import MeshTopology
 from costmodel.profile import Profile
-from costmodel.spec import Spec
+from costmodel.spec import Spec, on_mesh
 from costmodel.stategraph import MAX_STATES, StateGraph
 from costmodel.states import (
     COMPATIBLE_PARTIALS,
@@ -259,6 +259,11 @@ class RedistributePlanner:
         self.stats["searches"] += 1
         if s0 == goal:
             return RedistributePlan(src, dst, [])
+        on_src, on_dst = on_mesh(src, self.shape), on_mesh(dst, self.shape)
+        if (on_src, on_dst) != (src, dst):
+            # An axis of one rank splits nothing: its placements are read as replicated, so no
+            # step runs over it (a chunk or a gather over one rank would copy the tensor).
+            return RedistributePlan(src, dst, self.plan(on_src, on_dst, tshape, item).steps)
         partials = partials_of(s0[0], goal[0])
         cover = self._cover_bounds(tshape, item)
         bound = self._heuristic(goal, cover)

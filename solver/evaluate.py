@@ -32,7 +32,11 @@ def memory_profile(problem: Problem, usage_per_node: np.ndarray) -> tuple[np.nda
     ``usage[k]`` holds on ``[times[k], times[k+1])``. Built by a sweep over interval
     endpoints, so it costs O(n log n) whatever the length of the time axis.
     """
-    lo, hi = problem.intervals[:, 0], problem.intervals[:, 1]
+    return interval_profile(problem.intervals[:, 0], problem.intervals[:, 1], usage_per_node)
+
+
+def interval_profile(lo: np.ndarray, hi: np.ndarray, usage_per_node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`memory_profile` of any intervals ``[lo, hi)`` with their usages."""
     live = hi > lo
     times = np.concatenate([lo[live], hi[live]])
     deltas = np.concatenate([usage_per_node[live], -usage_per_node[live]])

@@ -7,6 +7,11 @@ measure`` runs a rank; ``tests/test_measure.py`` checks the same on 4 gloo proce
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -118,41 +123,23 @@ def test_specs_on_one_rank_axes_are_the_same_layout():
     assert on_mesh(Spec.parse("S(0)S(1)"), (2, 4)) == Spec.parse("S(0)S(1)")
 
 
-FACTORY = '''
-import torch
-from autoshard.models import llama
-
-def make():
-    torch.manual_seed(0)
-    model = llama("tiny", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=344, vocab_size=512, max_seq_len=32)
-    return model, (torch.randint(0, 512, (16, 32)),)
-'''
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fully_sharded_recomputing_plan_on_gloo_ranks(tmp_path, world, monkeypatch):
+def test_fully_sharded_recomputing_plan_on_gloo_ranks(tmp_path, world):
     """``autoshard measure`` on 4 gloo processes: an FSDP plan with full recomputation peaks
     within 5% of its prediction on every rank, and its table says so per rank."""
-    import json
-    import subprocess
-    import sys
-
-    (tmp_path / "memfac.py").write_text(FACTORY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import memfac
-
     world(4)
-    plan = autoshard.plan(*memfac.make(), autoshard.fake_mesh((4,), ("dp",)), profile="cpu-gloo",
+    plan = autoshard.plan(*_model(), autoshard.fake_mesh((4,), ("dp",)), profile="cpu-gloo",
                           memory_budget=None, time_limit=20, recompute="full", pins={"*": "S(0)"})
     assert plan.recompute["mode"] == "full" and all(p.placements["dp"] == "S(0)" for p in plan.params.values()
                                                     if p.shape[0] % 4 == 0)
     plan_file, out = tmp_path / "plan.json", tmp_path / "measured.json"
     plan.save(plan_file)
-    res = subprocess.run([sys.executable, "-m", "autoshard", "measure", "memfac:make", "--plan", str(plan_file),
+    # The factory is this file's own _model, imported by the measuring processes from tests/.
+    res = subprocess.run([sys.executable, "-m", "autoshard", "measure", "test_memory:_model", "--plan", str(plan_file),
                           "--backend", "gloo", "--nproc", "4", "--steps", "1", "--warmup", "0",
                           "--attribution-steps", "0", "--memory-steps", "2", "--json", str(out)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=500)
+                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=500)
     assert res.returncode == 0, res.stderr[-3000:]
     mem = json.loads(out.read_text())["memory"]
     for r, peak in enumerate(mem["measured_peak_bytes"]):

@@ -78,8 +78,8 @@ DENSE = ("layers.*.attn.w*", "layers.*.moe.shared.w*", "layers.*.moe.router.weig
 
 @pytest.mark.parametrize("shape, names, dense", [
     ((4,), ("dp",), "R"), ((2, 2), ("dp", "tp"), "R"),
-    # Found 2026-11-27: with the dense layers fully sharded, the first step's loss and gradients
-    # are right and the second step's loss is not (LocalTensorMode); open.
+    # With the dense layers fully sharded, the first step's loss and gradients are right and the
+    # second step's loss is not (LocalTensorMode): open.
     pytest.param((2, 2), ("dp", "tp"), "S(0)", marks=pytest.mark.xfail(strict=True, reason="FSDP dense layers "
                                                                         "beside experts: wrong after one AdamW step")),
 ])

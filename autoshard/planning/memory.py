@@ -35,6 +35,7 @@ from autoshard.graph.pricing import is_view
 from autoshard.planning.problem import GraphProblem, block_bytes, caching_allocator, grad_views, live_root, local_bytes
 from autoshard.planning.simulate import problem_buckets
 from costmodel.spec import on_mesh, shard_dim
+from solver.evaluate import interval_profile
 
 CATEGORIES = ("parameters", "optimizer state", "gradients", "activations", "temporaries", "recomputed",
               "communication buffers", "optimizer step")
@@ -141,22 +142,26 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         event_of[v] = len(events)
         events.append((lo[v], hi[v], usage[v], cat, node.name + ("@recompute" if v in gp.copy_of else "")))
 
+    def amend(v: int, last: int | None = None, nbytes: float | None = None) -> None:
+        """Node ``v``'s event, ending at ``last`` (a slot after its start at least) or holding
+        ``nbytes`` instead."""
+        if v in event_of:
+            a, b, held_bytes, cat, what = events[event_of[v]]
+            events[event_of[v]] = (a, b if last is None else max(a + 1, int(last)),
+                                   held_bytes if nbytes is None else nbytes, cat, what)
+
     # A value read through a view that moved it is held only until that move (the rows hold it to
     # the view's last read: they cannot tell which way the view went).
     moved = [s.moved for s in chosen]
     if any(moved):
         own_end = _view_ends(gp, lo, moved)
-        feeds_moved = {ae.producer for ae in gp.edges if ae.arg >= 0 and moved[ae.consumer]}
-        for v in feeds_moved:
-            if v in event_of and gp.nodes[v] not in grads and hi[v] < end:
-                a, b, nbytes, cat, what = events[event_of[v]]
-                events[event_of[v]] = (a, max(a + 1, min(b, int(own_end[v]))), nbytes, cat, what)
+        for v in {ae.producer for ae in gp.edges if ae.arg >= 0 and moved[ae.consumer]}:
+            if gp.nodes[v] not in grads and hi[v] < end:
+                amend(v, last=min(hi[v], own_end[v]))
 
     def release(r: int) -> None:
         """The unreduced gradient ``r`` ends at its last read: the gradient is a moved buffer."""
-        if r in event_of:
-            a, _, nbytes, cat, what = events[event_of[r]]
-            events[event_of[r]] = (a, max(int(view_end[r]), a + 1), nbytes, cat, what)
+        amend(r, last=view_end[r])
 
     for v, node in enumerate(gp.nodes):
         if chosen[v].moved and node in grads:
@@ -191,17 +196,16 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         val = _value(gp.nodes[u], ae.out)
         if _broadcast_chunk(src, dst, val):
             continue
-        nbytes = block_bytes(local_bytes(dst, val, mesh_shape), caching)
+        raw = local_bytes(dst, val, mesh_shape)
         last = view_end[v] if gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) else lo[v] + 1
         if e in bucket_of:
-            if chosen[v].moved and v in event_of:  # the bucket's buffer holds it, not a buffer of its own
-                a, b_, _, cat, what = events[event_of[v]]
-                events[event_of[v]] = (a, b_, 0.0, cat, what)
-            flat.setdefault(bucket_of[e], []).append((lo[v], max(last, lo[v] + 1), local_bytes(dst, val, mesh_shape)))
+            if chosen[v].moved:  # the bucket's buffer holds it, not a buffer of its own
+                amend(v, nbytes=0.0)
+            flat.setdefault(bucket_of[e], []).append((lo[v], max(last, lo[v] + 1), raw))
             continue
         if chosen[v].moved:  # a moved view's buffer is its own usage
             continue
-        events.append((lo[v], max(last, lo[v] + 1), nbytes, "communication buffers",
+        events.append((lo[v], max(last, lo[v] + 1), block_bytes(raw, caching), "communication buffers",
                        f"{gp.nodes[u].name} -> {gp.nodes[v].name} ({src} -> {dst})"))
     for b, parts in flat.items():
         events.append((min(a for a, _, _ in parts), max(z for _, z, _ in parts),
@@ -250,17 +254,11 @@ def _broadcast_chunk(src, dst, val) -> bool:
 
 def _peak(lo: np.ndarray, hi: np.ndarray, nbytes: np.ndarray) -> tuple[float, int]:
     """(largest total of the intervals live at once, a time where it is reached)."""
-    live = hi > lo
-    if not live.any():
+    times, total = interval_profile(lo, hi, nbytes)
+    if not len(times):
         return 0.0, 0
-    times = np.concatenate([lo[live], hi[live]])
-    deltas = np.concatenate([nbytes[live], -nbytes[live]])
-    order = np.lexsort((deltas, times))  # frees before allocations at one time
-    t, d = times[order], deltas[order]
-    uniq, start = np.unique(t, return_index=True)
-    total = np.cumsum(np.add.reduceat(d, start))
     k = int(np.argmax(total))
-    return float(total[k]), int(uniq[k])
+    return float(total[k]), int(times[k])
 
 
 def _node_at(gp: GraphProblem, lo: np.ndarray, at: int) -> str:

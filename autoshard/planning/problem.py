@@ -29,6 +29,7 @@ whose peak the plan reports.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,6 +145,8 @@ def block_bytes(nbytes, caching: bool):
     programs of ``benchmarks/gpu_memory.py`` allocated 4-6% above their storage)."""
     if not caching:
         return nbytes
+    if isinstance(nbytes, (int, float)):  # one tensor, on the strategy loop of a build: no array
+        return float(math.ceil(nbytes / MIB) * MIB if nbytes > MIB else math.ceil(nbytes / 512) * 512)
     n = np.asarray(nbytes, dtype=np.float64)
     out = np.where(n > MIB, np.ceil(n / MIB) * MIB, np.ceil(n / 512) * 512)
     return out if out.ndim else float(out)
@@ -358,10 +361,10 @@ def _node_rows(tg, nodes, strategies, per_node, mesh_shape, profile, optimizer_s
     flop_failures: dict[str, str] = {}
     node_memo: dict = {}
     costs, usages, compute = [], [], []
+    caching = caching_allocator(profile)
     for v, (n, strats) in enumerate(zip(nodes, strategies)):
         val = n.meta["val"]
         outs_vals = list(val) if isinstance(val, (tuple, list)) else [val]
-        caching = caching_allocator(profile)
         if n.op == "get_attr":  # a constant: every rank has it, any shard of it is free
             usage = block_bytes(np.array([local_bytes(s.outs[0], val, mesh_shape) for s in strats], dtype=np.float64),
                                 caching)

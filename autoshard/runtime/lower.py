@@ -36,7 +36,6 @@ from autoshard.graph.tracing import TracedGraph
 from autoshard.planfile import Plan
 from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, make_groups
 from costmodel.profile import Profile
-from costmodel.spec import on_mesh
 
 
 @dataclass
@@ -195,11 +194,6 @@ def move(t, want: Spec, planner: RedistributePlanner, mesh):
     have = _spec_of(t)
     if have == want:
         return t
-    if on_mesh(have, tuple(mesh.shape)) == on_mesh(want, tuple(mesh.shape)):
-        # They differ on axes of one rank only: the same local tensor, relabelled (a chunk or a
-        # gather over one rank would copy it).
-        return DTensor.from_local(t.to_local(), mesh, tc.placements_for(want, mesh), run_check=False, shape=t.shape,
-                                  stride=t.stride())
     shape = tuple(t.shape)
     local = execute_plan(t.to_local(), planner.plan(have, want, shape, t.element_size()), mesh, shape)
     # A collective hands back a contiguous shard: so is the value now, whatever layout it was

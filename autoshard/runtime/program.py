@@ -55,8 +55,7 @@ class PlannedProgram:
                  overlap: bool = True, with_loss: bool = False, compile: bool | str = False):
         self.tg, self.plan, self.mesh = tg, plan, mesh
         self.compile = compile
-        self._compiled: dict[tuple[str, int], object] = {}
-        self._boxed: dict[tuple[str, int], object] = {}
+        self._callables: dict[tuple[str, int], object] = {}
         self._warned_eager = False
         self.bucket_mb, self.overlap, self.with_loss = bucket_mb, overlap, with_loss
         self.split = split(tg, with_loss, Recompute(**plan.recompute))
@@ -186,26 +185,26 @@ class PlannedProgram:
         """The program as a function of one list of inputs, which it empties: its graph module
         in FX's boxed convention, or that module compiled by torch.compile (on first use)."""
         key = (which, rank)
+        if key in self._callables:
+            return self._callables[key]
         if not self.compile:
-            if key not in self._boxed:
-                self._boxed[key] = tc.boxed_graph_module(program.gm)
-            return self._boxed[key]
-        if key not in self._compiled:
-            backend = "inductor" if self.compile is True else self.compile
-            log.info(f"compiling the {which} program of rank {rank} ({backend})")
-            compiled = torch.compile(program.gm, backend=backend, fullgraph=True, dynamic=False)
+            self._callables[key] = tc.boxed_graph_module(program.gm)
+            return self._callables[key]
+        backend = "inductor" if self.compile is True else self.compile
+        log.info(f"compiling the {which} program of rank {rank} ({backend})")
+        compiled = torch.compile(program.gm, backend=backend, fullgraph=True, dynamic=False)
 
-            def boxed(args: list, compiled=compiled):
-                own = list(args)
-                args.clear()
-                return compiled(*own)
+        def boxed(args: list):
+            own = list(args)
+            args.clear()
+            return compiled(*own)
 
-            self._compiled[key] = boxed
-        return self._compiled[key]
+        self._callables[key] = boxed
+        return boxed
 
     def compiled(self) -> list[str]:
         """``"forward@rank"`` / ``"backward@rank"`` for each program this process runs compiled."""
-        return sorted(f"{which}@{rank}" for which, rank in self._compiled)
+        return sorted(f"{which}@{rank}" for which, rank in self._callables) if self.compile else []
 
     def run(self, which: str, locals_: list) -> list:
         """Run every local rank's ``forward`` or ``backward`` program on its shards. ``locals_`` is
