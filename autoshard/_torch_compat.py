@@ -444,16 +444,41 @@ def rename_node(node, name: str) -> None:
     node.graph._graph_namespace._rename_object(node, name)
 
 
+#: The ``custom`` metadata key that marks a lowered node as part of a recomputed op.
+RECOMPUTED = "autoshard_recomputed"
+#: The ``custom`` metadata key naming the planned node a lowered node runs.
+PLANNED = "autoshard_node"
+
+
 def bucket_collectives(gm, cap_mb: float) -> None:
     """Merge independent all-reduces, all-gathers and reduce-scatters (each of one group, reduce op
     and dtype) into buckets of up to ``cap_mb`` MiB, one flat collective each (Inductor's own FX
-    passes)."""
-    from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
+    passes), none across a recomputation: a bucket runs every reader of its members after its
+    last member, so one that spans a layer's recomputed ops (nodes marked :data:`RECOMPUTED`)
+    would run them ahead of the previous layer's backward, holding two layers' recomputed
+    activations at once."""
+    from torch._inductor.fx_passes import bucketing as b
 
     cap = lambda _bucket: float(cap_mb)  # noqa: E731 (one cap for every bucket)
-    bucket_all_reduce(gm, cap)
-    bucket_all_gather(gm, cap)
-    bucket_reduce_scatter(gm, cap)
+    segment, k, inside = {}, 0, False
+    for n in gm.graph.nodes:
+        marked = bool(n.meta.get("custom", {}).get(RECOMPUTED, False))
+        k += marked and not inside
+        inside = marked
+        segment[n] = k
+
+    def keyed(key):
+        return lambda coll: (key(coll), segment.get(next(iter(coll.users)), k))
+
+    mode = b._default_bucket_mode()
+    for bucket in b.greedy_bucket_collective_by_mb(gm, cap, b.is_all_reduce_tensor, keyed(b._ar_group_key)):
+        b.merge_all_reduce_bucket(gm.graph, bucket, None)
+    gathers = b.greedy_bucket_collective_by_mb(gm, cap, b.is_all_gather_into_tensor, keyed(b._ag_group_key))
+    if gathers:
+        b.merge_all_gather(gm, gathers, mode)
+    scatters = b.greedy_bucket_collective_by_mb(gm, cap, b.is_reduce_scatter_tensor, keyed(b._rs_group_key))
+    if scatters:
+        b.merge_reduce_scatter(gm, scatters, mode)
     gm.recompile()
 
 
@@ -462,7 +487,9 @@ def schedule_overlap(gm, estimate_ms):
     override_bytes)`` (its own roofline needs Triton and a GPU; its benchmarks a GPU; ours is the
     plan's cost model and the same on every rank, so no rank has to agree with another). Its own
     bucketing stays off: its merge of all-reduces can hand a view a non-contiguous slice of the
-    bucket (seen on Qwen2: "view size is not compatible"); :func:`bucket_collectives` does not."""
+    bucket (seen on Qwen2: "view size is not compatible"); :func:`bucket_collectives` does not.
+    It may start a collective early only where that leaves the program's peak as it was (its
+    default allows 1 GB or 5% more, which the plan's memory account does not hold)."""
     import contextlib
 
     from torch._inductor.fx_passes import node_runtime_estimation as nre
@@ -483,7 +510,7 @@ def schedule_overlap(gm, estimate_ms):
         return osched.schedule_overlap_bucketing(
             gm, collective_bucketing=False, custom_runtime_estimation=estimate_ms,
             collective_estimator="analytical", compute_estimator="analytical",
-            pre_bucketing_fsdp_collectives=False)
+            pre_bucketing_fsdp_collectives=False, max_memory_increase_gb=0.0, max_memory_increase_ratio=0.0)
 
 
 def memory_tracker():

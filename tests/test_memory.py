@@ -32,30 +32,43 @@ def _model():
     return model, (torch.randint(0, 512, (16, 32)),)
 
 
-def _measured_peak(plan, shape) -> int:
-    model, inputs = _model()
+def _gpt2():
+    """GPT-2-style: LayerNorm, whose backward gives the input's gradient and the weight's in one
+    node."""
+    from autoshard.models import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(dim=128, n_heads=4, n_layers=2, vocab_size=512))
+    return model, (torch.randint(0, 512, (16, 32)),)
+
+
+def _measured_peak(plan, shape, factory=_model) -> int:
+    model, inputs = factory()
     sharded = autoshard.parallelize(model, plan, autoshard.fake_mesh(shape, ("dp", "tp")[:len(shape)]),
                                     compute_loss=True)
     return run_memory_steps(sharded, inputs, MeasureConfig(memory_steps=2), "cpu")["peak_bytes"]
 
 
-@pytest.mark.parametrize("case", ["fsdp", "fsdp_tp", "ddp_recompute", "ours"])
+@pytest.mark.parametrize("case", ["fsdp", "fsdp_tp", "ddp_recompute", "ours", "gpt2_fsdp_tp", "gpt2_fsdp_tp_ac"])
 def test_predicted_peak_is_the_programs_peak(world, case):
     """FSDP keeps the gathered weights a transpose saves for the backward, or gathers again
     there: the plan says which, and its peak counts the buffers. Within 5% of the live storage
-    of rank 0's programs, for sharded, recomputing and solved plans."""
-    shape = (2, 2) if case == "fsdp_tp" else (4,)
+    of rank 0's programs, for sharded, recomputing and solved plans; on GPT-2 (a norm's backward
+    gives a weight's gradient beside its input's) sharded, and recomputing with buckets."""
+    factory = _gpt2 if case.startswith("gpt2_") else _model
+    pins = case.removeprefix("gpt2_")
+    shape = (2, 2) if pins.startswith("fsdp_tp") else (4,)
     world(4)
-    model, inputs = _model()
+    model, inputs = factory()
     planner = autoshard.Planner(model, inputs, autoshard.fake_mesh(shape, ("dp", "tp")[:len(shape)]),
                                 profile="cpu-gloo", memory_budget=None, time_limit=20,
-                                recompute="full" if case == "ddp_recompute" else "none")
-    if case == "ours":
+                                recompute="full" if pins in ("ddp_recompute", "fsdp_tp_ac") else "none")
+    if pins == "ours":
         plan = planner.solve()
     else:
-        plan = planner.compare(["ddp" if case == "ddp_recompute" else case])["ddp" if case == "ddp_recompute"
-                                                                            else case]
-    predicted, measured = plan.summary.peak_mem_bytes, _measured_peak(plan, shape)
+        name = "ddp" if pins == "ddp_recompute" else pins
+        plan = planner.compare([name])[name]
+    predicted, measured = plan.summary.peak_mem_bytes, _measured_peak(plan, shape, factory)
     assert abs(predicted / measured - 1) <= 0.05, (case, predicted, measured, plan.summary.memory)
     memory = plan.summary.memory
     assert memory["peak_bytes"] == predicted and sum(memory["at_peak"].values()) == pytest.approx(predicted, rel=1e-6)

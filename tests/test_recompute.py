@@ -201,3 +201,41 @@ def test_recomputing_plan_matches_single_device(world, mode):
     assert counts["recompute"][0] < counts["plain"][0]
     if mode == "full":
         assert counts["recompute"][1] > counts["plain"][1]  # the forward's matmuls, run again
+
+
+def test_each_layers_recompute_runs_before_its_own_backward(world):
+    """The planned order runs a layer's recomputed copies, in graph order, just before the
+    backward node its recompute runs before (as the lowering does), not after the backward; the
+    executor's buckets span no recomputation, so the lowered backward runs each layer's
+    recomputation after the later layer's backward matmuls, as planned."""
+    world(4)
+    model, x = tiny(n_layers=2, seq=32)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    planner = autoshard.Planner(model, (x,), mesh, loss_fn=lm_loss, memory_budget=None, time_limit=20,
+                                profile="cpu-gloo", recompute="full")
+    plan = planner.compare(["fsdp_tp_ac"])["fsdp_tp_ac"]
+    _, gp = planner.variant("full")
+    order = gp.run_order()
+    pos = {v: i for i, v in enumerate(order)}
+    assert gp.recompute_at and set(gp.recompute_at) == set(gp.copy_of)
+    by_layer: dict[int, list[int]] = {}
+    for c, at in gp.recompute_at.items():
+        by_layer.setdefault(at, []).append(c)
+    assert len(by_layer) == 2
+    for at, copies in by_layer.items():
+        spots = sorted(pos[c] for c in copies)
+        # Contiguous, right before `at`, in the originals' order.
+        assert spots == list(range(pos[at] - len(copies), pos[at]))
+        assert [gp.copy_of[order[i]] for i in spots] == sorted(gp.copy_of[c] for c in copies)
+
+    from autoshard._torch_compat import RECOMPUTED
+
+    sharded = autoshard.parallelize(model, plan, mesh, loss_fn=lm_loss)
+    sharded(x)
+    program = next(iter(sharded.forward.programs.values()))
+    nodes = [n for n in program.backward_program(0).gm.graph.nodes if n.op == "call_function"]
+    # The backward's matmuls in program order, as runs of recomputed ones and others: each
+    # layer's recomputation, then its backward.
+    flags = [bool(n.meta.get("custom", {}).get(RECOMPUTED)) for n in nodes if n.target == torch.ops.aten.mm.default]
+    runs = [f for k, f in enumerate(flags) if k == 0 or f != flags[k - 1]]
+    assert runs.count(True) == 2 and runs[-1] is False, runs

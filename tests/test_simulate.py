@@ -108,6 +108,34 @@ def test_views_of_a_gathered_bucket_member_become_reshapes():
     assert torch.equal(gm(x_val), x_val[:, 4:].reshape(12))
 
 
+def test_ops_keep_their_planned_order_and_collectives_where_the_scheduler_put_them():
+    """The overlap scheduler pulls an independent op (a layer's recomputation) ahead of a wait
+    to hide the collective; the program runs its ops in the planned order again, the collective
+    started where the scheduler started it and waited for before its reader."""
+    import torch.fx as fx
+
+    from autoshard.runtime.passes import keep_planned_order
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = fx.Graph()
+    x = g.placeholder("x")
+    start = g.call_function(c10d.all_reduce.default, (x, "sum", "0"))
+    wait = g.call_function(c10d.wait_tensor.default, (start,))
+    a = g.call_function(aten.mul.Tensor, (x, 2.0))
+    c = g.call_function(aten.add.Tensor, (wait, a))
+    b = g.call_function(aten.mul.Tensor, (x, 3.0))  # independent of the collective
+    g.output((c, b))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    planned = {n: k for k, n in enumerate(gm.graph.nodes)}
+    # As the scheduler leaves it: `b` pulled ahead of the wait, the wait just before its reader.
+    for before, node in ((a, b), (b, wait)):
+        before.append(node)
+    assert [n for n in gm.graph.nodes if n.op == "call_function"] == [start, a, b, wait, c]
+    keep_planned_order(gm, planned)
+    gm.graph.lint()
+    assert [n for n in gm.graph.nodes if n.op == "call_function"] == [start, a, wait, c, b]
+
+
 def test_host_stream_bounds_a_program_of_small_ops_by_their_issue():
     """With a host issue time h per op, a program of tiny ops lasts (ops) x h, views included
     (they cost the host, not the device), and the device's wait is idle time, not exposed

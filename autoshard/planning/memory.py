@@ -30,10 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from autoshard.graph.pricing import is_view
+from autoshard.graph.strategies import is_getitem
+from autoshard.graph.tracing import node_phase
 from autoshard.planning.problem import GraphProblem, block_bytes, caching_allocator, grad_views, live_root, local_bytes
 from autoshard.planning.simulate import problem_buckets
+from costmodel import plan_redistribute
 from costmodel.spec import on_mesh, shard_dim
 from solver.evaluate import interval_profile
 
@@ -76,10 +80,17 @@ def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None) -> np.ndarray:
     ``moved``: per node, whether it is a view whose argument was moved into a buffer of its own
     (its reads do not hold what it views: the move read that at once)."""
     n = len(gp.nodes)
+    # The backward reads a recomputed value's copy, not the forward's value (the planned graph
+    # keeps the original's edge: the two are tied to one strategy).
+    copy_by_original = {o: c for c, o in gp.copy_of.items()}
     readers: dict[int, list[int]] = {}
     for e in gp.edges:
         if e.arg >= 0:
-            readers.setdefault(e.producer, []).append(e.consumer)
+            u = e.producer
+            backward = e.consumer not in gp.copy_of and node_phase(gp.nodes[e.consumer]) == "backward"
+            if u in copy_by_original and backward:
+                u = copy_by_original[u]
+            readers.setdefault(u, []).append(e.consumer)
     view = [gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) and not (moved is not None and moved[v])
             for v in range(n)]
     end = lo + 1
@@ -150,6 +161,22 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
             events[event_of[v]] = (a, b if last is None else max(a + 1, int(last)),
                                    held_bytes if nbytes is None else nbytes, cat, what)
 
+    # A gradient that is one output of several (a norm's backward gives its input's gradient
+    # and its weight's): the other outputs die at their last reads, not with the gradient.
+    for v, outs in _gradient_outputs(gp, tg).items():
+        if v not in event_of or not isinstance(gp.nodes[v].meta["val"], (tuple, list)):
+            continue
+        vals = gp.nodes[v].meta["val"]
+        held_bytes = sum(block_bytes(local_bytes(chosen[v].outs[i], vals[i], mesh_shape), caching)
+                         for i in outs if i < len(chosen[v].outs) and chosen[v].outs[i] is not None
+                         and isinstance(vals[i], torch.Tensor))
+        rest = usage[v] - held_bytes
+        reads = [view_end[e.consumer] if _is_view(gp, e.consumer) else lo[e.consumer] + 1
+                 for e in gp.edges if e.arg >= 0 and e.producer == v and e.out not in outs]
+        if rest > 0:
+            amend(v, nbytes=float(held_bytes))
+            events.append((lo[v], max([lo[v] + 1, *reads]), rest, "temporaries", f"{gp.nodes[v].name} (other outputs)"))
+
     # A value read through a view that moved it is held only until that move (the rows hold it to
     # the view's last read: they cannot tell which way the view went).
     moved = [s.moved for s in chosen]
@@ -158,6 +185,8 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         for v in {ae.producer for ae in gp.edges if ae.arg >= 0 and moved[ae.consumer]}:
             if gp.nodes[v] not in grads and hi[v] < end:
                 amend(v, last=min(hi[v], own_end[v]))
+
+    whole_until_step: set[int] = set()  # events held to the end of the backward, not into the step
 
     def release(r: int) -> None:
         """The unreduced gradient ``r`` ends at its last read: the gradient is a moved buffer."""
@@ -185,10 +214,20 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
             dst = chosen[v].outs[0]
             if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
                 continue
+            r = gp.index.get(live_root(gp.nodes[u])[0].name, u)
+            what = f"{tg.fqn_of[gp.nodes[v].name]}.grad"
+            if _reduced_whole(gp, src, dst, _value(gp.nodes[u], ae.out)):
+                # Reduced whole and then cut to its shard (gloo's all-reduce for a reduce-scatter):
+                # the executor waits for the reduction at the end of the backward, so a buffer of
+                # the unreduced value's size lives until then, the shard only in the step.
+                if r in event_of:
+                    whole_until_step.add(event_of[r])
+                events.append((end, end + 1, param_bytes.get(v, 0), "gradients", what))
+                continue
             # The gradient in its parameter's spec, held to the end; its unreduced value lives to
             # its last read (the move reads it at once).
-            events.append((lo[u], end, param_bytes.get(v, 0), "gradients", f"{tg.fqn_of[gp.nodes[v].name]}.grad"))
-            release(gp.index.get(live_root(gp.nodes[u])[0].name, u))
+            events.append((lo[u], end, param_bytes.get(v, 0), "gradients", what))
+            release(r)
             continue
         dst = chosen[v].ins[ae.arg]
         if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
@@ -225,6 +264,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
 
     # The optimizer step: what is held to the end, and AdamW's temporaries.
     held = e_hi >= end
+    held[list(whole_until_step)] = False
     step = dict.fromkeys(CATEGORIES, 0)
     for k in np.flatnonzero(held):
         step[events[k][3]] += int(e_b[k])
@@ -238,6 +278,32 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         largest = sorted(largest + [(step["optimizer step"], "optimizer step", what)], reverse=True)
     return MemoryAccount(peak_bytes=int(peak), at_peak=at_peak, peak_at=peak_at, rows_peak_bytes=int(rows_peak),
                          at_step=step, largest=largest)
+
+
+def _is_view(gp: GraphProblem, v: int) -> bool:
+    return gp.nodes[v].op == "call_function" and is_view(gp.nodes[v])
+
+
+def _gradient_outputs(gp: GraphProblem, tg) -> dict[int, set[int]]:
+    """Per node one of whose outputs is a parameter's gradient (through views), those outputs."""
+    out: dict[int, set[int]] = {}
+    for g in tg.grad_of.values():
+        while g.op == "call_function" and is_view(g) and g.args and isinstance(g.args[0], torch.fx.Node):
+            g = g.args[0]
+        if is_getitem(g) and g.args[0].name in gp.index:
+            out.setdefault(gp.index[g.args[0].name], set()).add(int(g.args[1]))
+    return out
+
+
+def _reduced_whole(gp: GraphProblem, src, dst, val) -> bool:
+    """Whether the move of ``val`` from ``src`` to ``dst`` ends by cutting a shard out of a
+    collective's whole result (an all-reduce or all-gather, then a local chunk)."""
+    if gp.topo is None or gp.profile is None:
+        return False
+    steps = plan_redistribute(src, dst, tuple(val.shape), val.element_size(), gp.topo, gp.profile).steps
+    kinds = [s.kind for s in steps]
+    last = max((k for k, kind in enumerate(kinds) if kind in ("all_reduce", "all_gather")), default=None)
+    return last is not None and "chunk" in kinds[last + 1:]
 
 
 def _broadcast_chunk(src, dst, val) -> bool:

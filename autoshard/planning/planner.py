@@ -472,16 +472,23 @@ class Planner:
         returns it from then on. A baseline fixes the parameter
         and input specs as people write them by hand (see :mod:`autoshard.planning.baselines`; the pins
         given win over its own) and the solver chooses the rest. A baseline that does not fit
-        the memory budget maps to the error's message.
+        the memory budget maps to the error's message; so does ours where the solve found no plan
+        within it, unless a baseline the options allow fits (the fastest is then ours).
         """
         opts = self._options(overrides)
-        out: dict[str, Plan | str] = {"autoshard": self.solve(**overrides)}
+        out: dict[str, Plan | str] = {}
+        try:
+            out["autoshard"] = self.solve(**overrides)
+        except MemoryBudgetError as exc:
+            out["autoshard"] = str(exc)
         names = baselines_for(self.model) if baselines is None else baselines
         for name, seed in self._baselines(names, opts, opts.time_limit).items():
             out[name] = seed.plan if isinstance(seed, HandWritten) else seed
             allowed = opts.input_specs is None and opts.recompute in ("auto", baseline_recompute(name))
+            ours = out["autoshard"]
             # Faster by more than the rounding of a plan's figures (to the nanosecond).
-            if allowed and isinstance(seed, HandWritten) and seed.step_us < out["autoshard"].summary.step_us - 1e-3:
+            if allowed and isinstance(seed, HandWritten) and (
+                    isinstance(ours, str) or seed.step_us < ours.summary.step_us - 1e-3):
                 out["autoshard"] = self._adopt(opts, name, seed)
         return out
 
@@ -522,7 +529,9 @@ class Planner:
     def _adopt(self, opts: PlanOptions, name: str, seed: HandWritten) -> Plan:
         """Hand-written plan ``name`` as the plan of ``opts`` (it is predicted faster than the
         solve's), labelled as such."""
-        solved = self._plans[_key(opts)][0]
+        solved = self._plans.get(_key(opts), (None,))[0]
+        if solved is None:  # the solve found no plan within the budget
+            return seed.as_ours(name, "the solve found no plan within the memory budget")
         ours = seed.as_ours(name, f"predicted faster than the solve's plan, {solved.summary.step_us / 1e3:.3f} ms")
         ours.summary.solve_alone = solved.summary.solve_alone
         log.info(f"plan: baseline {name} is predicted faster ({seed.step_us / 1e3:.3f} ms): it is the plan")

@@ -81,6 +81,10 @@ class GraphProblem:
     copy_of: dict[int, int] = field(default_factory=dict)
     """Recomputed copy's ILP index -> its original's (:func:`with_recompute`);
     copies come after every original node."""
+    recompute_at: dict[int, int] = field(default_factory=dict)
+    """Recomputed copy's ILP index -> the backward node its layer's recompute runs just before
+    (:attr:`Recompute.at <autoshard.graph.recompute.Recompute.at>`), where that is a node of
+    the problem."""
     imbalance: dict = field(default_factory=dict)
     """``{"factor": f, "expert_matmuls": n}`` where the graph has expert matmuls
     (:mod:`autoshard.planning.imbalance`); empty otherwise."""
@@ -106,21 +110,16 @@ class GraphProblem:
         return self._issue
 
     def run_order(self) -> list[int]:
-        """The nodes in the order they run: originals in graph order, a recomputed copy just
-        before the first node that reads it (its chain of copies before that). Computed once:
-        every simulation of a plan walks it."""
+        """The nodes in the order they run: originals in graph order, a layer's recomputed
+        copies in graph order just before the backward node its recompute runs before (as the
+        lowering runs them, :func:`autoshard.runtime.lower.split`). Computed once: every
+        simulation of a plan walks it."""
         if self._order is None:
-            readers: dict[int, list[int]] = {}
-            for e in self.edges:
-                if e.arg >= 0:
-                    readers.setdefault(e.producer, []).append(e.consumer)
             n_orig = self.num_originals
             keys = [float(v) for v in range(len(self.nodes))]
-            # Copies follow every original, each after the copies it reads (they are appended in
-            # graph order): from the last one back, every reader's key is known.
-            eps = 1e-6 / len(self.nodes)
-            for v in range(len(self.nodes) - 1, n_orig - 1, -1):
-                keys[v] = min((keys[c] for c in readers.get(v, [])), default=float(n_orig)) - eps * (1 + v - n_orig)
+            for c, o in self.copy_of.items():
+                # In (at - 1, at), ordered by the original's place: a copy after the copies it reads.
+                keys[c] = self.recompute_at.get(c, n_orig) - 1 + (o + 1) / (n_orig + 1)
             self._order = sorted(range(len(self.nodes)), key=keys.__getitem__)
         return self._order
 
@@ -629,4 +628,5 @@ def with_recompute(gp: GraphProblem, tg: TracedGraph, rc: Recompute) -> GraphPro
         gp, problem=problem, nodes=nodes + [nodes[v] for v in copied],
         strategies=gp.strategies + [gp.strategies[v] for v in copied], edges=edges,
         compute_us=gp.compute_us + [gp.compute_us[v] for v in copied],
-        copy_of={c: v for v, c in copy_index.items()})
+        copy_of={c: v for v, c in copy_index.items()},
+        recompute_at={copy_index[v]: gp.index[rec[nodes[v]].name] for v in copied if rec[nodes[v]].name in gp.index})

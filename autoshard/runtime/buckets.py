@@ -16,6 +16,10 @@ parameters' order (the program's outputs), where the runs are long. Each collect
 redistribute of several (all_reduce over ``dp`` then over ``tp``) is a candidate of its own
 kind's run; the later ones depend on the earlier ones.
 
+No bucket spans a recomputation (a layer's recomputed ops, in the backward): a bucket runs every
+reader of its members after its last member, so one that spans a layer's recomputed ops would run
+them ahead of the previous layer's backward, holding two layers' recomputed activations at once.
+
 "Depends on the bucket": an earlier collective of the same redistribute is a member, or the
 redistribute's producer is reachable in the planned graph from the consumer of a member (a
 gradient's move has no reader in the step). The search for that only walks nodes up to the
@@ -113,7 +117,10 @@ def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Prof
     runs: dict[str, list[tuple[int, int, tuple, int]]] = {k: [] for k in _BUCKETED}
     steps_of: dict[int, list] = {}
 
-    def visit(k: int, backward: bool) -> None:
+    def visit(k: int, where: tuple[bool, int]) -> None:
+        """Edge ``k``'s collectives into their runs; ``where``: (in the backward program, the
+        recomputation segment)."""
+        backward = where[0]
         e = gp.edges[k]
         u, v = e.producer, e.consumer
         if mats[k][choice[u], choice[v]] <= 0:
@@ -129,15 +136,19 @@ def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Prof
             # A kind the passes do not merge (all_to_all) is not in runs: it breaks none.
             if s.kind in runs:
                 op = partial_op(s.src.placements[s.axes[0]]) if s.kind != "all_gather" else None
-                runs[s.kind].append((k, i, (backward, s.axes, t.dtype, op), int(s.nbytes)))
+                runs[s.kind].append((k, i, (where, s.axes, t.dtype, op), int(s.nbytes)))
 
+    segment, inside = 0, False
     for v in order:
-        backward = v in gp.copy_of or node_phase(gp.nodes[v]) == "backward"
+        # A recomputed layer's ops start a segment no bucket spans (module doc).
+        segment += v in gp.copy_of and not inside
+        inside = v in gp.copy_of
+        backward = inside or node_phase(gp.nodes[v]) == "backward"
         for k in into.get(v, ()):
-            visit(k, backward)
+            visit(k, (backward, segment))
     # The backward program delivers the gradients last, in the parameters' order.
     for k in sorted((k for ks in grads_from.values() for k in ks), key=lambda k: (pos[gp.edges[k].consumer], k)):
-        visit(k, True)
+        visit(k, (True, segment))
 
     cap = int(cap_mb * 2**20)
     for kind, seq in runs.items():
@@ -166,7 +177,7 @@ def _fill(gp, run, cap: int, kind: str, topo: MeshTopology, profile: Profile, su
     axes = run[0][2][1]
     group = math.prod(topo.shape[a] for a in axes)
     predict = profile.collective_predictor(kind, group, topo.group_is_intra_node(axes))
-    backward = bool(run[0][2][0])
+    backward = bool(run[0][2][0][0])
 
     def close(bucket: list[tuple[int, int]], nbytes: int) -> None:
         if len(bucket) > 1:

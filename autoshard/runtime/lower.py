@@ -53,6 +53,8 @@ class Split:
     with the loss lowered, (0, the loss's gradient)."""
     grads: dict[str, fx.Node]
     """Parameter FQN -> the node of its gradient (only parameters the loss reaches)."""
+    recomputed: frozenset = frozenset()
+    """The backward's ops that run a forward op again (activation checkpointing)."""
 
 
 #: Views whose result depends on the input's memory layout (:meth:`Lowering._call`).
@@ -134,7 +136,7 @@ def split(tg: TracedGraph, with_loss: bool = False, recompute: Recompute = NONE)
     used = {a for n in backward for a in n.all_input_nodes} | set(tg.grad_of.values())
     tangents = sorted(((k, n) for n, k in tangent_of.items() if n in used), key=lambda kn: kn[0])
     return Split(forward=forward, backward=backward, saved=sorted(saved, key=order.__getitem__),
-                 tangents=tangents, grads=dict(tg.grad_of))
+                 tangents=tangents, grads=dict(tg.grad_of), recomputed=frozenset(n for n in backward if n in rec))
 
 
 @dataclass
@@ -234,47 +236,61 @@ class Lowering:
             return self._move(v, Spec(("R",) * self.mesh.ndim))
         return v
 
-    def _run(self, ops: list[fx.Node], env: dict) -> None:
+    def _run(self, ops: list[fx.Node], env: dict, recomputed: frozenset = frozenset()) -> None:
+        # Each lowered node names the planned node it runs (the moves into it included), and is
+        # marked where that node is recomputed (the bucketing pass reads the mark).
+        custom = tc.node_meta_custom()
+        try:
+            for n in ops:
+                custom[tc.PLANNED] = n.name
+                if n in recomputed:
+                    custom[tc.RECOMPUTED] = True
+                self._run_node(n, env)
+                custom.pop(tc.RECOMPUTED, None)
+        finally:
+            custom.pop(tc.PLANNED, None)
+            custom.pop(tc.RECOMPUTED, None)
+
+    def _run_node(self, n: fx.Node, env: dict) -> None:
         plan = self.plan
-        for n in ops:
-            if n.op == "get_attr":
-                env[n] = getattr(self.tg.gm, n.target)
-                continue
-            if n.target is operator.getitem:
-                env[n] = env[n.args[0]][n.args[1]]
-                continue
-            entry = plan.nodes.get(n.name)
-            if n.target in rng.RANDOM_OPS and isinstance(env.get(n.args[0]), DTensor):
-                env[n] = self._random(n, env, entry)
-                continue
-            if not any(isinstance(v, DTensor) for v in map(env.get, n.all_input_nodes)):
-                # Only constants in (tensors built inside forward): every rank computes the same
-                # full value; a consumer takes its planned shard of it locally.
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-                env[n] = n.target(*args, **kwargs)
-                continue
-            if entry is None:
-                # A plan of parameter and input placements only (a hand-written one): DTensor's
-                # own propagation shards the ops, constants replicated.
-                entry = {}
-                def arg(a):
-                    return self._as_dtensor(env[a])
-            else:
-                it = iter([Spec.parse(s) for s in entry["in"]])
+        if n.op == "get_attr":
+            env[n] = getattr(self.tg.gm, n.target)
+            return
+        if n.target is operator.getitem:
+            env[n] = env[n.args[0]][n.args[1]]
+            return
+        entry = plan.nodes.get(n.name)
+        if n.target in rng.RANDOM_OPS and isinstance(env.get(n.args[0]), DTensor):
+            env[n] = self._random(n, env, entry)
+            return
+        if not any(isinstance(v, DTensor) for v in map(env.get, n.all_input_nodes)):
+            # Only constants in (tensors built inside forward): every rank computes the same
+            # full value; a consumer takes its planned shard of it locally.
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = n.target(*args, **kwargs)
+            return
+        if entry is None:
+            # A plan of parameter and input placements only (a hand-written one): DTensor's
+            # own propagation shards the ops, constants replicated.
+            entry = {}
+            def arg(a):
+                return self._as_dtensor(env[a])
+        else:
+            it = iter([Spec.parse(s) for s in entry["in"]])
 
-                def arg(a, it=it):
-                    v = env[a]
-                    return self._move(v, next(it)) if isinstance(v, torch.Tensor) else v
+            def arg(a, it=it):
+                v = env[a]
+                return self._move(v, next(it)) if isinstance(v, torch.Tensor) else v
 
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), arg)
-            kernel = attention.device_kernel(n.target, self.mesh.device_type)
-            if kernel is not None:
-                env[n] = self._local_kernel(n, kernel, args, kwargs, entry)
-                continue
-            out = self._call(n, args, kwargs)
-            if isinstance(out, DTensor) and "out" in entry and _spec_of(out) != Spec.parse(entry["out"]):
-                self.off_plan.append(n.name)
-            env[n] = out
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), arg)
+        kernel = attention.device_kernel(n.target, self.mesh.device_type)
+        if kernel is not None:
+            env[n] = self._local_kernel(n, kernel, args, kwargs, entry)
+            return
+        out = self._call(n, args, kwargs)
+        if isinstance(out, DTensor) and "out" in entry and _spec_of(out) != Spec.parse(entry["out"]):
+            self.off_plan.append(n.name)
+        env[n] = out
 
     def _call(self, n: fx.Node, args, kwargs):
         """``n``'s op on DTensors. A view traced on its producer's own memory layout (a fused
@@ -337,13 +353,16 @@ class Lowering:
 
     def lower(self, inputs: list[fx.Node], in_specs: list[Spec], in_meta: list[tuple], ops: list[fx.Node],
               outputs: list[fx.Node], out_specs: list[Spec | None], rank: int,
-              in_strides: list[tuple | None] | None = None) -> RankProgram:
+              in_strides: list[tuple | None] | None = None, recomputed: frozenset = frozenset()) -> RankProgram:
         """Rank ``rank``'s program computing ``outputs`` from ``inputs`` by ``ops``.
 
         ``in_meta``: (global shape, stride, dtype) of each input. ``out_specs``: the spec to deliver
         each output in (None: as computed). ``in_strides``: the stride each input's local tensor
         arrives in (None, or None for one input: contiguous); the backward reads the forward's
-        saved values in the strides the forward leaves them, transposed weights included."""
+        saved values in the strides the forward leaves them, transposed weights included.
+        ``recomputed``: ops of ``ops`` that run a forward op again; their nodes in the program are
+        marked (:data:`~autoshard._torch_compat.RECOMPUTED`), and their collectives stay out of
+        buckets (:func:`~autoshard._torch_compat.bucket_collectives`)."""
         mesh = self.mesh
         # An input of spec None is a plain tensor, the same full value on every rank (a constant
         # the forward built and the backward reads).
@@ -358,7 +377,7 @@ class Lowering:
             for node, local, pl, (shape, stride, _) in zip(inputs, locals_, placements, in_meta):
                 env[node] = local if pl is None else DTensor.from_local(local, mesh, pl, run_check=False,
                                                                         shape=shape, stride=stride)
-            self._run(ops, env)
+            self._run(ops, env, recomputed)
             result = []
             delivered.clear()
             meta.clear()
@@ -388,7 +407,7 @@ class Lowering:
             with fm:
                 examples = [torch.empty_strided(s, st, dtype=dtype, device=device)
                             for s, st, (_, _, dtype) in zip(shapes, strides, in_meta)]
-            with fm:
+            with fm, tc.preserve_node_meta():
                 gm = tc.make_fx(program, pre_dispatch=False)(*examples)
         gm.graph.eliminate_dead_code()
         gm.recompile()

@@ -26,6 +26,7 @@ way and the members of a group issue its collectives in one order.
 
 from __future__ import annotations
 
+import heapq
 import operator
 
 import torch
@@ -133,8 +134,54 @@ def reshape_strided_bucket_slices(gm: fx.GraphModule) -> int:
     return changed
 
 
+def _is_communication(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith("_c10d_functional.")
+
+
+def keep_planned_order(gm: fx.GraphModule, planned: dict[fx.Node, int]) -> None:
+    """Put back every op in its planned order (``planned``: node -> position before the overlap
+    scheduler ran), the collectives and their waits where the scheduler put them: each before
+    the op that follows it in the scheduled program (a wait no later than its first reader).
+
+    The scheduler also runs an op just before the first matmul it feeds, and pulls independent
+    ops (a layer's recomputation) ahead of waits to hide them: compute it runs in another order
+    than the plan, holding other values at once than the plan's memory account says. Kept in
+    the planned order, the program holds what was planned; the collectives overlap the same
+    compute as the scheduler chose."""
+    nodes = list(gm.graph.nodes)
+    anchor: dict[fx.Node, float] = {}
+    following = None
+    for node in reversed(nodes):
+        if _is_communication(node) or node not in planned:
+            key = planned[following] if following is not None else len(planned)
+            readers = [planned[u] for u in node.users if u in planned and not _is_communication(u)]
+            anchor[node] = min([key, *readers]) - 0.5
+        else:
+            following = node
+    sched = {n: k for k, n in enumerate(nodes)}
+    keys = {n: (anchor[n], sched[n]) if n in anchor else (float(planned[n]), sched[n]) for n in nodes}
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(keys[n], sched[n], n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (keys[u], sched[u], u))
+    if len(order) != len(nodes):
+        raise RuntimeError(f"keep_planned_order: {len(nodes) - len(order)} nodes left unordered (a cycle)")
+    cursor = order[0]
+    for n in order[1:]:
+        cursor.append(n)
+        cursor = n
+
+
 def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bool) -> fx.GraphModule:
-    """``gm`` with its collectives bucketed (``bucket_mb`` > 0) and overlapped (``overlap``)."""
+    """``gm`` with its collectives bucketed (``bucket_mb`` > 0) and overlapped (``overlap``), its
+    ops in their planned order (:func:`keep_planned_order`)."""
     # The passes trace their merge functions: an ambient LocalTensorMode would turn their
     # constants into per-rank tensors the graph module does not own.
     with tc.quiet_tracing():
@@ -142,7 +189,9 @@ def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bo
             tc.bucket_collectives(gm, bucket_mb)
             reshape_strided_bucket_slices(gm)
         if overlap:
+            planned = {n: k for k, n in enumerate(gm.graph.nodes)}
             gm = tc.schedule_overlap(gm, Estimator(profile).ms)
+            keep_planned_order(gm, planned)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -104,7 +104,7 @@ class PlannedProgram:
                 s.saved + [d for _, d in s.tangents], list(saved_specs) + tangent_specs,
                 [_meta(n) for n in s.saved] + [_meta(d) for _, d in s.tangents], s.backward, grads,
                 [self.plan.param_spec(f) for f in self.trainable], rank,
-                in_strides=fwd.out_strides[len(self.outputs):] + [None] * len(s.tangents))
+                in_strides=fwd.out_strides[len(self.outputs):] + [None] * len(s.tangents), recomputed=s.recomputed)
             self._optimize(self._backward[rank])
         return self._backward[rank]
 
