@@ -450,25 +450,23 @@ RECOMPUTED = "autoshard_recomputed"
 PLANNED = "autoshard_node"
 
 
-def bucket_collectives(gm, cap_mb: float) -> None:
+def is_recomputed(node) -> bool:
+    """Whether a lowered node is part of a recomputed op (marked :data:`RECOMPUTED`)."""
+    return bool(node.meta.get("custom", {}).get(RECOMPUTED, False))
+
+
+def bucket_collectives(gm, cap_mb: float, segment: dict) -> None:
     """Merge independent all-reduces, all-gathers and reduce-scatters (each of one group, reduce op
     and dtype) into buckets of up to ``cap_mb`` MiB, one flat collective each (Inductor's own FX
-    passes), none across a recomputation: a bucket runs every reader of its members after its
-    last member, so one that spans a layer's recomputed ops (nodes marked :data:`RECOMPUTED`)
-    would run them ahead of the previous layer's backward, holding two layers' recomputed
-    activations at once."""
+    passes), none across segments (``segment``: node -> its segment, by its wait; the executor's
+    recomputations, :func:`autoshard.runtime.passes.recompute_segments`)."""
     from torch._inductor.fx_passes import bucketing as b
 
     cap = lambda _bucket: float(cap_mb)  # noqa: E731 (one cap for every bucket)
-    segment, k, inside = {}, 0, False
-    for n in gm.graph.nodes:
-        marked = bool(n.meta.get("custom", {}).get(RECOMPUTED, False))
-        k += marked and not inside
-        inside = marked
-        segment[n] = k
+    last = max(segment.values(), default=0)
 
     def keyed(key):
-        return lambda coll: (key(coll), segment.get(next(iter(coll.users)), k))
+        return lambda coll: (key(coll), segment.get(next(iter(coll.users)), last))
 
     mode = b._default_bucket_mode()
     for bucket in b.greedy_bucket_collective_by_mb(gm, cap, b.is_all_reduce_tensor, keyed(b._ar_group_key)):

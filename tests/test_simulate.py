@@ -108,13 +108,15 @@ def test_views_of_a_gathered_bucket_member_become_reshapes():
     assert torch.equal(gm(x_val), x_val[:, 4:].reshape(12))
 
 
-def test_ops_keep_their_planned_order_and_collectives_where_the_scheduler_put_them():
-    """The overlap scheduler pulls an independent op (a layer's recomputation) ahead of a wait
-    to hide the collective; the program runs its ops in the planned order again, the collective
-    started where the scheduler started it and waited for before its reader."""
+def test_no_op_moves_across_a_recomputation_and_collectives_stay_where_scheduled():
+    """The overlap scheduler pulls the next layer's recomputation (independent of the pending
+    wait) ahead of this layer's backward to hide a collective; the program runs it after the
+    ops planned before it again, the collective still started where the scheduler started it
+    and waited for before its reader. Within a segment the scheduler's order stays."""
     import torch.fx as fx
 
-    from autoshard.runtime.passes import keep_planned_order
+    from autoshard import _torch_compat as tc
+    from autoshard.runtime.passes import keep_recomputation_in_place, recompute_segments
 
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     g = fx.Graph()
@@ -123,17 +125,25 @@ def test_ops_keep_their_planned_order_and_collectives_where_the_scheduler_put_th
     wait = g.call_function(c10d.wait_tensor.default, (start,))
     a = g.call_function(aten.mul.Tensor, (x, 2.0))
     c = g.call_function(aten.add.Tensor, (wait, a))
-    b = g.call_function(aten.mul.Tensor, (x, 3.0))  # independent of the collective
+    b = g.call_function(aten.mul.Tensor, (x, 3.0))  # the next layer's recomputation
+    b.meta["custom"] = {tc.RECOMPUTED: True}
     g.output((c, b))
     gm = fx.GraphModule(torch.nn.Module(), g)
-    planned = {n: k for k, n in enumerate(gm.graph.nodes)}
+    segment = recompute_segments(gm)
+    assert [segment[n] for n in (start, wait, a, c, b)] == [0, 0, 0, 0, 1]
     # As the scheduler leaves it: `b` pulled ahead of the wait, the wait just before its reader.
     for before, node in ((a, b), (b, wait)):
         before.append(node)
     assert [n for n in gm.graph.nodes if n.op == "call_function"] == [start, a, b, wait, c]
-    keep_planned_order(gm, planned)
+    keep_recomputation_in_place(gm, segment)
     gm.graph.lint()
     assert [n for n in gm.graph.nodes if n.op == "call_function"] == [start, a, wait, c, b]
+    # Without a recomputation the scheduler's order is the program's.
+    plain = {n: 0 for n in segment}
+    for before, node in ((a, b), (b, wait)):
+        before.append(node)
+    keep_recomputation_in_place(gm, plain)
+    assert [n for n in gm.graph.nodes if n.op == "call_function"] == [start, a, b, wait, c]
 
 
 def test_host_stream_bounds_a_program_of_small_ops_by_their_issue():

@@ -13,8 +13,9 @@ depends on a pair of choices, so it is counted here, on a chosen plan, over the 
   reduce-scatter) is held to the end of the step in that spec; the unreduced value dies once
   read (the rows hold it to the end, in its own spec);
 - **buckets**: the executor merges collectives into buckets (:mod:`autoshard.runtime.buckets`);
-  a bucket hands back one flat buffer, counted live while any member is read (measured so on
-  gloo: a layer's gathered weights live as long as the last of them);
+  an all-reduce or reduce-scatter bucket hands back views of one flat buffer, live while any
+  member is read; an all-gather bucket's members are copied out of its buffer (a member's rows
+  are strided in it), each live to its own last read;
 - **the optimizer step**, after the backward: parameters, optimizer state and gradients, plus
   the optimizer's temporaries: AdamW's denominator is one parameter's shard at a time where the
   step loops over parameters (torch's default on a CPU), every parameter's at once where it
@@ -37,7 +38,6 @@ from autoshard.graph.strategies import is_getitem
 from autoshard.graph.tracing import node_phase
 from autoshard.planning.problem import GraphProblem, block_bytes, caching_allocator, grad_views, live_root, local_bytes
 from autoshard.planning.simulate import problem_buckets
-from costmodel import plan_redistribute
 from costmodel.spec import on_mesh, shard_dim
 from solver.evaluate import interval_profile
 
@@ -75,10 +75,11 @@ def _value(node, out: int):
     return v[out] if isinstance(v, (tuple, list)) else v
 
 
-def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None) -> np.ndarray:
+def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None, until: dict[int, int] | None = None) -> np.ndarray:
     """Per node, the last time its output is read through views (its own slot + 1 at least);
     ``moved``: per node, whether it is a view whose argument was moved into a buffer of its own
-    (its reads do not hold what it views: the move read that at once)."""
+    (its reads do not hold what it views: the move read that at once); ``until``: nodes read at
+    a given time besides (a gradient, by its move at the end of the backward)."""
     n = len(gp.nodes)
     # The backward reads a recomputed value's copy, not the forward's value (the planned graph
     # keeps the original's edge: the two are tied to one strategy).
@@ -94,6 +95,8 @@ def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None) -> np.ndarray:
     view = [gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) and not (moved is not None and moved[v])
             for v in range(n)]
     end = lo + 1
+    for v, t in (until or {}).items():
+        end[v] = max(end[v], t)
     # Readers come after their producer in the run: from the last node back, a view's end is known
     # before its producer's.
     for v in sorted(range(n), key=lambda x: lo[x], reverse=True):
@@ -119,7 +122,11 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
     usage = np.array([p.node_usages[v][choice[v]] for v in range(n)], dtype=np.float64)
     rows_peak = _peak(lo, hi, usage)[0]
     end = int(hi.max()) if n else 0
-    view_end = _view_ends(gp, lo)
+    # The gradients are read by their moves at the end of the backward (the program's outputs).
+    read_at_end = {gp.index[g.name]: end for g in tg.grad_of.values() if g.name in gp.index}
+    view_end = _view_ends(gp, lo, until=read_at_end)
+    moved = [s.moved for s in chosen]
+    own_end = _view_ends(gp, lo, moved, until=read_at_end)
 
     grads = {live_root(g)[0] for g in tg.grad_of.values()} | grad_views(tg)
     placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
@@ -179,9 +186,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
 
     # A value read through a view that moved it is held only until that move (the rows hold it to
     # the view's last read: they cannot tell which way the view went).
-    moved = [s.moved for s in chosen]
     if any(moved):
-        own_end = _view_ends(gp, lo, moved)
         for v in {ae.producer for ae in gp.edges if ae.arg >= 0 and moved[ae.consumer]}:
             if gp.nodes[v] not in grads and hi[v] < end:
                 amend(v, last=min(hi[v], own_end[v]))
@@ -190,7 +195,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
 
     def release(r: int) -> None:
         """The unreduced gradient ``r`` ends at its last read: the gradient is a moved buffer."""
-        amend(r, last=view_end[r])
+        amend(r, last=own_end[r])
 
     for v, node in enumerate(gp.nodes):
         if chosen[v].moved and node in grads:
@@ -202,6 +207,8 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
     bucket_of: dict[int, int] = {}
     buckets = problem_buckets(gp, choice)
     for b, members in enumerate(buckets.members if buckets is not None else ()):
+        if buckets.kinds[b] == "all_gather":
+            continue  # its members are copies: each a buffer of its own, as unbucketed
         for e, _ in members:
             if gp.edges[e].arg >= 0:
                 bucket_of.setdefault(e, b)
@@ -214,20 +221,14 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
             dst = chosen[v].outs[0]
             if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
                 continue
-            r = gp.index.get(live_root(gp.nodes[u])[0].name, u)
-            what = f"{tg.fqn_of[gp.nodes[v].name]}.grad"
-            if _reduced_whole(gp, src, dst, _value(gp.nodes[u], ae.out)):
-                # Reduced whole and then cut to its shard (gloo's all-reduce for a reduce-scatter):
-                # the executor waits for the reduction at the end of the backward, so a buffer of
-                # the unreduced value's size lives until then, the shard only in the step.
-                if r in event_of:
-                    whole_until_step.add(event_of[r])
-                events.append((end, end + 1, param_bytes.get(v, 0), "gradients", what))
-                continue
-            # The gradient in its parameter's spec, held to the end; its unreduced value lives to
-            # its last read (the move reads it at once).
-            events.append((lo[u], end, param_bytes.get(v, 0), "gradients", what))
-            release(r)
+            # What holds the unreduced value: a moved view's own buffer, or the value it views.
+            r = u if chosen[u].moved else gp.index.get(live_root(gp.nodes[u])[0].name, u)
+            # The executor moves the gradients at the end of the backward (the program's outputs;
+            # its overlap scheduler defers reductions off the compute path, to batch them), so
+            # the unreduced value is held to the end of the backward, the shard only in the step.
+            if r in event_of:
+                whole_until_step.add(event_of[r])
+            events.append((end, end + 1, param_bytes.get(v, 0), "gradients", f"{tg.fqn_of[gp.nodes[v].name]}.grad"))
             continue
         dst = chosen[v].ins[ae.arg]
         if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
@@ -244,6 +245,8 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
             continue
         if chosen[v].moved:  # a moved view's buffer is its own usage
             continue
+        if last >= end:  # a gradient's buffer, which its move at the end of the backward frees
+            whole_until_step.add(len(events))
         events.append((lo[v], max(last, lo[v] + 1), block_bytes(raw, caching), "communication buffers",
                        f"{gp.nodes[u].name} -> {gp.nodes[v].name} ({src} -> {dst})"))
     for b, parts in flat.items():
@@ -293,17 +296,6 @@ def _gradient_outputs(gp: GraphProblem, tg) -> dict[int, set[int]]:
         if is_getitem(g) and g.args[0].name in gp.index:
             out.setdefault(gp.index[g.args[0].name], set()).add(int(g.args[1]))
     return out
-
-
-def _reduced_whole(gp: GraphProblem, src, dst, val) -> bool:
-    """Whether the move of ``val`` from ``src`` to ``dst`` ends by cutting a shard out of a
-    collective's whole result (an all-reduce or all-gather, then a local chunk)."""
-    if gp.topo is None or gp.profile is None:
-        return False
-    steps = plan_redistribute(src, dst, tuple(val.shape), val.element_size(), gp.topo, gp.profile).steps
-    kinds = [s.kind for s in steps]
-    last = max((k for k, kind in enumerate(kinds) if kind in ("all_reduce", "all_gather")), default=None)
-    return last is not None and "chunk" in kinds[last + 1:]
 
 
 def _broadcast_chunk(src, dst, val) -> bool:

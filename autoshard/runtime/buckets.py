@@ -56,6 +56,8 @@ class Buckets:
     """Per bucket, the time of its one collective (the profile's fit at the members' bytes)."""
     backward: list[bool] = field(default_factory=list)
     """Per bucket, whether it runs in the backward program."""
+    kinds: list[str] = field(default_factory=list)
+    """Per bucket, its collective's kind (all_reduce, all_gather, reduce_scatter)."""
     chains: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
     """Per edge with a collective in a bucket, its redistribute's collectives in order: (own
     time, bucket or -1 where it runs alone)."""
@@ -184,6 +186,7 @@ def _fill(gp, run, cap: int, kind: str, topo: MeshTopology, profile: Profile, su
             out.members.append(bucket)
             out.us.append(float(predict(nbytes)))
             out.backward.append(backward)
+            out.kinds.append(kind)
 
     bucket: list[tuple[int, int]] = []
     edges: set[int] = set()

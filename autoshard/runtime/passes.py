@@ -138,41 +138,55 @@ def _is_communication(node: fx.Node) -> bool:
     return node.op == "call_function" and str(node.target).startswith("_c10d_functional.")
 
 
-def keep_planned_order(gm: fx.GraphModule, planned: dict[fx.Node, int]) -> None:
-    """Put back every op in its planned order (``planned``: node -> position before the overlap
-    scheduler ran), the collectives and their waits where the scheduler put them: each before
-    the op that follows it in the scheduled program (a wait no later than its first reader).
+def recompute_segments(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Per node, how many recomputations (runs of nodes marked :data:`~autoshard._torch_compat.RECOMPUTED`)
+    start at or before it in ``gm``'s order."""
+    segment, k, inside = {}, 0, False
+    for node in gm.graph.nodes:
+        marked = tc.is_recomputed(node)
+        k += marked and not inside
+        inside = marked
+        segment[node] = k
+    return segment
 
-    The scheduler also runs an op just before the first matmul it feeds, and pulls independent
-    ops (a layer's recomputation) ahead of waits to hide them: compute it runs in another order
-    than the plan, holding other values at once than the plan's memory account says. Kept in
-    the planned order, the program holds what was planned; the collectives overlap the same
-    compute as the scheduler chose."""
+
+def keep_recomputation_in_place(gm: fx.GraphModule, segment: dict[fx.Node, int]) -> None:
+    """Undo what the overlap scheduler moved across a recomputation (``segment``: each node's
+    :func:`recompute_segments` before it ran): ops run segment by segment, within one in the
+    scheduler's order, each collective and its wait in the segment of the op the scheduler put
+    after it (a wait no later than its first reader).
+
+    The scheduler runs an op just before the first matmul it feeds and pulls independent ops
+    ahead of waits to hide them: across a recomputation that runs the next layer's
+    recomputation ahead of this layer's backward, holding both layers' activations at once,
+    which the plan does not."""
+    if not any(segment.values()):
+        return
     nodes = list(gm.graph.nodes)
-    anchor: dict[fx.Node, float] = {}
+    sched = {n: k for k, n in enumerate(nodes)}
+    key: dict[fx.Node, tuple] = {}
     following = None
     for node in reversed(nodes):
-        if _is_communication(node) or node not in planned:
-            key = planned[following] if following is not None else len(planned)
-            readers = [planned[u] for u in node.users if u in planned and not _is_communication(u)]
-            anchor[node] = min([key, *readers]) - 0.5
+        if _is_communication(node) or node not in segment:
+            seg = segment[following] if following is not None else max(segment.values())
+            readers = [segment[u] for u in node.users if u in segment and not _is_communication(u)]
+            key[node] = (min([seg, *readers]), sched[node])
         else:
             following = node
-    sched = {n: k for k, n in enumerate(nodes)}
-    keys = {n: (anchor[n], sched[n]) if n in anchor else (float(planned[n]), sched[n]) for n in nodes}
+            key[node] = (segment[node], sched[node])
     waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [(keys[n], sched[n], n) for n in nodes if waiting[n] == 0]
+    ready = [(key[n], n) for n in nodes if waiting[n] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
-        _, _, n = heapq.heappop(ready)
+        _, n = heapq.heappop(ready)
         order.append(n)
         for u in n.users:
             waiting[u] -= 1
             if waiting[u] == 0:
-                heapq.heappush(ready, (keys[u], sched[u], u))
+                heapq.heappush(ready, (key[u], u))
     if len(order) != len(nodes):
-        raise RuntimeError(f"keep_planned_order: {len(nodes) - len(order)} nodes left unordered (a cycle)")
+        raise RuntimeError(f"keep_recomputation_in_place: {len(nodes) - len(order)} nodes left unordered")
     cursor = order[0]
     for n in order[1:]:
         cursor.append(n)
@@ -180,18 +194,20 @@ def keep_planned_order(gm: fx.GraphModule, planned: dict[fx.Node, int]) -> None:
 
 
 def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bool) -> fx.GraphModule:
-    """``gm`` with its collectives bucketed (``bucket_mb`` > 0) and overlapped (``overlap``), its
-    ops in their planned order (:func:`keep_planned_order`)."""
+    """``gm`` with its collectives bucketed (``bucket_mb`` > 0) and overlapped (``overlap``), no op
+    moved across a recomputation (:func:`keep_recomputation_in_place`)."""
     # The passes trace their merge functions: an ambient LocalTensorMode would turn their
     # constants into per-rank tensors the graph module does not own.
     with tc.quiet_tracing():
         if bucket_mb > 0:
-            tc.bucket_collectives(gm, bucket_mb)
+            # A bucket runs every reader of its members after its last member: one spanning a
+            # layer's recomputation would run it ahead of the previous layer's backward.
+            tc.bucket_collectives(gm, bucket_mb, recompute_segments(gm))
             reshape_strided_bucket_slices(gm)
         if overlap:
-            planned = {n: k for k, n in enumerate(gm.graph.nodes)}
+            segment = recompute_segments(gm)
             gm = tc.schedule_overlap(gm, Estimator(profile).ms)
-            keep_planned_order(gm, planned)
+            keep_recomputation_in_place(gm, segment)
     gm.graph.lint()
     gm.recompile()
     return gm
