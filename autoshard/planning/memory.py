@@ -9,9 +9,11 @@ depends on a pair of choices, so it is counted here, on a chosen plan, over the 
   of that spec's local shard, live from the consumer to its last read through views (a gathered
   weight that a transpose keeps for the backward: FSDP's gathered weights held from forward to
   backward; a gathered activation read once lives for that read);
-- **gradients**: a gradient moved to its parameter's spec (data parallel's all-reduce, FSDP's
-  reduce-scatter) is held to the end of the step in that spec; the unreduced value dies once
-  read (the rows hold it to the end, in its own spec);
+- **gradients**: the executor moves each gradient to its parameter's spec (data parallel's
+  all-reduce, FSDP's reduce-scatter) at the end of the backward (the program's outputs; the
+  overlap scheduler defers reductions off the compute path to batch them): the unreduced value
+  (or a buffer it was gathered into) is held until then, the shard only in the optimizer step;
+  a gradient that is one output of several (a norm's backward) holds only its own bytes;
 - **buckets**: the executor merges collectives into buckets (:mod:`autoshard.runtime.buckets`);
   an all-reduce or reduce-scatter bucket hands back views of one flat buffer, live while any
   member is read; an all-gather bucket's members are copied out of its buffer (a member's rows
