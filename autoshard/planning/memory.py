@@ -94,8 +94,7 @@ def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None, until: dict[int, in
             if u in copy_by_original and backward:
                 u = copy_by_original[u]
             readers.setdefault(u, []).append(e.consumer)
-    view = [gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) and not (moved is not None and moved[v])
-            for v in range(n)]
+    view = [_is_view(gp, v) and not (moved is not None and moved[v]) for v in range(n)]
     end = lo + 1
     for v, t in (until or {}).items():
         end[v] = max(end[v], t)
@@ -128,7 +127,8 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
     read_at_end = {gp.index[g.name]: end for g in tg.grad_of.values() if g.name in gp.index}
     view_end = _view_ends(gp, lo, until=read_at_end)
     moved = [s.moved for s in chosen]
-    own_end = _view_ends(gp, lo, moved, until=read_at_end)
+    # Ends where a moved view's reads do not hold what it views (the same ends without one).
+    own_end = _view_ends(gp, lo, moved, until=read_at_end) if any(moved) else view_end
 
     grads = {live_root(g)[0] for g in tg.grad_of.values()} | grad_views(tg)
     placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
@@ -239,7 +239,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         if _broadcast_chunk(src, dst, val):
             continue
         raw = local_bytes(dst, val, mesh_shape)
-        last = view_end[v] if gp.nodes[v].op == "call_function" and is_view(gp.nodes[v]) else lo[v] + 1
+        last = view_end[v] if _is_view(gp, v) else lo[v] + 1
         if e in bucket_of:
             if chosen[v].moved:  # the bucket's buffer holds it, not a buffer of its own
                 amend(v, nbytes=0.0)

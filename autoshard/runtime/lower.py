@@ -361,8 +361,8 @@ class Lowering:
         arrives in (None, or None for one input: contiguous); the backward reads the forward's
         saved values in the strides the forward leaves them, transposed weights included.
         ``recomputed``: ops of ``ops`` that run a forward op again; their nodes in the program are
-        marked (:data:`~autoshard._torch_compat.RECOMPUTED`), and their collectives stay out of
-        buckets (:func:`~autoshard._torch_compat.bucket_collectives`)."""
+        marked (:data:`~autoshard._torch_compat.RECOMPUTED`): no bucket and no overlap reordering
+        crosses a recomputation (:mod:`autoshard.runtime.passes`)."""
         mesh = self.mesh
         # An input of spec None is a plain tensor, the same full value on every rank (a constant
         # the forward built and the backward reads).

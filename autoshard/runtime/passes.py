@@ -135,7 +135,8 @@ def reshape_strided_bucket_slices(gm: fx.GraphModule) -> int:
 
 
 def _is_communication(node: fx.Node) -> bool:
-    return node.op == "call_function" and str(node.target).startswith("_c10d_functional.")
+    """A functional collective (:data:`KIND`) or its wait."""
+    return node.op == "call_function" and (node.target in KIND or node.target is _F.wait_tensor.default)
 
 
 def recompute_segments(gm: fx.GraphModule) -> dict[fx.Node, int]:
