@@ -8,8 +8,8 @@ tensor storage on gloo ranks.
 
 ``export`` plans LLaMA-style models in bf16 under the shipped ``h100-sxm`` profile: on a mesh of
 one (no recomputation, and full recomputation), and on a fake (2, 4) mesh (DDP, FSDP, TP,
-FSDP+TP and ours, no budget). Per plan it lowers rank 0's forward (its loss inside, as
-``autoshard measure`` runs it) and backward, replaces each collective by an empty tensor of its
+FSDP+TP, FSDP+TP with full recomputation and ours, no budget). Per plan it lowers rank 0's
+forward (its loss inside, as ``autoshard measure`` runs it) and backward, replaces each collective by an empty tensor of its
 output's shape (the buffer the collective would hand back), and writes them as Python source in
 FX's boxed convention (each input freed at its last use, as the executor runs them) with the
 plan's predicted peak and which inputs are parameters. The traced CPU attention kernel runs as
@@ -46,7 +46,7 @@ MODELS = {
     "llama2048": (dict(dim=2048, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=5632, vocab_size=32000), 8, 1024),
     "llama4096": (dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000), 8, 2048),
 }
-SHARDED = ("ddp", "fsdp", "tp", "fsdp_tp", "autoshard")
+SHARDED = ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac", "autoshard")
 DTYPE = torch.bfloat16
 _cuda = torch.cuda
 CPU_FORWARD = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default("
