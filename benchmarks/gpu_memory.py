@@ -9,8 +9,9 @@ tensor storage on gloo ranks.
 ``export`` plans LLaMA-style models in bf16 under the shipped ``h100-sxm`` profile: on a mesh of
 one (no recomputation, and full recomputation), and on a fake (2, 4) mesh (DDP, FSDP, TP,
 FSDP+TP, FSDP+TP with full recomputation and ours, no budget). Per plan it lowers rank 0's
-forward (its loss inside, as ``autoshard measure`` runs it) and backward, replaces each collective by an empty tensor of its
-output's shape (the buffer the collective would hand back), and writes them as Python source in
+forward (its loss inside, as ``autoshard measure`` runs it) and backward, replaces each
+collective by an empty tensor of its output's shape (the buffer the collective would hand
+back), and writes them as Python source in
 FX's boxed convention (each input freed at its last use, as the executor runs them) with the
 plan's predicted peak and which inputs are parameters. The traced CPU attention kernel runs as
 the executor runs it on CUDA (flash where it fits). ``measure`` needs only torch with CUDA (the

@@ -24,6 +24,8 @@ class Schedule:
     """toulbar2 on the tie quotient without memory (proved optimum = answer when it fits)."""
     repair: float = 0.6
     """The memory-free optimum, when it breaks the limit, repaired into it and locally searched."""
+    lagrange: float = 0.65
+    """Pairwise solves with memory priced (:mod:`solver.lagrange`; rounds end it, this guards)."""
     relaxation: float = 0.5
     """HiGHS without memory rows (lazy memory); its bound holds for the full MILP after it."""
     exact: float = 0.7

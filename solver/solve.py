@@ -18,6 +18,7 @@ from solver.evaluate import evaluate, memory_profile
 from solver.exact import build_exact
 from solver.exact import finish as exact_answer
 from solver.exact_child import ExactChild, combine, search_again
+from solver.lagrange import lagrange_memory
 from solver.lns_child import LnsChild
 from solver.local import Adjacency, onto_allowed
 from solver.memrows import RowsTooLarge
@@ -79,7 +80,8 @@ class Solution:
     """The stage whose answer this is: ``start:<name>`` (a given start), ``heuristic``, ``pairwise``
     (memory-free optimum that fits), ``exact`` (toulbar2 with memory rows), ``milp``,
     ``weights`` (per-node penalty search), ``lns`` or ``polish`` (local search at the end), ``repair``
-    (the memory-free optimum moved group by group into the memory limit)."""
+    (the memory-free optimum moved group by group into the memory limit), ``lagrange`` (a pairwise
+    solve with memory priced, :mod:`solver.lagrange`)."""
     pool: list = field(default_factory=list)
     """Other feasible answers the stages found, ``(source, choice)``, cheapest first, at most
     ``POOL_SIZE``: plans of about the same cost that a caller may rank by what the objective
@@ -148,6 +150,12 @@ def _run_milp(problem, start, t0, deadline, mip_gap, max_nonzeros, backend, memo
 #: (a few hundred groups once layers are tied) solve in seconds there. Larger graphs
 #: (the IOPDDL instances, 30k nodes with binding memory) go to the MILP / penalty path.
 PAIRWISE_MAX_NODES = 5000
+#: The least ``mip_gap`` at which the Lagrangian stage runs (:mod:`solver.lagrange`): one it can
+#: prove. Its bound creeps up by subgradient steps (LLaMA-8B on (8, 8), an overlap round: within
+#: 0.1% in 9 rounds, 1.7 s); asked for 1e-6 it proves nothing, and the exact search after it
+#: gained little from its plans (3.0 s against 3.5 s there; LLaMA-70B's first rounds found no
+#: plan that fits, 1-1.8 s each lost).
+LAGRANGE_MIN_GAP = 1e-4
 #: toulbar2's smallest time limit (it counts whole seconds): the least the pairwise stage of
 #: :func:`solve` is given, whatever its share of the time limit.
 MIN_PAIRWISE_SECONDS = 1.0
@@ -347,7 +355,9 @@ def solve(
     Stages, each kept only when it beats the incumbent (:class:`_Incumbent`):
     ``starts`` (named choices, e.g. hand-written plans); with ``pairwise`` (and pytoulbar2
     installed), toulbar2 on the tie quotient without memory (:func:`_pairwise_first`), the
-    answer when it is proved and fits, else repaired into the memory limit; a heuristic start
+    answer when it is proved and fits, else repaired into the memory limit and, where
+    ``mip_gap`` is at least :data:`LAGRANGE_MIN_GAP`, memory priced into pairwise solves
+    (:mod:`solver.lagrange`), the answer when proved within the gap; a heuristic start
     where nothing so far fits; where memory binds,
     with ``exact``, toulbar2 on the tie quotient with the memory rows as knapsacks
     (:mod:`solver.exact`) until ``schedule.exact`` of the time, the answer when proved; then
@@ -373,6 +383,10 @@ def solve(
         done = _pairwise_stage(run)
         if done is not None:
             return done
+        if run.free is not None and run.mip_gap >= LAGRANGE_MIN_GAP:
+            done = _lagrange_stage(run)
+            if done is not None:
+                return done
     if not run.inc.feasible:
         # Only as the fallback: where the memory-free optimum repaired fits, it is far better
         # (LLaMA-70B (8,8,8): 6.4e6 against 8.0e8, and the heuristic took 2.3 s per solve).
@@ -409,6 +423,9 @@ class _Run:
     free_upper: tuple[float, np.ndarray] | None = None
     """The least cost of the starts, memory ignored, and its choice: the memory-free search's
     first upper bound."""
+    free: tuple[np.ndarray, float] | None = None
+    """The memory-free optimum, proved, where it breaks the limit, and its bound: where the
+    Lagrangian stage starts."""
 
     def __post_init__(self):
         self.inc = _Incumbent(self.problem)
@@ -515,6 +532,8 @@ def _pairwise_stage(run: _Run) -> Solution | None:
     run.stats["pairwise"] = {"proved": proved, "seconds": round(time.perf_counter() - run.t0, 3),
                              "bound": float(bound) if proved else None}
     run.inc.offer(choice, "pairwise", ev)
+    if proved and not ev.feasible:
+        run.free = (choice, bound)
     if not ev.feasible:
         # Where memory binds, the memory-free optimum given up a little at a time is often a far
         # better start than the least-usage one (LLaMA-8B at sequence 8192: 3.6 s against 210 s).
@@ -536,6 +555,28 @@ def _pairwise_stage(run: _Run) -> Solution | None:
         # proved within the gap, as the MILP's answers are (overlap rounds ask a gap of 0.1%,
         # and LLaMA-8B's on (8, 8) spent 1.2 of their 1.5 s each proving a repair 0.05% above).
         return run.finish("optimal", bound)
+    return None
+
+
+def _lagrange_stage(run: _Run) -> Solution | None:
+    """Memory priced into pairwise solves from the memory-free optimum (:mod:`solver.lagrange`),
+    round by round until they stop paying: their plans offered, their bound taken; the answer
+    when the incumbent is then proved within ``mip_gap`` (an overlap round's 0.1%: LLaMA-8B on
+    (8, 8) in 1.7 s, where the exact search took 3.5)."""
+    t1 = time.perf_counter()
+    ans = lagrange_memory(run.problem, run.free[0], run.free[1], run.deadline("lagrange"), upper=run.inc.cost,
+                          gap=run.mip_gap)
+    for plan in ans.plans:
+        run.inc.offer(plan, "lagrange")
+    run.raise_bound(ans.lower if math.isfinite(ans.lower) else None)
+    seconds = time.perf_counter() - t1
+    run.stats["lagrange"] = {"rounds": ans.rounds, "stopped": ans.stopped, "seconds": round(seconds, 3),
+                             "bound": ans.lower if math.isfinite(ans.lower) else None}
+    log.info(f"lagrange (memory priced, {ans.rounds} rounds, {ans.stopped}): "
+             f"{'no better plan' if ans.choice is None else f'cost {ans.cost:.6g}'}, bound {ans.lower:.6g}, "
+             f"after {seconds:.2f}s")
+    if run.inc.feasible and run.bound is not None and run.inc.cost - run.bound <= run.mip_gap * abs(run.inc.cost):
+        return run.finish("optimal", run.bound)
     return None
 
 
