@@ -153,10 +153,14 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
         if left < 1.0 or (stop is not None and stop()):
             break
         limit = min(left, round_s) if method == "vns" else left
-        started = time.perf_counter()
+        # toulbar2's time limit counts this process's CPU time (its timer's signal is SIGVTALRM):
+        # whether a round ran out is judged on the same clock, so a busy machine, which
+        # stretches the wall clock, does not turn a round that ended by itself into one that ran
+        # out (and the search into another path: issue "reproducible solves").
+        started = time.process_time()
         picked, proved, gap = solve_tables(costs, edges, limit, scale, None if math.isinf(best_cost) else best_cost,
                                            [rows[k] for k in posted], method=method, progress=progress)
-        ran_out = time.perf_counter() - started >= 0.9 * max(1, int(limit))
+        ran_out = time.process_time() - started >= 0.9 * max(1, int(limit))
         if picked is not None:
             excess = row_excess(rows, picked)
             broken = np.nonzero(excess > 0)[0]

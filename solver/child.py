@@ -4,6 +4,12 @@ Children are fresh interpreters (``python -m solver.<module> FOLDER``), not fork
 caller may hold torch's thread pools, and a spawned ``multiprocessing`` child would re-run
 an unguarded ``__main__``. Files are written to a temporary name and renamed, so a reader
 never sees half of one.
+
+A watched child's lines carry two times: when they arrived (the caller's wall clock) and how
+much CPU the child had used by then (:meth:`Child.cpu`): work, which a busy machine does not
+stretch, so a rule that ends a search by it ends it at the same point of the search in every
+run (issue "reproducible solves": LLaMA-70B's exact search ran 11 s in one run and 20 s in
+another, ending at different plans, as the wall clock its stall rule read was shared).
 """
 
 from __future__ import annotations
@@ -17,6 +23,22 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system) process ``pid`` has used, from ``/proc``; None where that
+    cannot be read (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # Fields after the command name (which may hold spaces, inside parentheses): utime and stime
+    # are the 14th and 15th of the line.
+    fields = data[data.rindex(b")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def write(path: Path, value) -> None:
@@ -40,8 +62,9 @@ class Child:
     """``python -m solver.<module> FOLDER`` with ``FOLDER/in.pkl`` holding ``args``."""
 
     def __init__(self, module: str, args, prefix: str, watch: bool = False):
-        """``watch``: the child's stdout lines arrive in :attr:`lines` as ``(arrival time, text)``,
-        ``(time, None)`` once it closes (a thread reads the pipe, so the child never blocks)."""
+        """``watch``: the child's stdout lines arrive in :attr:`lines` as ``(arrival time, the
+        child's CPU seconds then, text)``, with text None once it closes (a thread reads the pipe,
+        so the child never blocks)."""
         self.dir = tempfile.TemporaryDirectory(prefix=prefix)
         self.folder = Path(self.dir.name)
         write(self.folder / "in.pkl", args)
@@ -51,20 +74,40 @@ class Child:
                                      env=env, stdout=subprocess.PIPE if watch else subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         self.lines: queue.Queue = queue.Queue()
+        self._cpu = 0.0
+        # Where /proc cannot be read the work clock is the wall clock (as every rule read before).
+        self.cpu_clock = process_seconds(os.getpid()) is not None
         if watch:
             threading.Thread(target=self._read, daemon=True).start()
 
+    def cpu(self) -> float:
+        """The child's CPU seconds so far (the last reading once it has exited); the caller's wall
+        clock where ``/proc`` cannot be read (:attr:`cpu_clock` False)."""
+        if not self.cpu_clock:
+            return time.perf_counter()
+        now = process_seconds(self.proc.pid)
+        if now is not None:
+            self._cpu = max(self._cpu, now)
+        return self._cpu
+
     def _read(self) -> None:
         for raw in self.proc.stdout:
-            self.lines.put((time.perf_counter(), raw.decode(errors="replace")))
-        self.lines.put((time.perf_counter(), None))
+            self.lines.put((time.perf_counter(), self.cpu(), raw.decode(errors="replace")))
+        self.lines.put((time.perf_counter(), self.cpu(), None))
 
-    def line(self, timeout: float) -> tuple[float, str | None] | None:
-        """The next line (see ``watch``), or None when none came within ``timeout`` seconds."""
+    def timed_line(self, timeout: float) -> tuple[float, float, str | None] | None:
+        """The next line with both its times (see ``watch``), or None when none came within
+        ``timeout`` seconds."""
         try:
             return self.lines.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def line(self, timeout: float) -> tuple[float, str | None] | None:
+        """The next line and when it arrived (see ``watch``), or None when none came within
+        ``timeout`` seconds."""
+        got = self.timed_line(timeout)
+        return None if got is None else (got[0], got[2])
 
     def pending(self) -> bool:
         """Whether lines have come that :meth:`line` has not handed out yet."""

@@ -110,8 +110,9 @@ class ExactChild:
 
     def run(self, deadline: float, rule: StallRule, stop_when_stalled: bool = True, log=None,
             known: float = math.inf, beside=None, on_answer=None) -> ExactAnswer:
-        """Watch the child until it ends (signalled at each phase's stall or deadline, killed a
-        few seconds past ``deadline``); its answer. ``known``: a cost found meanwhile by another
+        """Watch the child until it ends (signalled at each phase's stall, judged on the child's
+        CPU seconds, or at its wall-clock deadline, killed a few seconds past ``deadline``); its
+        answer. ``known``: a cost found meanwhile by another
         search (branch and bound beside DGVNS, watched after it): only answers below it, and
         bounds closing the gap to it, are progress. ``beside()``: a child searching at the same
         time (or None), whose end (branch and bound proved, or its deadline) ends this one's
@@ -123,7 +124,9 @@ class ExactChild:
         own = math.inf  # the child's own best answer: what it writes back (``best`` may be another search's)
         ended = False
         while not ended:
-            t, line = self.child.line(timeout=0.1) or (time.perf_counter(), "")
+            # ``t``: the child's CPU seconds when the line came, the clock of its progress (work:
+            # the same in every run, :mod:`solver.child`); ``wall``: for the deadlines.
+            wall, t, line = self.child.timed_line(timeout=0.1) or (time.perf_counter(), self.child.cpu(), "")
             if line is None:
                 ended = True
             elif line.startswith("@phase "):
@@ -138,12 +141,12 @@ class ExactChild:
                     # DGVNS's first answer is progress whatever it costs (it may take seconds
                     # to post the network); bounds close the gap to the best answer known.
                     progress.best = best
-                left = deadline - t
+                left = deadline - wall
                 # DGVNS leaves time for the branch and bound that follows it in this child.
-                phase_end = t + VNS_SHARE * left if phase == "vns" and "hbfs" in self.phases else deadline
-                stats.append({"method": phase, "start": t, "ended": "finished", "best": None})
+                phase_end = wall + VNS_SHARE * left if phase == "vns" and "hbfs" in self.phases else deadline
+                stats.append({"method": phase, "start": wall, "ended": "finished", "best": None})
             elif line.startswith("@end ") and stats:
-                stats[-1]["seconds"] = round(t - stats[-1].pop("start"), 3)
+                stats[-1]["seconds"] = round(wall - stats[-1].pop("start"), 3)
                 phase = None
             elif phase is not None and (m := (_HELD if lazy else _SOLUTION).search(line)):
                 own = min(own, float(m.group(1)) / self.scale)
@@ -163,12 +166,12 @@ class ExactChild:
             if self.child.pending() and now <= deadline + 5.0:
                 continue
             if phase is not None and now - signalled > 1.0:
-                why = None
+                why, work = None, self.child.cpu()
                 if now >= phase_end:
                     why = "time"
-                elif progress.stalled(now) and (phase == "vns" or stop_when_stalled):
+                elif progress.stalled(work) and (phase == "vns" or stop_when_stalled):
                     why = "stalled"
-                elif phase == "hbfs" and stop_when_stalled and progress.proof_out_of_reach(now):
+                elif phase == "hbfs" and stop_when_stalled and progress.proof_out_of_reach(work):
                     why = "proof out of reach"
                 elif beside is not None and (other := beside()) is not None and other.ended():
                     why = "the search beside ended"
