@@ -583,8 +583,7 @@ def _lagrange_stage(run: _Run) -> Solution | None:
 def _exact_stage(run: _Run, model) -> Solution:
     """toulbar2 with the memory rows (:mod:`solver.exact`) in watched child processes
     (:mod:`solver.exact_child`). Under the stall rule with a core to spare: DGVNS in one child
-    and branch and bound in another, at once under the incumbent where one fits, else from
-    DGVNS's first answer on (:func:`_exact_beside`), each
+    and branch and bound in another from DGVNS's first answer on (:func:`_exact_beside`), each
     ended when it stops paying (:mod:`solver.stall`). Otherwise DGVNS, then branch and bound
     under its answer, in one child, with the MILP beside it in another when a core is free
     (killed once toulbar2 proves), else the MILP after it (none under the stall rule)."""
@@ -670,12 +669,10 @@ def _offer_others(run: _Run, model, ans) -> None:
 
 
 def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: StallRule):
-    """DGVNS in one child and branch and bound in another: from the start under the incumbent
-    where one fits, else from DGVNS's first answer on, under that answer (how much its
-    preprocessing prunes, and so its bound, follows the upper bound it is given: with no plan
-    known it would prune nothing; with one it need not wait: LLaMA-8B's overlap round on (8, 8)
-    proved in 1.8 s instead of 3.5, DGVNS's first answer coming after 1.9 s). DGVNS's answer is
-    offered to ``run``'s incumbent. Returns branch and bound's
+    """DGVNS in one child and, from its first answer on, branch and bound under that answer (or
+    the incumbent, where cheaper) in another (how much its preprocessing prunes, and so its
+    bound, follows the upper bound it is given); DGVNS's answer is offered to ``run``'s
+    incumbent. Returns branch and bound's
     :class:`~solver.exact_child.ExactAnswer` (DGVNS's when it never started), both phases listed."""
     bnb: list[ExactChild] = []
 
@@ -686,8 +683,6 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
             bnb.append(ExactChild(model, cost, deadline - time.perf_counter(), phases=("hbfs",)))
 
     child = ExactChild(model, upper, deadline - time.perf_counter(), phases=("vns",))
-    if upper is not None:
-        under(upper)
     try:
         first = child.run(deadline, rule, True, log.info, beside=lambda: bnb[0] if bnb else None, on_answer=under)
         found = exact_answer(run.problem, model, first.picked, False, math.inf)
