@@ -70,8 +70,19 @@ class Child:
         write(self.folder / "in.pkl", args)
         root = str(Path(__file__).resolve().parents[1])  # the folder holding the solver package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", f"solver.{module}", str(self.folder)],
-                                     env=env, stdout=subprocess.PIPE if watch else subprocess.DEVNULL,
+        self._start([sys.executable, "-m", f"solver.{module}", str(self.folder)], env, watch)
+
+    @classmethod
+    def command(cls, argv: list[str], prefix: str = "solver-child-", watch: bool = True) -> Child:
+        """A child running ``argv`` itself (its folder empty, no ``in.pkl``), watched as any."""
+        self = cls.__new__(cls)
+        self.dir = tempfile.TemporaryDirectory(prefix=prefix)
+        self.folder = Path(self.dir.name)
+        self._start(argv, None, watch)
+        return self
+
+    def _start(self, argv: list[str], env: dict | None, watch: bool) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if watch else subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         self.lines: queue.Queue = queue.Queue()
         self._cpu = 0.0

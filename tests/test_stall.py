@@ -174,11 +174,18 @@ class _ScriptedChild:
         write(folder / "out.pkl", out)
         self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         self.lines = queue.Queue()
-        for line in [*lines, None]:
-            self.lines.put((time.perf_counter(), line))
+        for k, line in enumerate([*lines, None]):
+            self.lines.put((time.perf_counter(), float(k), line))
+        self.total = len(lines) + 1
 
-    def line(self, timeout):
+    def timed_line(self, timeout):  # (arrival, the child's CPU seconds then: one a line, text)
         return None if self.lines.empty() else self.lines.get()
+
+    def cpu(self):
+        return float(self.handed_out())
+
+    def handed_out(self):
+        return self.total - self.lines.qsize()
 
     def pending(self):
         return not self.lines.empty()
@@ -397,3 +404,33 @@ def test_runs_without_gain_stall_after_patience_results_that_do_not_count():
     first = RunsWithoutGain(StallRule(), patience=1)  # nothing known: the first result always counts
     first.result(1e9)
     assert not first.stalled
+
+
+def test_a_watched_child_s_work_clock_counts_its_cpu_not_the_wall():
+    """The clock the stall rules read is the child's CPU seconds: a child that sleeps gains
+    none while the wall clock runs; one that computes gains about the wall's time (issue
+    "reproducible solves": a busy machine stretches the wall clock, not the work done). Each
+    line carries the child's CPU seconds when it came."""
+    import os
+    import sys
+    import time
+
+    from solver.child import Child, process_seconds
+
+    mine = process_seconds(os.getpid())
+    if mine is None:
+        pytest.skip("/proc cannot be read here: the work clock is the wall clock")
+    assert mine >= 0
+    code = ("import time\nprint('up', flush=True)\ntime.sleep(1.0)\nprint('slept', flush=True)\n"
+            "t = time.process_time()\nwhile time.process_time() - t < 1.0: pass\nprint('spun', flush=True)\n")
+    child = Child.command([sys.executable, "-c", code])
+    got = {}
+    t0 = time.perf_counter()
+    while len(got) < 3 and time.perf_counter() - t0 < 30:
+        line = child.timed_line(timeout=1.0)
+        if line and line[2]:
+            got[line[2].strip()] = line
+    child.close()
+    (w_up, c_up, _), (w_slept, c_slept, _), (_, c_spun, _) = got["up"], got["slept"], got["spun"]
+    assert w_slept - w_up >= 0.9 and c_slept - c_up < 0.3  # asleep: the wall ran, the work did not
+    assert c_spun - c_slept >= 0.8  # computing: the work ran
