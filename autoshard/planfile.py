@@ -213,7 +213,9 @@ class Plan:
             f"{s.get('edges', '?')} edges; {len(self.redistributes)} redistributes",
             f"  solver: {self.solver.get('backend', '?')} {self.solver.get('status', '?')} "
             f"in {self.solver.get('seconds', 0):.2f} s (gap {self.solver.get('gap')}"
-            + (f", from {self.solver['source']}" if self.solver.get("source") else "") + ")",
+            + (f", from {self.solver['source']}" if self.solver.get("source") else "") + ")"
+            + (f"; ended by the wall clock, not its work: {', '.join(self.solver['cut_by_clock'])} (a rerun on a "
+               f"less busy machine may differ)" if self.solver.get("cut_by_clock") else ""),
         ]
         alone = s.get("solve_alone")
         if alone:

@@ -456,6 +456,12 @@ class _Run:
                 lower = inc.cost
         if lower is not None and lower > inc.cost:
             lower = inc.cost
+        # The searches a wall-clock deadline ended rather than their work (proof, stall rule): where
+        # the answer may differ between runs on a busy machine.
+        cut = [f"exact ({ph['method']})" for ph in (self.stats.get("exact") or {}).get("phases", [])
+               if ph.get("ended") == "time"] + self.stats.pop("clock_cut", [])
+        if cut and status != "optimal":
+            self.stats["cut_by_clock"] = cut
         seconds = time.perf_counter() - self.t0
         log.info(f"solved: {status} ({inc.source}), cost {inc.cost:.6g}, bound {lower}, {seconds:.2f}s")
         return Solution(choice=inc.choice, cost=inc.cost, status=Status(status), lower_bound=lower,
@@ -733,6 +739,9 @@ def _milp_or_weights(run: _Run) -> Solution:
         lower = _weights_and_windows(run.problem, inc, run.t0, run.time_limit, run.bound, run.sched)
     except ProvedInfeasible as exc:
         log.info(f"milp: {exc}")
+        return run.finish(status, lower)
+    if status != "optimal":  # both end at their share of the time limit unless proved
+        run.stats["clock_cut"] = ["weights" if "milp_skipped" in run.stats else "milp"]
     return run.finish(status, lower)
 
 

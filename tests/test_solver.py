@@ -207,6 +207,29 @@ def test_large_models_fall_back_to_heuristics_within_the_limit():
     sol = solve(p, time_limit=5, max_nonzeros=10, pairwise=False, exact=False)  # any MILP is "too large"
     assert evaluate(p, sol.choice).feasible and sol.status == "heuristic"
     assert "milp_skipped" in sol.stats and sol.seconds < 5
+    assert sol.stats["cut_by_clock"] == ["weights"]  # its searches end at their shares of the limit
+
+
+def test_a_search_ended_by_the_wall_clock_is_said_and_one_ended_by_its_work_is_not():
+    """An unproved answer whose exact search a deadline ended says so (``cut_by_clock``: a rerun
+    on a less busy machine may differ); one whose searches ended by their stall rule, or any
+    proved answer, does not."""
+    import importlib
+    import time
+
+    solve_module = importlib.import_module("solver.solve")
+    p = random_problem(np.random.default_rng(3), n=6, limit=False)
+    choice = np.zeros(p.num_nodes, dtype=np.int64)
+
+    def finished(ended: str, status: str):
+        run = solve_module._Run(p, time.perf_counter(), 10.0, "highs", 1e-6, 30e6, solve_module.DEFAULT_SCHEDULE)
+        run.inc.offer(choice, "start")
+        run.stats["exact"] = {"phases": [{"method": "vns", "ended": "stalled"}, {"method": "hbfs", "ended": ended}]}
+        return run.finish(status, None).stats
+
+    assert finished("time", "heuristic")["cut_by_clock"] == ["exact (hbfs)"]
+    assert "cut_by_clock" not in finished("stalled", "heuristic")
+    assert "cut_by_clock" not in finished("time", "optimal")
 
 
 @pytest.mark.skipif(not __import__("solver.cfn").cfn.available(), reason="pytoulbar2 not installed")
