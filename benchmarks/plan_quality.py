@@ -154,7 +154,9 @@ def main() -> None:
         objective_us, objective = _objective(alone)
         print(f"    solve alone: {a.step_us / 1e3:.1f}ms ({alone.solver['status']}, from {alone.solver['source']}, "
               f"{alone_s:.0f}s) alone_ratio={alone_ratio:.4f}; its objective ({objective}) {objective_us / 1e3:.1f}ms "
-              f"= {objective_us / a.step_us:.3f} x its simulated step", flush=True)
+              f"= {objective_us / a.step_us:.3f} x its simulated step"
+              + (f"; ended by the wall clock: {', '.join(alone.solver['cut_by_clock'])}"
+                 if alone.solver.get("cut_by_clock") else ""), flush=True)
         if (name, shape, batch, seq) == SCALE_CASES[0]:
             _same_plan_again(model, tokens, mesh, args, alone)
     print(f"worst ratio of the solve alone / best baseline: {worst:.4f}")
@@ -194,7 +196,8 @@ def _same_plan_again(model, tokens, mesh, args, first) -> None:
     again, seconds = _solve_alone(model, tokens, mesh, args)
     same = again is not None and first.params == again.params and first.nodes == again.nodes
     print(f"    solve alone again: {again.summary.step_us / 1e3:.1f}ms ({seconds:.0f}s), same plan in both runs: "
-          f"{same}", flush=True)
+          f"{same}" + (f"; ended by the wall clock: {', '.join(again.solver['cut_by_clock'])}"
+                       if again.solver.get("cut_by_clock") else ""), flush=True)
 
 
 if __name__ == "__main__":
