@@ -16,20 +16,22 @@ their bytes over their lifetime: toulbar2 on the tie quotient, as the memory-fre
 (:func:`solver.cfn.solve_pairwise`; its rounding ``slack`` taken off keeps the bound valid).
 Each round's minimizer ``x_mu`` is a candidate where it fits, and is otherwise repaired into the
 limit (:func:`solver.heuristic.repair_memory`, then a local search). The prices follow the
-projected subgradient ``g_k = U_k(x_mu) - M`` with Polyak's step toward the best feasible cost
-``UB``:
+projected subgradient ``g_k = U_k(x_mu) - M`` (0 where ``mu_k = 0`` and ``g_k < 0``: such a
+segment stays unpriced, so it takes no share of the step) with Polyak's step toward the best
+feasible cost ``UB``:
 
     mu <- max(0, mu + theta (UB - L(mu)) g / |g|^2)
 
-``theta`` halves after :data:`PATIENCE` rounds that raise neither ``L`` (above its best since the
-first priced round) nor the incumbent. The stage
-ends when ``UB - max L <= gap |UB|`` (proved within the gap: no search follows), after
-:data:`MAX_ROUNDS` rounds, after ``PATIENCE`` rounds in a row that improve nothing, or after
-its first round where that round found no plan that fits and beats the incumbent (prices on
-tied layers swing whole layers at once, LLaMA-70B on (8, 8, 8): its rounds alternate between
-a plan 98 GiB over and one 0.2 GiB over that no single move repairs, so the stage gives way to
-the exact search at once). Rounds, not seconds, end it, so the same problem gets the same
-answer on a busy machine; the deadline only guards.
+``theta`` (:data:`THETA` at first) halves after every :data:`PATIENCE` rounds in a row that raise
+neither ``L`` (above its best since the first priced round, whose prices overshoot) nor the
+incumbent. The stage ends when ``UB - max L <= gap |UB|`` (proved within the gap: no search
+follows), after :data:`MAX_ROUNDS` rounds, after ``2 * PATIENCE`` rounds in a row that improve
+nothing, or after its first round where that round found no plan that fits and beats the
+incumbent (prices on tied layers swing whole layers at once, LLaMA-70B on (8, 8, 8): its rounds
+alternate between a plan 98 GiB over and one 0.2 GiB over that no single move repairs, so the
+stage gives way to the exact search at once). Rounds, not seconds, end it, so the same problem
+gets the same answer on a busy machine; the deadline only guards. :func:`solver.solve` runs it
+where the gap asked is one it can prove (``LAGRANGE_MIN_GAP``: the overlap objective's rounds).
 """
 
 from __future__ import annotations
