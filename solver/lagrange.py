@@ -82,8 +82,7 @@ class LagrangeAnswer:
 class LagrangeRounds:
     """The stage of the module doc, one round per :meth:`step`, from the memory-free optimum
     ``free`` (round 0: proved, with bound ``free_bound``) and the cost ``upper`` of the best plan
-    known to fit (inf: none). A caller may run the rounds beside another search
-    (:func:`solver.solve` does, beside the exact search's child): :attr:`answer` is what they found."""
+    known to fit (inf: none); :attr:`answer` is what the rounds found."""
 
     def __init__(self, problem: Problem, free: np.ndarray, free_bound: float, upper: float = math.inf,
                  gap: float = 1e-6, max_rounds: int = MAX_ROUNDS):
@@ -106,11 +105,9 @@ class LagrangeRounds:
     def done(self) -> bool:
         return bool(self.answer.stopped)
 
-    def proved(self, known: float = math.inf) -> bool:
-        """Whether the best plan (this stage's or ``known``, another search's cost) is within the
-        gap of the bound proved."""
-        best = min(self.best, known)
-        return math.isfinite(best) and best - self.answer.lower <= self.gap * abs(best)
+    def proved(self) -> bool:
+        """Whether the best plan known is within the gap of the bound proved."""
+        return math.isfinite(self.best) and self.best - self.answer.lower <= self.gap * abs(self.best)
 
     def _offer(self, choice: np.ndarray) -> bool:
         ev = evaluate(self.problem, choice)
@@ -124,13 +121,12 @@ class LagrangeRounds:
             return True
         return False
 
-    def step(self, deadline: float, known: float = math.inf) -> bool:
-        """One round (none once :attr:`done`); whether the stage has ended. ``known``: a cost
-        another search found meanwhile (it counts toward the gap, not as this stage's plan)."""
+    def step(self, deadline: float) -> bool:
+        """One round (none once :attr:`done`); whether the stage has ended."""
         ans, problem, limit = self.answer, self.problem, self.problem.usage_limit
         if self.done:
             return True
-        if self.proved(known):
+        if self.proved():
             ans.stopped = "proved within the gap"
             return True
         if ans.rounds >= self.max_rounds:
@@ -182,8 +178,9 @@ class LagrangeRounds:
             fixed = heuristic.repair_memory(problem, choice, until)
             found = fixed is not None and self._offer(
                 heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until))
-        log.debug(f"lagrange round {ans.rounds}: bound {ans.lower:.6g}, plan {evaluate(problem, choice).cost:.6g} "
-                  f"({'fits' if fits else f'{usage.max() - limit:.4g} over'}), best {self.best:.6g}")
+        if log.isEnabledFor(logging.DEBUG):  # the plan's cost is one more evaluation: only when shown
+            log.debug(f"lagrange round {ans.rounds}: bound {ans.lower:.6g}, plan {evaluate(problem, choice).cost:.6g} "
+                      f"({'fits' if fits else f'{usage.max() - limit:.4g} over'}), best {self.best:.6g}")
         if ans.rounds == 1 and not found:
             ans.stopped = "its first round found no better plan that fits"
             return True
@@ -193,7 +190,7 @@ class LagrangeRounds:
             return True
         if self._dry and self._dry % PATIENCE == 0:
             self._theta /= 2
-        if self.proved(known):
+        if self.proved():
             ans.stopped = "proved within the gap"
         return self.done
 
