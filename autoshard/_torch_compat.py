@@ -373,6 +373,22 @@ def local_shape(shape, mesh, placements) -> tuple[int, ...]:
     return tuple(compute_local_shape_and_global_offset(tuple(shape), mesh, tuple(placements))[0])
 
 
+def shard_offset(size: int, dim: int, mesh, placements) -> int:
+    """Where this rank's run of ``dim`` (global length ``size``) starts, for placements that split
+    ``dim`` with plain ``Shard`` only (one contiguous run per rank: each axis, in mesh order,
+    splits the previous axes' run as DTensor does)."""
+    coordinate = mesh.get_coordinate()
+    offset = 0
+    for axis, p in enumerate(placements):
+        if isinstance(p, _StridedShard) or not (isinstance(p, Shard) and p.dim == dim):
+            if isinstance(p, Shard) and p.dim == dim:
+                raise ValueError(f"dim {dim} is split in another order than the mesh's ({placements})")
+            continue
+        size, start = Shard.local_shard_size_and_offset(size, mesh.size(axis), int(coordinate[axis]))
+        offset += start
+    return offset
+
+
 def local_tensor_ranks() -> list[int] | None:
     """The ranks of the active LocalTensorMode (all ranks run in this process), else None."""
     try:

@@ -35,6 +35,23 @@ def causal_share(q_len: int, k_len: int) -> float:
     return kept / (q_len * k_len)
 
 
+def causal_split_share(q_len: int, k_len: int, parts: int) -> float:
+    """The busiest part's share of a causal kernel's kept scores when its ``q_len`` queries are
+    split into ``parts`` contiguous parts of ``ceil(q_len / parts)`` (DTensor's split), every
+    part seeing all ``k_len`` keys (top-left alignment): the last full part, whose queries see
+    the most keys. A balanced split would give ``1 / parts``; contiguous parts of a long causal
+    sequence give about ``(2 parts - 1) / parts**2``."""
+    if q_len <= 0 or k_len <= 0 or parts <= 1:
+        return 1.0
+    def kept(n: int) -> int:  # kept scores of queries 0..n-1: query i keeps min(i + 1, k_len) keys
+        m = min(n, k_len)
+        return m * (m + 1) // 2 + (n - m) * k_len
+
+    chunk = -(-q_len // parts)
+    best = max(kept(min(start + chunk, q_len)) - kept(start) for start in range(0, q_len, chunk))
+    return best / kept(q_len)
+
+
 def attention_flops(batch: int, heads: int, q_len: int, k_len: int, head_dim: int, v_dim: int, causal: bool,
                     backward: bool) -> float:
     """FLOPs of fused attention over ``heads`` query heads: forward ``2 B H L S (E + Ev)`` (the

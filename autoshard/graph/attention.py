@@ -16,10 +16,18 @@ queries), ``mask`` broadcastable to ``(B, Hq, L, S)``:
   head split is right only when it splits ``Hq`` and ``Hkv`` evenly (query head ``h`` reads
   key head ``h // (Hq / Hkv)``): :func:`heads_split_evenly` drops the others
   (``strategies.executable``);
-- queries (not causal): ``q, out, lse, grad_q`` split on the query sequence (``S(2)``), ``k, v``
+- queries: ``q, out, lse, grad_q`` split on the query sequence (``S(2)``), ``k, v``
   replicated; in the backward ``grad_k`` and ``grad_v`` are partial sums (each rank's queries
-  contribute to every key). A causal kernel masks by local positions, so a query split would
-  shift the diagonal: not offered there (ring attention is what splits a causal sequence).
+  contribute to every key).
+
+A causal kernel masks by local positions, so DTensor's rule does not offer the query split for
+it (the local kernel would shift the diagonal). The planner does (:func:`rule_arguments`): a
+causal query split is context parallelism in its all-gather form (LLaMA 3's), the keys and
+values gathered by the planned redistribute, each rank's queries run against the keys up to
+its last one by :func:`sequence_forward` and :func:`sequence_backward` (the lowering calls
+them; the queries' global offset is the rank's), the key and value gradients reduce-scattered
+by the planned redistribute. Split contiguously, the rank with the sequence's end does the most
+work: :func:`work_factor` prices the busiest rank (about ``2 - 1/n`` times an even share).
 
 Nothing else is legal: the head dim is contracted inside the softmax, and a split of the keys'
 sequence needs the softmax's running maximum and sum merged across ranks (ring attention).
@@ -41,6 +49,7 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from costmodel.compute import attention_flops as fused_flops
+from costmodel.compute import causal_split_share
 from costmodel.profile import KERNELS
 
 aten = torch.ops.aten
@@ -179,6 +188,76 @@ def register_rules() -> None:
                                 _cpu_backward_rule, static_from=6)
 
 
+#: Position of ``is_causal`` in the CPU kernels' schemas (forward, backward).
+_CAUSAL_ARG = {aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7}
+
+
+def is_causal_cpu_kernel(node) -> bool:
+    """Whether ``node`` (an FX node or a stand-in) is a causal CPU attention kernel, forward or backward."""
+    if node.target not in _CAUSAL_ARG:
+        return False
+    return bool(bound_args(node.target, node.args, node.kwargs).get("is_causal"))
+
+
+def rule_arguments(node) -> tuple[tuple, dict]:
+    """(args, kwargs) to ask the kernel's rule for ``node``'s strategies with: a causal kernel's
+    as if it were not causal, so that the query split is among them (module doc); the others'
+    own."""
+    if not is_causal_cpu_kernel(node):
+        return tuple(node.args), dict(node.kwargs)
+    pos = _CAUSAL_ARG[node.target]
+    if len(node.args) > pos:
+        return tuple(node.args[:pos]) + (False,) + tuple(node.args[pos + 1:]), dict(node.kwargs)
+    return tuple(node.args), {**node.kwargs, "is_causal": False}
+
+
+def _query_index(node: fx.Node, tensor_args: list[fx.Node]) -> int | None:
+    q = bound_args(node.target, node.args, node.kwargs).get("query")
+    return tensor_args.index(q) if q in tensor_args else None
+
+
+def query_parts(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> int:
+    """Into how many parts a strategy (input specs ``ins``) splits the queries of a causal CPU
+    kernel (1: not split, or not such a kernel)."""
+    if not is_causal_cpu_kernel(node):
+        return 1
+    k = _query_index(node, tensor_args)
+    if k is None:
+        return 1
+    return math.prod(mesh_shape[a] for a, d in enumerate(ins[k].shard_dims()) if d == 2)
+
+
+def work_factor(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> float:
+    """The busiest rank's work over an even share of the kernel's work, under a strategy: above
+    1 where a causal kernel's queries are split into contiguous parts (module doc)."""
+    parts = query_parts(node, ins, mesh_shape, tensor_args)
+    if parts == 1:
+        return 1.0
+    args = bound_args(node.target, node.args, node.kwargs)
+    q, k = _shape(args["query"]), _shape(args["key"])
+    return causal_split_share(q[2], k[2], parts) * parts
+
+
+def contiguous_query_split(node: fx.Node, ins, tensor_args: list[fx.Node]) -> bool:
+    """Whether a causal kernel's query split (if any) gives each rank one contiguous run of the
+    sequence (axes in mesh order on dim 2: :func:`sequence_forward` needs one global offset)."""
+    if not is_causal_cpu_kernel(node):
+        return True
+    k = _query_index(node, tensor_args)
+    return k is None or all(d != 2 for d, _ in ins[k].shard_order)
+
+
+def splits_causal_queries(target, args, kwargs) -> bool:
+    """Whether a causal CPU kernel about to run (its arguments DTensors) has its query split on
+    the sequence."""
+    if target not in _CAUSAL_ARG:
+        return False
+    bound = bound_args(target, args, kwargs)
+    return bool(bound.get("is_causal")) and any(isinstance(p, tc.Shard) and p.dim == 2
+                                                for p in getattr(bound["query"], "placements", ()))
+
+
 def heads_split_evenly(node: fx.Node, specs, mesh_shape, tensor_args: list[fx.Node]) -> bool:
     """Whether a strategy of a fused attention node splits the heads of its query and of its
     keys into as many equal parts (grouped queries need it: module doc). ``specs``: the
@@ -299,3 +378,77 @@ def local_placements(target, q_placements, k_placements) -> list[tuple]:
     grad_kv = tuple(tc.Partial() if isinstance(pq, tc.Shard) and pq.dim == 2 else pk
                     for pq, pk in zip(q_placements, k_placements))
     return [tuple(q_placements), grad_kv, grad_kv]
+
+
+# ----------------------------------------------------------------------------------------------
+# Context parallelism (all-gather form): a rank's queries against every key before its last one.
+
+
+def _offset_mask(q_len: int, offset: int, dtype, device):
+    """Additive mask of queries ``offset .. offset + q_len - 1`` over keys ``0 .. offset + q_len - 1``."""
+    i = torch.arange(q_len, device=device)[:, None] + offset
+    j = torch.arange(offset + q_len, device=device)[None, :]
+    return torch.zeros((q_len, offset + q_len), dtype=dtype, device=device).masked_fill(j > i, float("-inf"))
+
+
+def _bottom_right_flash(q, k, attn_mask) -> bool:
+    """Flash's causal mask aligns to the bottom right: queries offset.. against keys ..offset+L."""
+    e = q.shape[-1]
+    return (attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
+            and _has_flash(q.device))
+
+
+def sequence_forward(q, k, v, offset: int, dropout_p=0.0, *, scale=None):
+    """``(out, lse)`` of causal attention for queries at global positions ``offset ..`` (``q``:
+    ``(B, Hq, Lq, E)``, this rank's run of the sequence) against the whole keys and values
+    (``(B, Hkv, S, E)``): only keys ``< offset + Lq`` can be seen, so only those are read. CUDA:
+    the flash kernel (bottom-right causal alignment is exactly this mask) where it fits; else
+    the CPU kernel with the offset mask (or, on CUDA, SDPA with it)."""
+    _no_dropout_sequence(dropout_p)
+    end = offset + q.shape[2]
+    k, v = k[:, :, :end], v[:, :, :end]
+    if q.device.type == "cuda":
+        if _bottom_right_flash(q, k, None):
+            out, lse, *_ = aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                                         None, q.shape[2], end, 0.0, True, False, scale=scale)
+            return out.transpose(1, 2), lse
+        mask = _offset_mask(q.shape[2], offset, q.dtype, q.device)
+        out = _sdpa(q, k, v, mask, False, scale)
+        return out, torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    mask = _offset_mask(q.shape[2], offset, q.dtype, q.device)
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def sequence_backward(grad_out, q, k, v, out, lse, offset: int, dropout_p=0.0, *, scale=None):
+    """``(grad_q, grad_k, grad_v)`` of :func:`sequence_forward`; the key and value gradients whole
+    (zero past the rank's last query: this rank's part of their sum over ranks)."""
+    _no_dropout_sequence(dropout_p)
+    end, seq = offset + q.shape[2], k.shape[2]
+    ks, vs = k[:, :, :end], v[:, :, :end]
+    if q.device.type == "cuda" and _bottom_right_flash(q, ks, None):
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._flash_attention_backward(grad_out.transpose(1, 2), q.transpose(1, 2), ks.transpose(1, 2),
+                                                    vs.transpose(1, 2), out.transpose(1, 2), lse, None, None,
+                                                    q.shape[2], end, 0.0, True, rng, unused, scale=scale)
+        dq, dk, dv = (g.transpose(1, 2) for g in (dq, dk, dv))
+    elif q.device.type == "cuda":
+        mask = _offset_mask(q.shape[2], offset, q.dtype, q.device)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, ks, vs)]
+            dq, dk, dv = torch.autograd.grad(_sdpa(*leaves, mask, False, scale), leaves, grad_out)
+    else:
+        mask = _offset_mask(q.shape[2], offset, q.dtype, q.device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, ks, vs, out, lse, 0.0,
+                                                                               False, attn_mask=mask, scale=scale)
+    pad = seq - end
+    if pad:
+        dk = torch.nn.functional.pad(dk, (0, 0, 0, pad))
+        dv = torch.nn.functional.pad(dv, (0, 0, 0, pad))
+    return dq, dk, dv
+
+
+def _no_dropout_sequence(dropout_p: float) -> None:
+    if dropout_p:
+        raise NotImplementedError(f"a causal attention kernel with dropout_p={dropout_p} split on the sequence: the "
+                                  "plan would need each rank's share of the dropout mask")

@@ -22,7 +22,8 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import first_line
-from autoshard.graph.attention import heads_split_evenly, is_fused_attention
+from autoshard.graph.attention import (contiguous_query_split, heads_split_evenly, is_causal_cpu_kernel,
+                                       is_fused_attention, rule_arguments)
 from costmodel.spec import Spec
 
 log = logging.getLogger(__name__)
@@ -268,6 +269,9 @@ class StrategyEnumerator:
             return []
         cands = [self.specs_for(_val(a), partial=self.partial_inputs) for a in targs]
         out_meta = self._out_meta(node)
+        planned = node
+        if is_causal_cpu_kernel(node):  # the rule asked as if not causal: its query split included
+            node = _Shim(node.target, *rule_arguments(node), node.meta)
         prop = tc.sharding_propagator()
         results: list = []
         lists = [a for a in node.args if isinstance(a, (list, tuple)) and any(is_tensor(x) for x in a)]
@@ -320,7 +324,7 @@ class StrategyEnumerator:
                         results.append(tc.op_strategy(op, self._schema(node, [[s]] + cands[1:]), self.mesh, out_meta))
                     except Exception as exc:  # a spec the rule rejects by raising
                         errors.append(exc)
-        out = [st for st in self._collect(results, node, targs) if executable(node, st, self.mesh_shape, targs)]
+        out = [st for st in self._collect(results, node, targs) if executable(planned, st, self.mesh_shape, targs)]
         if not self.partial_inputs:
             out = [st for st in out if not any(i.partial_axes() for i in st.ins)]
         return out
@@ -416,7 +420,9 @@ def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None =
     """Whether DTensor runs ``node`` under ``st`` as the rule says (on a mesh of ``mesh_shape``).
 
     Fused attention with grouped queries runs by its rule only where its query heads and its
-    key heads are split into equal parts (:func:`autoshard.graph.attention.heads_split_evenly`).
+    key heads are split into equal parts (:func:`autoshard.graph.attention.heads_split_evenly`);
+    a causal kernel's queries split on the sequence only into one run per rank
+    (:func:`autoshard.graph.attention.contiguous_query_split`).
 
     Most ops run by their rule. Convolutions run by a handler of their own
     (``torch.distributed.tensor._tp_conv``) that reads each spec as one mesh axis per tensor
@@ -426,8 +432,10 @@ def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None =
     whatever the plan says. Strategies outside what it runs correctly are dropped here.
     """
     if is_fused_attention(node.target):
-        return mesh_shape is None or heads_split_evenly(node, st.ins, mesh_shape,
-                                                        _tensor_args(node) if tensor_args is None else tensor_args)
+        targs = _tensor_args(node) if tensor_args is None else tensor_args
+        if not contiguous_query_split(node, st.ins, targs):
+            return False
+        return mesh_shape is None or heads_split_evenly(node, st.ins, mesh_shape, targs)
     if node.target not in _CONV:
         return True
     specs = list(st.ins) + list(st.outs)

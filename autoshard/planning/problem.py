@@ -38,7 +38,7 @@ import torch.fx as fx
 
 import solver
 from autoshard.errors import AutoshardError
-from autoshard.graph.attention import KERNEL_BACKWARD, kernel_of
+from autoshard.graph.attention import KERNEL_BACKWARD, kernel_of, work_factor
 from autoshard.graph.layers import layer_ties
 from autoshard.graph.pricing import is_view, matmul_operands, matmul_side, memory_pattern, node_flops, op_pricing
 from autoshard.graph.recompute import Recompute, recomputed
@@ -234,7 +234,11 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
         side = None if mm is None else matmul_side(
             s.ins[mm[0]].local_shape(tuple(ins_vals[mm[0]].shape), mesh_shape),
             s.ins[mm[1]].local_shape(tuple(ins_vals[mm[1]].shape), mesh_shape))
-        c[i] = compute_time_us(flops / split, in_b + out_b, profile, dtype, pattern, side, kernel)
+        if kernel is not None:  # a causal kernel split on its queries waits for its busiest rank
+            flops_i = flops / split * work_factor(n, s.ins, mesh_shape, ns.tensor_args)
+        else:
+            flops_i = flops / split
+        c[i] = compute_time_us(flops_i, in_b + out_b, profile, dtype, pattern, side, kernel)
     return c, usage
 
 

@@ -283,6 +283,9 @@ class Lowering:
                 return self._move(v, next(it)) if isinstance(v, torch.Tensor) else v
 
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), arg)
+        if attention.splits_causal_queries(n.target, args, kwargs):
+            env[n] = self._sequence_kernel(n, args, kwargs, entry)
+            return
         kernel = attention.device_kernel(n.target, self.mesh.device_type)
         if kernel is not None:
             env[n] = self._local_kernel(n, kernel, args, kwargs, entry)
@@ -324,6 +327,32 @@ class Lowering:
         args, kwargs = torch.utils._pytree.tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v,
                                                     (tuple(args), dict(kwargs)))
         outs = kernel(*args, **kwargs)
+        return tuple(DTensor.from_local(o, self.mesh, p, run_check=False, shape=v.shape, stride=v.stride())
+                     for o, p, v in zip(outs, placements, n.meta["val"]))
+
+    def _sequence_kernel(self, n: fx.Node, args, kwargs, entry: dict) -> tuple:
+        """A causal attention kernel whose queries are split on the sequence (context parallelism,
+        :mod:`autoshard.graph.attention`): this rank's queries, at their global offset, against
+        the keys and values the planned moves gathered; the key and value gradients partial
+        sums over the ranks that split the queries."""
+        bound = attention.bound_args(n.target, args, kwargs)
+        q, k = bound["query"], bound["key"]
+        if any(isinstance(p, tc.Shard) and p.dim == 2 for p in k.placements):
+            raise LowerError(f"{n.name}: a causal attention kernel's keys split on the sequence ({k.placements}) "
+                             "need ring attention; its plan gathers them (this plan was not made so)")
+        offset = tc.shard_offset(q.shape[2], 2, self.mesh, q.placements)
+        local = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in bound.items()}
+        if n.target is attention.CPU_FORWARD:
+            outs = attention.sequence_forward(local["query"], local["key"], local["value"], offset,
+                                              local.get("dropout_p", 0.0), scale=local.get("scale"))
+        else:
+            outs = attention.sequence_backward(local["grad_out"], local["query"], local["key"], local["value"],
+                                               local["out"], local["logsumexp"], offset, local.get("dropout_p", 0.0),
+                                               scale=local.get("scale"))
+        if "out" in entry:
+            placements = [tc.placements_for(Spec.parse(s), self.mesh) for s in entry["out"]]
+        else:
+            placements = attention.local_placements(n.target, q.placements, k.placements)
         return tuple(DTensor.from_local(o, self.mesh, p, run_check=False, shape=v.shape, stride=v.stride())
                      for o, p, v in zip(outs, placements, n.meta["val"]))
 
