@@ -22,8 +22,13 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import first_line
-from autoshard.graph.attention import (contiguous_query_split, heads_split_evenly, is_causal_cpu_kernel,
-                                       is_fused_attention, rule_arguments)
+from autoshard.graph.attention import (
+    contiguous_query_split,
+    heads_split_evenly,
+    is_causal_cpu_kernel,
+    is_fused_attention,
+    rule_arguments,
+)
 from costmodel.spec import Spec
 
 log = logging.getLogger(__name__)
