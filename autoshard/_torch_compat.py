@@ -389,6 +389,20 @@ def shard_offset(size: int, dim: int, mesh, placements) -> int:
     return offset
 
 
+def exchange(x: torch.Tensor, dim: int, partner: int, mesh, axis: int) -> torch.Tensor:
+    """``x`` sent whole to the rank at coordinate ``partner`` of mesh axis ``axis``, and what that
+    rank sent here (the same shape: the two swap; a rank may be its own partner). One
+    ``all_to_all_single`` over the axis's group, the other members' splits empty."""
+    from torch.distributed import _functional_collectives as funcol
+
+    n = mesh.size(axis)
+    rows = x.shape[dim]
+    splits = [rows if k == partner else 0 for k in range(n)]
+    moved = x.movedim(dim, 0).contiguous()
+    got = funcol.all_to_all_single(moved, splits, splits, group=(mesh, axis))
+    return funcol.wait_tensor(got).movedim(0, dim)
+
+
 def local_tensor_ranks() -> list[int] | None:
     """The ranks of the active LocalTensorMode (all ranks run in this process), else None."""
     try:

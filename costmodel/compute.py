@@ -43,13 +43,30 @@ def causal_split_share(q_len: int, k_len: int, parts: int) -> float:
     sequence give about ``(2 parts - 1) / parts**2``."""
     if q_len <= 0 or k_len <= 0 or parts <= 1:
         return 1.0
-    def kept(n: int) -> int:  # kept scores of queries 0..n-1: query i keeps min(i + 1, k_len) keys
-        m = min(n, k_len)
-        return m * (m + 1) // 2 + (n - m) * k_len
-
     chunk = -(-q_len // parts)
-    best = max(kept(min(start + chunk, q_len)) - kept(start) for start in range(0, q_len, chunk))
-    return best / kept(q_len)
+    best = max(_kept(min(start + chunk, q_len), k_len) - _kept(start, k_len) for start in range(0, q_len, chunk))
+    return best / _kept(q_len, k_len)
+
+
+def _kept(n: int, k_len: int) -> int:
+    """Kept scores of causal queries ``0 .. n-1`` over ``k_len`` keys (query i keeps min(i+1, k_len))."""
+    m = min(n, k_len)
+    return m * (m + 1) // 2 + (n - m) * k_len
+
+
+def balanced_split_share(q_len: int, k_len: int, parts: int) -> float:
+    """The busiest part's share of a causal kernel's kept scores when its queries are cut into
+    ``2 parts`` chunks and part ``r`` runs chunks ``2r`` and ``2 parts - 1 - 2r`` (each part
+    its contiguous run's first half and its mirror's second half: the mirror exchange of
+    :mod:`autoshard.graph.attention`); ``q_len`` a multiple of ``2 parts``. Near ``1 / parts``."""
+    if q_len <= 0 or k_len <= 0 or parts <= 1:
+        return 1.0
+    c = q_len // (2 * parts)
+
+    def chunk(j: int) -> int:
+        return _kept((j + 1) * c, k_len) - _kept(j * c, k_len)
+
+    return max(chunk(2 * r) + chunk(2 * parts - 1 - 2 * r) for r in range(parts)) / _kept(q_len, k_len)
 
 
 def attention_flops(batch: int, heads: int, q_len: int, k_len: int, head_dim: int, v_dim: int, causal: bool,

@@ -70,10 +70,16 @@ def _cp_plan(world, shape, names, batch, seq, input_spec, **kw):
     return model, x, plan
 
 
-def test_context_parallel_plan_matches_single_device(world):
+@pytest.mark.parametrize("seq, mirrored", [(64, True), (62, False)], ids=["mirror", "contiguous"])
+def test_context_parallel_plan_matches_single_device(world, monkeypatch, seq, mirrored):
     """CP 2 x DP 2 on LocalTensorMode: a plan that splits the causal kernels' queries on the
-    sequence gives the single-device loss and gradients."""
-    model, x, plan = _cp_plan(world, (2, 2), ("dp", "cp"), 2, 64, "S(0)S(1)")
+    sequence gives the single-device loss and gradients, balanced by the mirror exchange where
+    the sequence cuts into two chunks per rank (64 over 2), in one run per rank where not (62)."""
+    calls = []
+    for name in ("mirror_forward", "mirror_backward", "sequence_forward", "sequence_backward"):
+        fn = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    model, x, plan = _cp_plan(world, (2, 2), ("dp", "cp"), 2, seq, "S(0)S(1)")
     specs = _query_specs(plan)
     assert specs and all("S(2)" in s for s in specs), specs
     ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), _loss)
@@ -84,3 +90,31 @@ def test_context_parallel_plan_matches_single_device(world):
         torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
         for fqn, p in sharded.named_parameters():
             torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    # Two layers' forward and backward kernels on each of 4 ranks.
+    assert calls.count("mirror_forward") == (8 if mirrored else 0), calls
+    assert calls.count("sequence_forward") == (16 if mirrored else 8), calls
+
+
+def test_sequence_split_is_priced_at_its_busiest_rank(world):
+    """A contiguous causal split costs its last part's work (about 2 - 1/n an even share); the
+    mirror exchange evens it out and adds its messages (half the local queries each way)."""
+    from autoshard.graph.strategies import StrategyEnumerator
+    from autoshard.graph.tracing import trace
+
+    world(4)
+    mesh = autoshard.fake_mesh((4,), ("cp",))
+    model = llama("tiny", n_heads=4, n_kv_heads=1, max_seq_len=64)
+    for seq, factor in ((64, 1.0), (60, 4 * causal_split_share(60, 60, 4))):
+        tg = trace(model, (torch.randint(0, 256, (4, seq)),))
+        node = next(n for n in tg.gm.graph.nodes if n.target is attention.CPU_FORWARD)
+        ns = StrategyEnumerator(mesh).for_node(node)
+        split = next(st for st in ns.strategies if str(st.ins[0]) == "S(2)")
+        assert attention.work_factor(node, split.ins, (4,), ns.tensor_args) == pytest.approx(factor)
+        axis, sizes = attention.mirror_messages(node, split.ins, (4,), ns.tensor_args)
+        if seq == 64:  # (4, 4, 16, 16) float32 local queries: halves of 4 KiB, log-sum-exp halves 512 B
+            assert axis == 0 and sizes == [4 * 4 * 8 * 16 * 4] * 2 + [4 * 4 * 8 * 4]
+        else:
+            assert axis is None and sizes == []
+        batch = next(st for st in ns.strategies if str(st.ins[0]) == "S(0)")
+        assert attention.work_factor(node, batch.ins, (4,), ns.tensor_args) == 1.0
+    assert factor == pytest.approx(7 / 4, rel=0.05)

@@ -49,7 +49,7 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from costmodel.compute import attention_flops as fused_flops
-from costmodel.compute import causal_split_share
+from costmodel.compute import balanced_split_share, causal_split_share
 from costmodel.profile import KERNELS
 
 aten = torch.ops.aten
@@ -217,34 +217,63 @@ def _query_index(node: fx.Node, tensor_args: list[fx.Node]) -> int | None:
     return tensor_args.index(q) if q in tensor_args else None
 
 
-def query_parts(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> int:
-    """Into how many parts a strategy (input specs ``ins``) splits the queries of a causal CPU
-    kernel (1: not split, or not such a kernel)."""
+def _query_axes(node: fx.Node, ins, tensor_args: list[fx.Node]) -> list[int]:
+    """The mesh axes a strategy (input specs ``ins``) splits a causal CPU kernel's queries on."""
     if not is_causal_cpu_kernel(node):
-        return 1
+        return []
     k = _query_index(node, tensor_args)
-    if k is None:
-        return 1
-    return math.prod(mesh_shape[a] for a, d in enumerate(ins[k].shard_dims()) if d == 2)
+    return [] if k is None else [a for a, d in enumerate(ins[k].shard_dims()) if d == 2]
+
+
+def mirror_axis(axes: list[int], q_len: int, mesh_shape) -> int | None:
+    """The axis on which a causal query split is balanced by the mirror exchange (module doc):
+    the split's only axis, where ``q_len`` cuts into two chunks per rank; None: run contiguously."""
+    if len(axes) != 1 or q_len % (2 * mesh_shape[axes[0]]):
+        return None
+    return axes[0]
 
 
 def work_factor(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> float:
-    """The busiest rank's work over an even share of the kernel's work, under a strategy: above
-    1 where a causal kernel's queries are split into contiguous parts (module doc)."""
-    parts = query_parts(node, ins, mesh_shape, tensor_args)
-    if parts == 1:
+    """The busiest rank's work over an even share of the kernel's work, under a strategy: 1 but
+    where a causal kernel's queries are split (module doc)."""
+    axes = _query_axes(node, ins, tensor_args)
+    if not axes:
         return 1.0
+    parts = math.prod(mesh_shape[a] for a in axes)
     args = bound_args(node.target, node.args, node.kwargs)
     q, k = _shape(args["query"]), _shape(args["key"])
+    if mirror_axis(axes, q[2], mesh_shape) is not None:
+        return balanced_split_share(q[2], k[2], parts) * parts
     return causal_split_share(q[2], k[2], parts) * parts
+
+
+def mirror_messages(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> tuple[int | None, list[int]]:
+    """(the axis, the bytes of each message) of a strategy's mirror exchange: the forward sends
+    the second half of the queries and gets back their output and log-sum-exp; the backward
+    sends the queries', the output's and its gradient's second halves and the log-sum-exp's, and
+    gets back the queries' gradient. (None, []) where the kernel runs without one."""
+    axes = _query_axes(node, ins, tensor_args)
+    args = bound_args(node.target, node.args, node.kwargs)
+    if not axes:
+        return None, []
+    q = args["query"]
+    axis = mirror_axis(axes, _shape(q)[2], mesh_shape)
+    if axis is None:
+        return None, []
+    k = tensor_args.index(q)
+    local = ins[k].local_shape(_shape(q), mesh_shape)
+    val = q.meta["val"]
+    half = math.prod(local) // 2 * val.element_size()
+    lse = math.prod(local[:3]) // 2 * 4
+    if node.target is CPU_FORWARD:
+        return axis, [half, half, lse]
+    return axis, [half, half, half, lse, half]
 
 
 def contiguous_query_split(node: fx.Node, ins, tensor_args: list[fx.Node]) -> bool:
     """Whether a causal kernel's query split (if any) gives each rank one contiguous run of the
-    sequence (axes in mesh order on dim 2: :func:`sequence_forward` needs one global offset)."""
-    if not is_causal_cpu_kernel(node):
-        return True
-    k = _query_index(node, tensor_args)
+    sequence (axes in mesh order on dim 2: the sequence kernels need one global offset)."""
+    k = _query_index(node, tensor_args) if is_causal_cpu_kernel(node) else None
     return k is None or all(d != 2 for d, _ in ins[k].shard_order)
 
 
@@ -452,3 +481,33 @@ def _no_dropout_sequence(dropout_p: float) -> None:
     if dropout_p:
         raise NotImplementedError(f"a causal attention kernel with dropout_p={dropout_p} split on the sequence: the "
                                   "plan would need each rank's share of the dropout mask")
+
+
+def mirror_forward(q, k, v, coordinate: int, parts: int, swap, dropout_p=0.0, *, scale=None):
+    """:func:`sequence_forward` balanced over the ``parts`` ranks splitting the queries: with the
+    sequence cut into ``2 parts`` chunks of ``c``, this rank (at ``coordinate``) holds chunks
+    ``2 coordinate`` and ``2 coordinate + 1`` and swaps its second one with its mirror's
+    (``parts - 1 - coordinate``): it runs chunk ``2 coordinate`` and chunk ``2 parts - 1 - 2
+    coordinate``, the same work on every rank, and hands the second one's output back.
+    ``swap(x)``: ``x`` (split on dim 2) exchanged with the mirror."""
+    c = q.shape[2] // 2
+    mirror = parts - 1 - coordinate
+    q_b = swap(q[:, :, c:])
+    out_a, lse_a = sequence_forward(q[:, :, :c], k, v, 2 * coordinate * c, dropout_p, scale=scale)
+    out_b, lse_b = sequence_forward(q_b, k, v, (2 * mirror + 1) * c, dropout_p, scale=scale)
+    out = torch.cat([out_a.transpose(1, 2), swap(out_b).transpose(1, 2)], 1).transpose(1, 2)
+    return out, torch.cat([lse_a, swap(lse_b)], 2)
+
+
+def mirror_backward(grad_out, q, k, v, out, lse, coordinate: int, parts: int, swap, dropout_p=0.0, *, scale=None):
+    """The gradients of :func:`mirror_forward`: the mirror's chunk's values swapped in, its
+    query gradient swapped back; key and value gradients this rank's part of their sum."""
+    c = q.shape[2] // 2
+    mirror = parts - 1 - coordinate
+    first = slice(None, c)
+    dq_a, dk_a, dv_a = sequence_backward(grad_out[:, :, first], q[:, :, first], k, v, out[:, :, first],
+                                         lse[:, :, first], 2 * coordinate * c, dropout_p, scale=scale)
+    second = [swap(t[:, :, c:]) for t in (grad_out, q, out, lse)]
+    dq_b, dk_b, dv_b = sequence_backward(second[0], second[1], k, v, second[2], second[3], (2 * mirror + 1) * c,
+                                         dropout_p, scale=scale)
+    return torch.cat([dq_a, swap(dq_b)], 2), dk_a + dk_b, dv_a + dv_b

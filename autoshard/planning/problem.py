@@ -38,7 +38,7 @@ import torch.fx as fx
 
 import solver
 from autoshard.errors import AutoshardError
-from autoshard.graph.attention import KERNEL_BACKWARD, kernel_of, work_factor
+from autoshard.graph.attention import KERNEL_BACKWARD, kernel_of, mirror_messages, work_factor
 from autoshard.graph.layers import layer_ties
 from autoshard.graph.pricing import is_view, matmul_operands, matmul_side, memory_pattern, node_flops, op_pricing
 from autoshard.graph.recompute import Recompute, recomputed
@@ -239,7 +239,23 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
         else:
             flops_i = flops / split
         c[i] = compute_time_us(flops_i, in_b + out_b, profile, dtype, pattern, side, kernel)
+        if kernel is not None:
+            c[i] += _mirror_us(n, s, mesh_shape, ns.tensor_args, profile)
     return c, usage
+
+
+def _mirror_us(n, s, mesh_shape, tensor_args, profile) -> float:
+    """Time of the messages a causal kernel split on its queries exchanges with its mirror rank
+    (:func:`autoshard.graph.attention.mirror_messages`): each one rank's send of its bytes to one
+    other rank, an ``all_to_all`` whose other splits are empty (priced as the all_to_all whose
+    per-rank share sent is those bytes)."""
+    axis, sizes = mirror_messages(n, s.ins, mesh_shape, tensor_args)
+    if axis is None:
+        return 0.0
+    parts = mesh_shape[axis]
+    intra = MeshTopology(tuple(mesh_shape), profile.devices_per_node).group_is_intra_node((axis,))
+    send = profile.collective_predictor("all_to_all", parts, intra)
+    return float(sum(send(b * parts / (parts - 1)) for b in sizes))
 
 
 def live_root(a: fx.Node, recomputed=None, in_backward=None) -> tuple[fx.Node, bool]:

@@ -340,15 +340,32 @@ class Lowering:
         if any(isinstance(p, tc.Shard) and p.dim == 2 for p in k.placements):
             raise LowerError(f"{n.name}: a causal attention kernel's keys split on the sequence ({k.placements}) "
                              "need ring attention; its plan gathers them (this plan was not made so)")
-        offset = tc.shard_offset(q.shape[2], 2, self.mesh, q.placements)
         local = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in bound.items()}
-        if n.target is attention.CPU_FORWARD:
-            outs = attention.sequence_forward(local["query"], local["key"], local["value"], offset,
-                                              local.get("dropout_p", 0.0), scale=local.get("scale"))
+        p, scale = local.get("dropout_p", 0.0), local.get("scale")
+        axes = [a for a, pl in enumerate(q.placements) if isinstance(pl, tc.Shard) and pl.dim == 2]
+        axis = attention.mirror_axis(axes, q.shape[2], tuple(self.mesh.shape))
+        forward = n.target is attention.CPU_FORWARD
+        if axis is not None:  # balanced: each rank swaps half its queries with its mirror's
+            coordinate, parts = self.mesh.get_coordinate()[axis], self.mesh.size(axis)
+
+            def swap(x):
+                return tc.exchange(x, 2, parts - 1 - coordinate, self.mesh, axis)
+
+            if forward:
+                outs = attention.mirror_forward(local["query"], local["key"], local["value"], coordinate, parts,
+                                                swap, p, scale=scale)
+            else:
+                outs = attention.mirror_backward(local["grad_out"], local["query"], local["key"], local["value"],
+                                                 local["out"], local["logsumexp"], coordinate, parts, swap, p,
+                                                 scale=scale)
         else:
-            outs = attention.sequence_backward(local["grad_out"], local["query"], local["key"], local["value"],
-                                               local["out"], local["logsumexp"], offset, local.get("dropout_p", 0.0),
-                                               scale=local.get("scale"))
+            offset = tc.shard_offset(q.shape[2], 2, self.mesh, q.placements)
+            if forward:
+                outs = attention.sequence_forward(local["query"], local["key"], local["value"], offset, p,
+                                                  scale=scale)
+            else:
+                outs = attention.sequence_backward(local["grad_out"], local["query"], local["key"], local["value"],
+                                                   local["out"], local["logsumexp"], offset, p, scale=scale)
         if "out" in entry:
             placements = [tc.placements_for(Spec.parse(s), self.mesh) for s in entry["out"]]
         else:
