@@ -21,13 +21,17 @@ import torch
 import torch.distributed as dist
 
 
-def build(seed: int, dim: int, layers: int, vocab: int, model: str = "gpt2"):
-    """The model to train: a GPT-style decoder, or (``moe``) the reference mixture of experts
-    with four experts, two per token, room for every choice (capacity factor 2)."""
-    from autoshard.models import Transformer, TransformerConfig
+def build(seed: int, dim: int, layers: int, vocab: int, model: str = "gpt2", seq: int = 16):
+    """The model to train: a GPT-style decoder; (``llama``) the reference LLaMA, four query heads
+    over one key head, ``seq`` positions; or (``moe``) the reference mixture of experts with
+    four experts, two per token, room for every choice (capacity factor 2)."""
+    from autoshard.models import Transformer, TransformerConfig, llama
     from autoshard.models.moe import moe
 
     torch.manual_seed(seed)
+    if model == "llama":
+        return llama("tiny", dim=dim, n_layers=layers, vocab_size=vocab, n_heads=4, n_kv_heads=1,
+                     ffn_dim=2 * dim, max_seq_len=seq)
     if model == "moe":
         return moe("tiny", dim=dim, n_layers=layers, vocab_size=vocab, n_heads=4, n_kv_heads=2, ffn_dim=2 * dim,
                    expert_dim=dim, capacity_factor=2.0)
@@ -89,7 +93,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m autoshard.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", default="dp=2,tp=2")
-    ap.add_argument("--model", default="gpt2", choices=("gpt2", "moe"))
+    ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama", "moe"))
+    ap.add_argument("--input-spec", default=None, metavar="SPEC",
+                    help="the tokens' spec (S(0)S(1): batch over the first axis, sequence over the second)")
     ap.add_argument("--pin", action="append", default=[], metavar="FQN=SPEC",
                     help="pin parameters to a spec while planning (repeatable), e.g. 'layers.*.moe.experts.w*=S(0)R'")
     ap.add_argument("--steps", type=int, default=5)
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
                     help="torch.compile each rank's lowered programs with this backend (inductor, aot_eager, ...)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = build(args.seed, args.dim, args.layers, args.vocab, args.model)
+    model = build(args.seed, args.dim, args.layers, args.vocab, args.model, args.seq)
     pins = dict(p.split("=", 1) for p in args.pin)
     data = batches(args.start_step + args.steps, args.batch, args.seq, args.vocab, args.seed)[args.start_step:]
 
@@ -142,7 +148,8 @@ def main(argv=None) -> int:
             box[0] = Plan.load(args.plan).to_json()
         else:
             plan = autoshard.plan(model, (data[0],), mesh, profile=args.profile, loss_fn=loss_fn, time_limit=60,
-                                  recompute=args.recompute, pins=pins or None)
+                                  recompute=args.recompute, pins=pins or None,
+                                  input_specs=[args.input_spec] if args.input_spec else None)
             print(plan.describe(max_params=8), flush=True)
             box[0] = plan.to_json()
         if args.save_plan:
@@ -152,7 +159,7 @@ def main(argv=None) -> int:
     opt = None
     if args.resume:
         with torch.device("meta"):
-            model = build(args.seed, args.dim, args.layers, args.vocab, args.model)
+            model = build(args.seed, args.dim, args.layers, args.vocab, args.model, args.seq)
         # Shards allocated, left for the checkpoint.
         model = autoshard.parallelize(model, plan, mesh, compile=args.compile or False)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -76,11 +76,11 @@ def test_torchrun_training_matches_single_process(tmp_path):
     assert sharded, "the plan under test shards nothing"
 
 
-def _against_single_process(layers: int, *options: str, model: str = "gpt2") -> str:
+def _against_single_process(layers: int, *options: str, model: str = "gpt2", batch: int = 8, seq: int = 8) -> str:
     """3 steps of ``autoshard.train`` on 4 gloo ranks with ``options``: its stdout, once its loss
     curve is checked against the single process's."""
-    common = ["--dim", "32", "--layers", str(layers), "--vocab", "64", "--batch", "8", "--seq", "8", "--steps", "3",
-              "--model", model]
+    common = ["--dim", "32", "--layers", str(layers), "--vocab", "64", "--batch", str(batch), "--seq", str(seq),
+              "--steps", "3", "--model", model]
     single = subprocess.run([sys.executable, "-m", "autoshard.train", "--single", *common],
                             capture_output=True, text=True, check=True)
     run = torchrun(*options, *common, timeout=400)
@@ -130,6 +130,24 @@ def test_torchrun_expert_parallel_moe_matches_single_process(tmp_path):
     plan = autoshard.Plan.load(plan_file)
     assert "S(0)" in plan.param_spec("layers.0.moe.experts.w1").placements
     assert any(step.startswith("all_to_all") for r in plan.redistributes for step in r["steps"]), plan.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_context_parallel_llama_matches_single_process(tmp_path):
+    """The reference LLaMA (one key head: no even head split) with its tokens split by batch over
+    dp and by sequence over tp on 4 gloo ranks: its causal attention runs split on the sequence,
+    balanced by the mirror exchange, and the loss curve is the single process's."""
+    plan_file = tmp_path / "plan.json"
+    prof = tmp_path / "slow-compute.json"
+    SHARDING_PROFILE.save(prof)
+    _against_single_process(2, "--profile", str(prof), "--input-spec", "S(0)S(1)", "--save-plan", str(plan_file),
+                            model="llama", batch=2, seq=16)
+    import autoshard
+
+    plan = autoshard.Plan.load(plan_file)
+    queries = [e["in"][0] for e in plan.nodes.values() if e["op"].endswith("flash_attention_for_cpu.default")]
+    assert queries and all("S(2)" in q for q in queries), queries
 
 
 def test_died_by_signal_reads_only_the_root_cause():

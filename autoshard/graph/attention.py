@@ -27,7 +27,10 @@ values gathered by the planned redistribute, each rank's queries run against the
 its last one by :func:`sequence_forward` and :func:`sequence_backward` (the lowering calls
 them; the queries' global offset is the rank's), the key and value gradients reduce-scattered
 by the planned redistribute. Split contiguously, the rank with the sequence's end does the most
-work: :func:`work_factor` prices the busiest rank (about ``2 - 1/n`` times an even share).
+work (about ``2 - 1/n`` times an even share); where one axis splits the queries into two chunks
+per rank, each rank swaps its second chunk with its mirror's (:func:`mirror_forward`,
+:func:`mirror_backward`: rank ``r`` of ``n`` runs chunks ``2r`` and ``2n - 1 - 2r``, equal work).
+:func:`work_factor` prices the busiest rank, :func:`mirror_messages` the exchange.
 
 Nothing else is legal: the head dim is contracted inside the softmax, and a split of the keys'
 sequence needs the softmax's running maximum and sum merged across ranks (ring attention).
@@ -228,6 +231,7 @@ def _query_axes(node: fx.Node, ins, tensor_args: list[fx.Node]) -> list[int]:
 def mirror_axis(axes: list[int], q_len: int, mesh_shape) -> int | None:
     """The axis on which a causal query split is balanced by the mirror exchange (module doc):
     the split's only axis, where ``q_len`` cuts into two chunks per rank; None: run contiguously."""
+    axes = [a for a in axes if mesh_shape[a] > 1]
     if len(axes) != 1 or q_len % (2 * mesh_shape[axes[0]]):
         return None
     return axes[0]

@@ -14,6 +14,11 @@ its best execution. Ours is unpinned, so it is never dearer than any baseline.
 - ``fsdp_tp_ac``: ``fsdp_tp`` with full activation checkpointing of every repeated layer
   (torchtitan's setting for 70B and larger).
 
+- ``fsdp_cp``: torchtitan's FSDP + context parallelism: every parameter sharded over every
+  axis, the batch split over all axes but the last, the sequence (dim 1 of the tokens) over
+  the last. Not among the plans every solve is seeded with (its place is long sequences:
+  ``benchmarks/long_context.py``); :func:`baseline_pins` gives it.
+
 Models with experts (3-D parameters of a module named ``experts``: expert, in, out
 or expert, out, in) get two more, and the others treat expert weights as follows
 (DDP: replicated; FSDP: split like any parameter; TP: split on the hidden width,
@@ -51,6 +56,8 @@ EXPERTS = re.compile(r"(^|\.)experts$")
 EXPERT_DOWN = re.compile(r"(w2|down_proj|down|wo)$")
 
 BASELINES = ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac")
+#: Hand-written plans for long sequences, asked for by name.
+CONTEXT_BASELINES = ("fsdp_cp",)
 #: Baselines that exist only for models with experts.
 EXPERT_BASELINES = ("ep_tp", "ep_fsdp")
 
@@ -122,8 +129,9 @@ def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
                   mesh_shape: tuple[int, ...] | None = None) -> tuple[dict[str, Spec], list[Spec]]:
     """(parameter pins by FQN, input specs) of a hand-written plan on a mesh of ``mesh_ndim`` axes
     (of ``mesh_shape``, where given: FSDP then splits a dim large enough for its ranks)."""
-    if name not in BASELINES + EXPERT_BASELINES:
-        raise ConfigError(f"baseline: expected one of {BASELINES + EXPERT_BASELINES}, found {name!r}")
+    known = BASELINES + EXPERT_BASELINES + CONTEXT_BASELINES
+    if name not in known:
+        raise ConfigError(f"baseline: expected one of {known}, found {name!r}")
     if name in EXPERT_BASELINES and not has_experts(model):
         raise ConfigError(f"baseline {name}: the model has no experts (3-D parameters of a module named "
                           f"'experts')")
@@ -134,9 +142,11 @@ def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
     name = name.removesuffix("_ac")
     batch_all = Spec(("S(0)",) * mesh_ndim)
     pins: dict[str, Spec] = {}
-    if name in ("ddp", "fsdp"):
+    if name in ("ddp", "fsdp", "fsdp_cp"):
         for fqn, p, *_ in _param_dims(model):
             pins[fqn] = Spec(("R",) * mesh_ndim) if name == "ddp" else Spec((_fsdp_dim(p, world),) * mesh_ndim)
+        if name == "fsdp_cp":
+            return pins, [Spec(("S(0)",) * (mesh_ndim - 1) + ("S(1)",))]
         return pins, [batch_all]
     if name == "ep_fsdp":
         data = world // shape[-1]
