@@ -109,8 +109,8 @@ def main() -> None:
                 best = None
                 for rc in ("selective", "full"):
                     got = _plan(model, tokens, mesh, args, pins=pins, input_specs=[tokens_spec], recompute=rc)
-                    if best is None or (got[0] is not None and (best[0] is None or
-                                                                 got[0].summary["step_us"] < best[0].summary["step_us"])):
+                    if best is None or (got[0] is not None and (
+                            best[0] is None or got[0].summary["step_us"] < best[0].summary["step_us"])):
                         best = got
                 hand["fsdp_cp"] = best
             else:
