@@ -58,7 +58,7 @@ def planner(world):
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
     # No buckets: the budgets below sit at the edge of what the solver's rows allow, and a bucket
     # holds its flat buffer beyond them (the plan's account, tests/test_memory.py).
-    return autoshard.Planner(model, (x,), mesh, loss_fn=lm_loss, memory_budget=None, time_limit=20,
+    return autoshard.Planner(model, (x,), mesh, loss_fn=lm_loss, memory_budget=None, time_limit=60,
                              seed_baselines=False, bucket_mb=0)
 
 
