@@ -107,6 +107,7 @@ def main() -> None:
             if cp > 1:
                 pins, (tokens_spec,) = baseline_pins("fsdp_cp", model, len(shape), shape)
                 best = None
+                # torchtitan's long-context runs use selective or full (fsdp_cp_ac) checkpointing.
                 for rc in ("selective", "full"):
                     got = _plan(model, tokens, mesh, args, pins=pins, input_specs=[tokens_spec], recompute=rc)
                     if best is None or (got[0] is not None and (

@@ -118,3 +118,25 @@ def test_sequence_split_is_priced_at_its_busiest_rank(world):
         batch = next(st for st in ns.strategies if str(st.ins[0]) == "S(0)")
         assert attention.work_factor(node, batch.ins, (4,), ns.tensor_args) == 1.0
     assert factor == pytest.approx(7 / 4, rel=0.05)
+
+
+def test_fsdp_cp_is_a_hand_written_plan_by_name(world):
+    """FSDP + CP: parameters as FSDP's, the tokens by batch over all axes but the last and by
+    sequence over the last; compare() solves it when asked by name, its recomputation with it."""
+    from autoshard.planning.baselines import baseline_pins, baseline_recompute, baselines_for
+    from costmodel import Spec
+
+    model = llama("tiny", n_heads=4, n_kv_heads=1)
+    fsdp, _ = baseline_pins("fsdp", model, 2, (2, 2))
+    pins, inputs = baseline_pins("fsdp_cp", model, 2, (2, 2))
+    assert pins == fsdp and inputs == [Spec(("S(0)", "S(1)"))]
+    assert baseline_pins("fsdp_cp_ac", model, 1, (4,))[1] == [Spec(("S(1)",))]
+    assert baseline_recompute("fsdp_cp_ac") == "full" and baseline_recompute("fsdp_cp") == "none"
+    assert "fsdp_cp" not in baselines_for(model)  # not a default seed
+    world(4)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    got = autoshard.compare(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "cp")), baselines=["fsdp_cp"],
+                            profile=SHARDING_PROFILE, loss_fn=_loss, memory_budget=None)
+    plan = got["fsdp_cp"]
+    assert plan.inputs == ["S(0)S(1)"], plan.inputs
+    assert got["autoshard"].summary["step_us"] <= plan.summary["step_us"] * (1 + 1e-9)

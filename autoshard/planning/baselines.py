@@ -16,8 +16,9 @@ its best execution. Ours is unpinned, so it is never dearer than any baseline.
 
 - ``fsdp_cp``: torchtitan's FSDP + context parallelism: every parameter sharded over every
   axis, the batch split over all axes but the last, the sequence (dim 1 of the tokens) over
-  the last. Not among the plans every solve is seeded with (its place is long sequences:
-  ``benchmarks/long_context.py``); :func:`baseline_pins` gives it.
+  the last; ``fsdp_cp_ac`` with full activation checkpointing. Not among the plans every solve
+  is seeded with (their place is long sequences: ``benchmarks/long_context.py``); ask
+  :func:`baseline_pins` or ``compare(baselines=...)`` for them by name.
 
 Models with experts (3-D parameters of a module named ``experts``: expert, in, out
 or expert, out, in) get two more, and the others treat expert weights as follows
@@ -57,7 +58,7 @@ EXPERT_DOWN = re.compile(r"(w2|down_proj|down|wo)$")
 
 BASELINES = ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_tp_ac")
 #: Hand-written plans for long sequences, asked for by name.
-CONTEXT_BASELINES = ("fsdp_cp",)
+CONTEXT_BASELINES = ("fsdp_cp", "fsdp_cp_ac")
 #: Baselines that exist only for models with experts.
 EXPERT_BASELINES = ("ep_tp", "ep_fsdp")
 
