@@ -3,7 +3,7 @@
 from costmodel.collectives import MeshTopology, collective_time_us
 from costmodel.compute import compute_time_us
 from costmodel.errors import CostModelError
-from costmodel.executor import execute_plan, make_groups, start_step
+from costmodel.executor import execute_plan, group_mesh, make_groups, start_step
 from costmodel.links import KINDS, LinkModel
 from costmodel.profile import Profile, builtin_profiles, load_profile
 from costmodel.redistribute import (
@@ -31,6 +31,7 @@ __all__ = [
     "builtin_profiles",
     "collective_time_us",
     "execute_plan",
+    "group_mesh",
     "make_groups",
     "local_plan",
     "start_step",

@@ -33,6 +33,10 @@ def _group_mesh(mesh, axes):
     return tc.flatten(mesh, tuple(names[a] for a in axes)), 0
 
 
+#: (mesh, axis index) of a group of mesh axes: the axis, or the flattened sub-mesh of several.
+group_mesh = _group_mesh
+
+
 def make_groups(mesh) -> None:
     """Create the flattened sub-mesh of every set of two or more axes now: a merged step
     creates its group on first use, which must not happen while a program is traced."""

@@ -70,18 +70,22 @@ def _cp_plan(world, shape, names, batch, seq, input_spec, **kw):
     return model, x, plan
 
 
-@pytest.mark.parametrize("seq, mirrored", [(64, True), (62, False)], ids=["mirror", "contiguous"])
-def test_context_parallel_plan_matches_single_device(world, monkeypatch, seq, mirrored):
+@pytest.mark.parametrize("batch, seq, tokens, mirrored", [(2, 64, "S(0)S(1)", True), (2, 62, "S(0)S(1)", False),
+                                                         (1, 64, "S(1)S(1)", True)],
+                         ids=["mirror", "contiguous", "two-axes"])
+def test_context_parallel_plan_matches_single_device(world, monkeypatch, batch, seq, tokens, mirrored):
     """CP 2 x DP 2 on LocalTensorMode: a plan that splits the causal kernels' queries on the
     sequence gives the single-device loss and gradients, balanced by the mirror exchange where
-    the sequence cuts into two chunks per rank (64 over 2), in one run per rank where not (62)."""
+    the sequence cuts into two chunks per rank (64 over 2), in one run per rank where not (62);
+    and CP over both axes (one sequence over 4 ranks), the mirror on their flattened group."""
     calls = []
     for name in ("mirror_forward", "mirror_backward", "sequence_forward", "sequence_backward"):
         fn = getattr(attention, name)
         monkeypatch.setattr(attention, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
-    model, x, plan = _cp_plan(world, (2, 2), ("dp", "cp"), 2, seq, "S(0)S(1)")
+    model, x, plan = _cp_plan(world, (2, 2), ("dp", "cp"), batch, seq, tokens)
     specs = _query_specs(plan)
-    assert specs and all("S(2)" in s for s in specs), specs
+    both = tokens == "S(1)S(1)"
+    assert specs and all(s == "S(2)S(2)" if both else "S(2)" in s for s in specs), specs
     ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), _loss)
     with LocalTensorMode(4):
         sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
@@ -110,11 +114,11 @@ def test_sequence_split_is_priced_at_its_busiest_rank(world):
         ns = StrategyEnumerator(mesh).for_node(node)
         split = next(st for st in ns.strategies if str(st.ins[0]) == "S(2)")
         assert attention.work_factor(node, split.ins, (4,), ns.tensor_args) == pytest.approx(factor)
-        axis, sizes = attention.mirror_messages(node, split.ins, (4,), ns.tensor_args)
+        axes, sizes = attention.mirror_messages(node, split.ins, (4,), ns.tensor_args)
         if seq == 64:  # (4, 4, 16, 16) float32 local queries: halves of 4 KiB, log-sum-exp halves 512 B
-            assert axis == 0 and sizes == [4 * 4 * 8 * 16 * 4] * 2 + [4 * 4 * 8 * 4]
+            assert axes == (0,) and sizes == [4 * 4 * 8 * 16 * 4] * 2 + [4 * 4 * 8 * 4]
         else:
-            assert axis is None and sizes == []
+            assert axes == () and sizes == []
         batch = next(st for st in ns.strategies if str(st.ins[0]) == "S(0)")
         assert attention.work_factor(node, batch.ins, (4,), ns.tensor_args) == 1.0
     assert factor == pytest.approx(7 / 4, rel=0.05)

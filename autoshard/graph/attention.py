@@ -27,8 +27,8 @@ values gathered by the planned redistribute, each rank's queries run against the
 its last one by :func:`sequence_forward` and :func:`sequence_backward` (the lowering calls
 them; the queries' global offset is the rank's), the key and value gradients reduce-scattered
 by the planned redistribute. Split contiguously, the rank with the sequence's end does the most
-work (about ``2 - 1/n`` times an even share); where one axis splits the queries into two chunks
-per rank, each rank swaps its second chunk with its mirror's (:func:`mirror_forward`,
+work (about ``2 - 1/n`` times an even share); where the sequence cuts into two chunks per rank,
+each rank swaps its second chunk with its mirror's (:func:`mirror_forward`,
 :func:`mirror_backward`: rank ``r`` of ``n`` runs chunks ``2r`` and ``2n - 1 - 2r``, equal work).
 :func:`work_factor` prices the busiest rank, :func:`mirror_messages` the exchange.
 
@@ -228,13 +228,15 @@ def _query_axes(node: fx.Node, ins, tensor_args: list[fx.Node]) -> list[int]:
     return [] if k is None else [a for a, d in enumerate(ins[k].shard_dims()) if d == 2]
 
 
-def mirror_axis(axes: list[int], q_len: int, mesh_shape) -> int | None:
-    """The axis on which a causal query split is balanced by the mirror exchange (module doc):
-    the split's only axis, where ``q_len`` cuts into two chunks per rank; None: run contiguously."""
-    axes = [a for a in axes if mesh_shape[a] > 1]
-    if len(axes) != 1 or q_len % (2 * mesh_shape[axes[0]]):
+def mirror_axes(axes: list[int], q_len: int, mesh_shape) -> tuple[int, ...] | None:
+    """The axes over which a causal query split is balanced by the mirror exchange (module doc):
+    the split's axes of more than one rank, where ``q_len`` cuts into two chunks per rank (a
+    rank's chunk index is row-major over them, as its index in their flattened group); None:
+    run contiguously."""
+    axes = tuple(a for a in axes if mesh_shape[a] > 1)
+    if not axes or q_len % (2 * math.prod(mesh_shape[a] for a in axes)):
         return None
-    return axes[0]
+    return axes
 
 
 def work_factor(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> float:
@@ -246,32 +248,29 @@ def work_factor(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> f
     parts = math.prod(mesh_shape[a] for a in axes)
     args = bound_args(node.target, node.args, node.kwargs)
     q, k = _shape(args["query"]), _shape(args["key"])
-    if mirror_axis(axes, q[2], mesh_shape) is not None:
+    if mirror_axes(axes, q[2], mesh_shape) is not None:
         return balanced_split_share(q[2], k[2], parts) * parts
     return causal_split_share(q[2], k[2], parts) * parts
 
 
-def mirror_messages(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> tuple[int | None, list[int]]:
-    """(the axis, the bytes of each message) of a strategy's mirror exchange: the forward sends
+def mirror_messages(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> tuple[tuple[int, ...], list[int]]:
+    """(the axes, the bytes of each message) of a strategy's mirror exchange: the forward sends
     the second half of the queries and gets back their output and log-sum-exp; the backward
     sends the queries', the output's and its gradient's second halves and the log-sum-exp's, and
-    gets back the queries' gradient. (None, []) where the kernel runs without one."""
+    gets back the queries' gradient. ((), []) where the kernel runs without one."""
     axes = _query_axes(node, ins, tensor_args)
-    args = bound_args(node.target, node.args, node.kwargs)
     if not axes:
-        return None, []
-    q = args["query"]
-    axis = mirror_axis(axes, _shape(q)[2], mesh_shape)
-    if axis is None:
-        return None, []
-    k = tensor_args.index(q)
-    local = ins[k].local_shape(_shape(q), mesh_shape)
-    val = q.meta["val"]
-    half = math.prod(local) // 2 * val.element_size()
+        return (), []
+    q = bound_args(node.target, node.args, node.kwargs)["query"]
+    group = mirror_axes(axes, _shape(q)[2], mesh_shape)
+    if group is None:
+        return (), []
+    local = ins[tensor_args.index(q)].local_shape(_shape(q), mesh_shape)
+    half = math.prod(local) // 2 * q.meta["val"].element_size()
     lse = math.prod(local[:3]) // 2 * 4
     if node.target is CPU_FORWARD:
-        return axis, [half, half, lse]
-    return axis, [half, half, half, lse, half]
+        return group, [half, half, lse]
+    return group, [half, half, half, lse, half]
 
 
 def contiguous_query_split(node: fx.Node, ins, tensor_args: list[fx.Node]) -> bool:

@@ -249,11 +249,11 @@ def _mirror_us(n, s, mesh_shape, tensor_args, profile) -> float:
     (:func:`autoshard.graph.attention.mirror_messages`): each one rank's send of its bytes to one
     other rank, an ``all_to_all`` whose other splits are empty (priced as the all_to_all whose
     per-rank share sent is those bytes)."""
-    axis, sizes = mirror_messages(n, s.ins, mesh_shape, tensor_args)
-    if axis is None:
+    axes, sizes = mirror_messages(n, s.ins, mesh_shape, tensor_args)
+    if not axes:
         return 0.0
-    parts = mesh_shape[axis]
-    intra = MeshTopology(tuple(mesh_shape), profile.devices_per_node).group_is_intra_node((axis,))
+    parts = math.prod(mesh_shape[a] for a in axes)
+    intra = MeshTopology(tuple(mesh_shape), profile.devices_per_node).group_is_intra_node(axes)
     send = profile.collective_predictor("all_to_all", parts, intra)
     return float(sum(send(b * parts / (parts - 1)) for b in sizes))
 

@@ -34,7 +34,7 @@ from autoshard.graph.recompute import NONE, Recompute, recomputed
 from autoshard.graph.strategies import skipped_by_cat
 from autoshard.graph.tracing import TracedGraph
 from autoshard.planfile import Plan
-from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, load_profile, make_groups
+from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, group_mesh, load_profile, make_groups
 from costmodel.profile import Profile
 
 
@@ -343,13 +343,18 @@ class Lowering:
         local = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in bound.items()}
         p, scale = local.get("dropout_p", 0.0), local.get("scale")
         axes = [a for a, pl in enumerate(q.placements) if isinstance(pl, tc.Shard) and pl.dim == 2]
-        axis = attention.mirror_axis(axes, q.shape[2], tuple(self.mesh.shape))
+        group = attention.mirror_axes(axes, q.shape[2], tuple(self.mesh.shape))
         forward = n.target is attention.CPU_FORWARD
-        if axis is not None:  # balanced: each rank swaps half its queries with its mirror's
-            coordinate, parts = self.mesh.get_coordinate()[axis], self.mesh.size(axis)
+        if group is not None:  # balanced: each rank swaps half its queries with its mirror's
+            # The rank's chunk: row-major over the split's axes, as in their flattened group.
+            where = self.mesh.get_coordinate()
+            coordinate, parts = 0, 1
+            for a in group:
+                coordinate, parts = coordinate * self.mesh.size(a) + where[a], parts * self.mesh.size(a)
+            sub, i = group_mesh(self.mesh, group)
 
             def swap(x):
-                return tc.exchange(x, 2, parts - 1 - coordinate, self.mesh, axis)
+                return tc.exchange(x, 2, parts - 1 - coordinate, sub, i)
 
             if forward:
                 outs = attention.mirror_forward(local["query"], local["key"], local["value"], coordinate, parts,
