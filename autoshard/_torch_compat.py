@@ -393,13 +393,28 @@ def exchange(x: torch.Tensor, dim: int, partner: int, mesh, axis: int) -> torch.
     """``x`` sent whole to the rank at coordinate ``partner`` of mesh axis ``axis``, and what that
     rank sent here (the same shape: the two swap; a rank may be its own partner). One
     ``all_to_all_single`` over the axis's group, the other members' splits empty."""
+    return wait(shift_start(x, dim, partner, partner, mesh, axis))
+
+
+def shift_start(x: torch.Tensor, dim: int, to: int, came_from: int, mesh, axis: int):
+    """Start sending ``x`` (along ``dim``) to the rank at coordinate ``to`` of mesh axis ``axis``
+    while receiving as much from ``came_from`` (every member sends the same shape); :func:`wait`
+    on the result gives what arrived. One ``all_to_all_single`` with one non-empty split each way."""
     from torch.distributed import _functional_collectives as funcol
 
     n = mesh.size(axis)
     rows = x.shape[dim]
-    splits = [rows if k == partner else 0 for k in range(n)]
+    send = [rows if k == to else 0 for k in range(n)]
+    recv = [rows if k == came_from else 0 for k in range(n)]
     moved = x.movedim(dim, 0).contiguous()
-    got = funcol.all_to_all_single(moved, splits, splits, group=(mesh, axis))
+    return funcol.all_to_all_single(moved, recv, send, group=(mesh, axis)), dim
+
+
+def wait(started) -> torch.Tensor:
+    """What a :func:`shift_start` received, laid out as it was sent."""
+    from torch.distributed import _functional_collectives as funcol
+
+    got, dim = started
     return funcol.wait_tensor(got).movedim(0, dim)
 
 

@@ -256,6 +256,10 @@ class Plan:
                     + " / ".join(k.removeprefix("attention_") for k in shares) + ") of the matmul rate") \
                 if shares else ", priced at the matmul rate"
             lines.append(f"  fused attention: {att['kernels']} kernels, query split {splits}{rate}")
+            if att.get("sequence"):
+                seq = att["sequence"]
+                lines.append(f"  context parallel: {seq['kernels']} causal kernels split on the sequence, "
+                             f"{seq['balanced']} balanced by the mirror exchange")
         if s.get("fallback_ops"):
             lines.append(f"  ops with no sharding rule (replicated): {s['fallback_ops']}")
         for op, err in (s.get("rule_errors") or {}).items():

@@ -86,6 +86,8 @@ def test_context_parallel_plan_matches_single_device(world, monkeypatch, batch, 
     specs = _query_specs(plan)
     both = tokens == "S(1)S(1)"
     assert specs and all(s == "S(2)S(2)" if both else "S(2)" in s for s in specs), specs
+    assert plan.summary["attention"]["sequence"] == {"kernels": 2, "balanced": 2 if mirrored else 0}
+    assert "context parallel: 2 causal kernels split on the sequence" in plan.describe()
     ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), _loss)
     with LocalTensorMode(4):
         sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
@@ -109,18 +111,24 @@ def test_sequence_split_is_priced_at_its_busiest_rank(world):
     mesh = autoshard.fake_mesh((4,), ("cp",))
     model = llama("tiny", n_heads=4, n_kv_heads=1, max_seq_len=64)
     for seq, factor in ((64, 1.0), (60, 4 * causal_split_share(60, 60, 4))):
-        tg = trace(model, (torch.randint(0, 256, (4, seq)),))
+        # Two sequences over 4 ranks: the batch cannot take the axis, so the sequence split is offered.
+        tg = trace(model, (torch.randint(0, 256, (2, seq)),))
         node = next(n for n in tg.gm.graph.nodes if n.target is attention.CPU_FORWARD)
         ns = StrategyEnumerator(mesh).for_node(node)
         split = next(st for st in ns.strategies if str(st.ins[0]) == "S(2)")
         assert attention.work_factor(node, split.ins, (4,), ns.tensor_args) == pytest.approx(factor)
-        axes, sizes = attention.mirror_messages(node, split.ins, (4,), ns.tensor_args)
-        if seq == 64:  # (4, 4, 16, 16) float32 local queries: halves of 4 KiB, log-sum-exp halves 512 B
-            assert axes == (0,) and sizes == [4 * 4 * 8 * 16 * 4] * 2 + [4 * 4 * 8 * 4]
+        axes, sizes, passes = attention.kernel_messages(node, split.ins, (4,), ns.tensor_args)
+        assert passes == []  # the all-gather form
+        if seq == 64:  # (2, 4, 16, 16) float32 local queries: halves of 2 KiB, log-sum-exp halves 256 B
+            assert axes == (0,) and sizes == [2 * 4 * 8 * 16 * 4] * 2 + [2 * 4 * 8 * 4]
         else:
-            assert axes == () and sizes == []
-        batch = next(st for st in ns.strategies if str(st.ins[0]) == "S(0)")
-        assert attention.work_factor(node, batch.ins, (4,), ns.tensor_args) == 1.0
+            assert axes == (0,) and sizes == []  # contiguous: nothing exchanged
+        whole = next(st for st in ns.strategies if str(st.ins[0]) == "R")
+        assert attention.work_factor(node, whole.ins, (4,), ns.tensor_args) == 1.0
+    # Four sequences over 4 ranks: a batch split does the same work with nothing gathered.
+    tg = trace(model, (torch.randint(0, 256, (4, 64)),))
+    node = next(n for n in tg.gm.graph.nodes if n.target is attention.CPU_FORWARD)
+    assert not any("S(2)" in str(st.ins[0]) for st in StrategyEnumerator(mesh).for_node(node).strategies)
     assert factor == pytest.approx(7 / 4, rel=0.05)
 
 
@@ -144,3 +152,43 @@ def test_fsdp_cp_is_a_hand_written_plan_by_name(world):
     plan = got["fsdp_cp"]
     assert plan.inputs == ["S(0)S(1)"], plan.inputs
     assert got["autoshard"].summary["step_us"] <= plan.summary["step_us"] * (1 + 1e-9)
+
+
+def test_ring_attention_plan_matches_single_device(world, monkeypatch):
+    """Ring attention (keys and values split like the queries, passed round the ring, partial
+    results merged by their log-sum-exp, balanced by the mirror exchange) on CP 2 x DP 2: the
+    single-device loss and gradients. The all-gather form is taken out of the strategies so
+    that the plan runs the ring."""
+    from autoshard.graph import strategies
+
+    real = strategies.StrategyEnumerator._enumerate
+
+    def ring_only(self, node, targs, errors):
+        out = real(self, node, targs, errors)
+        if not attention.is_causal_cpu_kernel(node):
+            return out
+        return [st for st in out if not attention._query_axes(node, st.ins, targs)
+                or attention.is_ring(node, st.ins, targs)]
+
+    strategies.clear_shared_cache()
+    monkeypatch.setattr(strategies.StrategyEnumerator, "_enumerate", ring_only)
+    calls = []
+    for name in ("ring_forward", "ring_backward"):
+        fn = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    try:
+        model, x, plan = _cp_plan(world, (2, 2), ("dp", "cp"), 2, 64, "S(0)S(1)")
+    finally:
+        strategies.clear_shared_cache()
+    keys = [e["in"][1 if "for_cpu_backward" not in e["op"] else 2] for e in plan.nodes.values()
+            if "flash_attention_for_cpu" in e["op"]]
+    assert keys and all("S(2)" in k for k in keys), keys
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), _loss)
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
+        loss = _loss(sharded(x))
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    assert calls.count("ring_forward") == calls.count("ring_backward") == 8, calls

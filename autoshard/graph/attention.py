@@ -30,7 +30,7 @@ by the planned redistribute. Split contiguously, the rank with the sequence's en
 work (about ``2 - 1/n`` times an even share); where the sequence cuts into two chunks per rank,
 each rank swaps its second chunk with its mirror's (:func:`mirror_forward`,
 :func:`mirror_backward`: rank ``r`` of ``n`` runs chunks ``2r`` and ``2n - 1 - 2r``, equal work).
-:func:`work_factor` prices the busiest rank, :func:`mirror_messages` the exchange.
+:func:`work_factor` prices the busiest rank, :func:`kernel_messages` the exchange.
 
 Nothing else is legal: the head dim is contracted inside the softmax, and a split of the keys'
 sequence needs the softmax's running maximum and sum merged across ranks (ring attention).
@@ -117,19 +117,28 @@ def attention_flops(node: fx.Node) -> float | None:
     return fused_flops(q[0], q[1], q[2], k[2], q[3], v[3], bool(args.get("is_causal")), target in BACKWARD)
 
 
-def attention_summary(nodes, chosen, profile) -> dict:
+def attention_summary(nodes, chosen, profile, mesh_shape=None) -> dict:
     """What a plan says of its fused attention (``Plan.summary["attention"]``; empty without
     any): ``kernels`` (forward kernels planned), ``splits`` (the query's spec -> kernels so
-    split) and ``kernel_shares`` (the profile's shares of the matmul rate the kernels are priced
-    at; absent: at the matmul rate)."""
+    split), ``sequence`` (causal kernels split on the sequence: context parallelism;
+    ``balanced`` of them by the mirror exchange; absent where none) and ``kernel_shares`` (the
+    profile's shares of the matmul rate the kernels are priced at; absent: at the matmul rate)."""
     splits: dict[str, int] = {}
+    sequence = balanced = 0
     for n, st in zip(nodes, chosen):
         if n.op == "call_function" and n.target in FORWARD:
             key = str(st.ins[0])
             splits[key] = splits.get(key, 0) + 1
+            axes = [a for a, d in enumerate(st.ins[0].shard_dims()) if d == 2]
+            if axes and is_causal_cpu_kernel(n):
+                sequence += 1
+                q_len = _shape(bound_args(n.target, n.args, n.kwargs)["query"])[2]
+                balanced += mesh_shape is not None and mirror_axes(axes, q_len, mesh_shape) is not None
     if not splits:
         return {}
     out = {"kernels": sum(splits.values()), "splits": dict(sorted(splits.items()))}
+    if sequence:
+        out["sequence"] = {"kernels": sequence, "balanced": int(balanced)}
     shares = {k: profile.kernel_share(k) for k in KERNELS if k in profile.kernel_shares}
     if shares:
         out["kernel_shares"] = shares
@@ -253,31 +262,108 @@ def work_factor(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> f
     return causal_split_share(q[2], k[2], parts) * parts
 
 
-def mirror_messages(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> tuple[tuple[int, ...], list[int]]:
-    """(the axes, the bytes of each message) of a strategy's mirror exchange: the forward sends
-    the second half of the queries and gets back their output and log-sum-exp; the backward
-    sends the queries', the output's and its gradient's second halves and the log-sum-exp's, and
-    gets back the queries' gradient. ((), []) where the kernel runs without one."""
+def kernel_messages(node: fx.Node, ins, mesh_shape,
+                    tensor_args: list[fx.Node]) -> tuple[tuple[int, ...], list[int], list[int]]:
+    """(the axes, the bytes of each exposed message, the bytes of each ring message) a strategy
+    sends inside a causal kernel split on the sequence. Exposed: the mirror exchange's halves
+    (forward: the queries' in, the output's and log-sum-exp's back, and with a ring the keys'
+    and values' in; backward: the gradient's, queries', output's and log-sum-exp's in, the
+    queries' gradient back, and with a ring the keys', values' and their gradients'). Ring:
+    ``n - 1`` passes of the local keys and values, and in the backward ``n`` of their float32
+    gradient sums, which overlap the block attention. ((), [], []) where none is sent."""
     axes = _query_axes(node, ins, tensor_args)
     if not axes:
-        return (), []
-    q = bound_args(node.target, node.args, node.kwargs)["query"]
+        return (), [], []
+    args = bound_args(node.target, node.args, node.kwargs)
+    q, k, v = args["query"], args["key"], args["value"]
+    ring = is_ring(node, ins, tensor_args)
     group = mirror_axes(axes, _shape(q)[2], mesh_shape)
-    if group is None:
-        return (), []
-    local = ins[tensor_args.index(q)].local_shape(_shape(q), mesh_shape)
-    half = math.prod(local) // 2 * q.meta["val"].element_size()
-    lse = math.prod(local[:3]) // 2 * 4
-    if node.target is CPU_FORWARD:
-        return group, [half, half, lse]
-    return group, [half, half, half, lse, half]
+    parts = math.prod(mesh_shape[a] for a in axes)
+
+    def local(t, size=None):
+        shape = ins[tensor_args.index(t)].local_shape(_shape(t), mesh_shape)
+        return math.prod(shape) * (size or t.meta["val"].element_size())
+
+    qh, lseh = local(q) // 2, math.prod(ins[tensor_args.index(q)].local_shape(_shape(q), mesh_shape)[:3]) * 2
+    kh, vh = (local(k) // 2, local(v) // 2) if ring else (0, 0)
+    forward = node.target is CPU_FORWARD
+    exposed = []
+    if group is not None:
+        exposed = [qh, qh, lseh] if forward else [qh, qh, qh, lseh, qh]
+        if ring:
+            exposed += [kh, vh] if forward else [kh, vh, kh, vh]
+    passes = []
+    if ring:
+        passes = [local(k), local(v)] * (parts - 1)
+        if not forward:
+            passes += [local(k, 4), local(v, 4)] * parts
+    return tuple(a for a in axes if mesh_shape[a] > 1), [b for b in exposed if b], passes
 
 
-def contiguous_query_split(node: fx.Node, ins, tensor_args: list[fx.Node]) -> bool:
-    """Whether a causal kernel's query split (if any) gives each rank one contiguous run of the
-    sequence (axes in mesh order on dim 2: the sequence kernels need one global offset)."""
+def ring_strategies(node: fx.Node, strategies, tensor_args: list[fx.Node], mesh_shape) -> list:
+    """Ring attention's strategies of a causal CPU kernel: each query split of ``strategies``
+    (the all-gather form: keys and values replicated, their gradients partial on the split's
+    axes) with the keys, values and their gradients split on the sequence like the queries
+    instead (:func:`ring_forward`), where the mirror exchange balances it. (Split contiguously,
+    a rank would receive blocks it never reads: the last pass of every rank but the one that
+    holds the sequence's end. A lowered program drops an unread collective, so the ranks'
+    programs would disagree; and a ring of contiguous runs is as unbalanced as the all-gather
+    form's.)"""
+    from costmodel.spec import Spec
+
+    if not is_causal_cpu_kernel(node):
+        return []
+    args = bound_args(node.target, node.args, node.kwargs)
+    if args.get("attn_mask") is not None:
+        return []
+    k_at = [tensor_args.index(args[name]) for name in ("key", "value") if args.get(name) in tensor_args]
+    qk = _query_index(node, tensor_args)
+    out = []
+    for st in strategies:
+        axes = [a for a, d in enumerate(st.ins[qk].shard_dims()) if d == 2]
+        if not axes or any(st.ins[i].placements[a] != "R" for i in k_at for a in axes):
+            continue
+        if mirror_axes(axes, _shape(args["query"])[2], mesh_shape) is None:
+            continue
+
+        def along(spec, axes=axes):
+            return Spec(tuple("S(2)" if a in axes else p for a, p in enumerate(spec.placements)), spec.shard_order)
+
+        ins = tuple(along(sp) if i in k_at else sp for i, sp in enumerate(st.ins))
+        outs = st.outs if node.target is CPU_FORWARD else (st.outs[0], *(along(o) for o in st.outs[1:]))
+        out.append(type(st)(outs=outs, ins=ins))
+    return out
+
+
+def is_ring(node: fx.Node, ins, tensor_args: list[fx.Node]) -> bool:
+    """Whether a strategy (input specs ``ins``) runs a causal kernel as ring attention (its keys
+    split on the sequence)."""
+    if not is_causal_cpu_kernel(node):
+        return False
+    key = bound_args(node.target, node.args, node.kwargs).get("key")
+    return key in tensor_args and 2 in ins[tensor_args.index(key)].shard_dims()
+
+
+def sequence_split_offered(node: fx.Node, ins, tensor_args: list[fx.Node], mesh_shape=None) -> bool:
+    """Whether a strategy's split of a causal kernel's queries on the sequence (if any) is
+    offered: one contiguous run per rank (axes in mesh order on dim 2: the sequence kernels need
+    one offset), and only where the batch could not take those axes instead (its size, left by
+    the strategy's batch split, a multiple of theirs). A batch split of the same ranks computes
+    as much per rank with no keys gathered, no messages and no causal imbalance, and every op
+    around attention (per token) costs the same split either way: the sequence split would only
+    grow the problem (mesh_shape None: not checked)."""
     k = _query_index(node, tensor_args) if is_causal_cpu_kernel(node) else None
-    return k is None or all(d != 2 for d, _ in ins[k].shard_order)
+    if k is None:
+        return True
+    spec = ins[k]
+    if any(d == 2 for d, _ in spec.shard_order):
+        return False
+    axes = [a for a, d in enumerate(spec.shard_dims()) if d == 2]
+    if not axes or mesh_shape is None:
+        return True
+    batch = _shape(tensor_args[k])[0]
+    left = batch // math.prod(mesh_shape[a] for a, d in enumerate(spec.shard_dims()) if d == 0)
+    return left % math.prod(mesh_shape[a] for a in axes) != 0
 
 
 def splits_causal_queries(target, args, kwargs) -> bool:
@@ -514,3 +600,149 @@ def mirror_backward(grad_out, q, k, v, out, lse, coordinate: int, parts: int, sw
     dq_b, dk_b, dv_b = sequence_backward(second[0], second[1], k, v, second[2], second[3], (2 * mirror + 1) * c,
                                          dropout_p, scale=scale)
     return torch.cat([dq_a, swap(dq_b)], 2), dk_a + dk_b, dv_a + dv_b
+
+
+# ----------------------------------------------------------------------------------------------
+# Ring attention: the keys and values stay split; their shards travel around the ring.
+
+
+def _expand_heads(k, heads: int):
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+def _math_block(q, k, v, causal: bool, scale):
+    """``(out, lse)`` of ``q`` against one block of keys by plain ops (any device, any dtype)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s + _offset_mask(q.shape[2], k.shape[2] - q.shape[2], torch.float32, q.device)
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
+
+
+def _math_block_backward(grad_out, q, k, v, out, lse, causal: bool, scale):
+    """The gradients of one block of :func:`_math_block` given the rows' final ``out`` and ``lse``
+    (the block's share of the softmax, as flash's backward takes them)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    rep = q.shape[1] // k.shape[1]
+    ke, ve = _expand_heads(k, q.shape[1]).float(), _expand_heads(v, q.shape[1]).float()
+    s = (q.float() @ ke.transpose(-1, -2)) * scale
+    if causal:
+        s = s + _offset_mask(q.shape[2], k.shape[2] - q.shape[2], torch.float32, q.device)
+    p = torch.exp(s - lse[..., None])
+    do = grad_out.float()
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ ve.transpose(-1, -2)
+    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True))
+    dq = ds @ ke * scale
+    dk = ds.transpose(-1, -2) @ q.float() * scale
+    if rep > 1:
+        dk = dk.unflatten(1, (k.shape[1], rep)).sum(2)
+        dv = dv.unflatten(1, (k.shape[1], rep)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def block_forward(q, k, v, causal: bool, scale=None):
+    """``(out, lse)`` of ``q`` against one block of keys (``causal``: the same positions, so
+    the top-left mask): the CPU kernel, CUDA's flash kernel where it fits, else plain ops."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if _bottom_right_flash(q, k, None):
+        out, lse, *_ = aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                                     None, q.shape[2], k.shape[2], 0.0, causal, False, scale=scale)
+        return out.transpose(1, 2), lse
+    return _math_block(q, k, v, causal, scale)
+
+
+def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale=None):
+    """One block's share of the gradients, given the rows' final output and log-sum-exp."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
+                                                                         scale=scale)
+    if _bottom_right_flash(q, k, None):
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        grads = aten._flash_attention_backward(grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), out.transpose(1, 2), lse, None, None, q.shape[2],
+                                               k.shape[2], 0.0, causal, rng, unused, scale=scale)
+        return tuple(g.transpose(1, 2) for g in grads)
+    return _math_block_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+def _merge(state, block):
+    """Two partial softmax results over disjoint key sets as one (log-sum-exp weighted)."""
+    if state is None:
+        return block
+    (out, lse), (out_b, lse_b) = state, block
+    total = torch.logaddexp(lse, lse_b)
+    merged = out.float() * torch.exp(lse - total)[..., None] + out_b.float() * torch.exp(lse_b - total)[..., None]
+    return merged.to(out.dtype), total
+
+
+def _pieces(t, count: int):
+    size = t.shape[2] // count
+    return [t[:, :, i * size:(i + 1) * size] for i in range(count)]
+
+
+def ring_layout(coordinate: int, parts: int, mirrored: bool) -> list[int]:
+    """The sequence chunks a rank holds, in order: its own run (one chunk of ``parts``), or,
+    mirrored, chunks ``2 coordinate`` and ``2 parts - 1 - 2 coordinate`` of ``2 parts``."""
+    return [2 * coordinate, 2 * parts - 1 - 2 * coordinate] if mirrored else [coordinate]
+
+
+def ring_forward(q, k, v, coordinate: int, parts: int, mirrored: bool, shift, scale=None):
+    """``(out, lse)`` of causal attention whose queries, keys and values are all split on the
+    sequence (``ring_layout``): ``parts`` steps; at step ``t`` this rank holds the keys and values
+    of rank ``coordinate - t`` and runs every pair of its query chunks and their key chunks that
+    the mask keeps (earlier chunks whole, the same chunk causal), merging the partial results,
+    while the block goes on to the next rank (``shift(x)``: start sending ``x`` on and receiving
+    the previous rank's; ``shift.wait``: what arrived)."""
+    mine = ring_layout(coordinate, parts, mirrored)
+    qs = _pieces(q, len(mine))
+    state = [None] * len(mine)
+    block = (k, v)
+    for t in range(parts):
+        source = (coordinate - t) % parts
+        moving = [shift(x) for x in block] if t < parts - 1 else None
+        theirs = ring_layout(source, parts, mirrored)
+        ks, vs = _pieces(block[0], len(theirs)), _pieces(block[1], len(theirs))
+        for i, x in enumerate(mine):
+            for j, y in enumerate(theirs):
+                if y <= x:
+                    state[i] = _merge(state[i], block_forward(qs[i], ks[j], vs[j], y == x, scale))
+        if moving is not None:
+            block = tuple(shift.wait(m) for m in moving)
+    out = torch.cat([o.transpose(1, 2) for o, _ in state], 1).transpose(1, 2)
+    return out, torch.cat([lse for _, lse in state], 2)
+
+
+def ring_backward(grad_out, q, k, v, out, lse, coordinate: int, parts: int, mirrored: bool, shift, scale=None):
+    """The gradients of :func:`ring_forward`: the keys and values go round again, each with its
+    gradients' running sums, which one last step hands back to the rank that holds the block."""
+    mine = ring_layout(coordinate, parts, mirrored)
+    n = len(mine)
+    qs, gs, os_, ls = _pieces(q, n), _pieces(grad_out, n), _pieces(out, n), _pieces(lse, n)
+    dq = [torch.zeros(p.shape, dtype=torch.float32, device=q.device) for p in qs]
+    block = (k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+             torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+    for t in range(parts):
+        source = (coordinate - t) % parts
+        moving = [shift(x) for x in block[:2]] if t < parts - 1 else None
+        theirs = ring_layout(source, parts, mirrored)
+        ks, vs = _pieces(block[0], len(theirs)), _pieces(block[1], len(theirs))
+        dks, dvs = _pieces(block[2], len(theirs)), _pieces(block[3], len(theirs))
+        for i, x in enumerate(mine):
+            for j, y in enumerate(theirs):
+                if y <= x:
+                    a, b, c = block_backward(gs[i], qs[i], ks[j], vs[j], os_[i], ls[i], y == x, scale)
+                    # Out of place: a lowered program keeps only what its outputs read.
+                    dq[i], dks[j], dvs[j] = dq[i] + a, dks[j] + b, dvs[j] + c
+        # The block's gradient sums follow it to the next rank (they are complete once the
+        # block is back with its owner: one step after the last).
+        grads = [shift(torch.cat(d, 2)) for d in (dks, dvs)]
+        block = (*(shift.wait(m) for m in moving), *(shift.wait(g) for g in grads)) if moving is not None \
+            else tuple(shift.wait(g) for g in grads)
+    dk, dv = block
+    grad_q = torch.cat(dq, 2).to(q.dtype)
+    return grad_q, dk.to(k.dtype), dv.to(v.dtype)

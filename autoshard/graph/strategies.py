@@ -23,11 +23,12 @@ import torch.fx as fx
 from autoshard import _torch_compat as tc
 from autoshard.errors import first_line
 from autoshard.graph.attention import (
-    contiguous_query_split,
     heads_split_evenly,
     is_causal_cpu_kernel,
     is_fused_attention,
+    ring_strategies,
     rule_arguments,
+    sequence_split_offered,
 )
 from costmodel.spec import Spec
 
@@ -330,6 +331,7 @@ class StrategyEnumerator:
                     except Exception as exc:  # a spec the rule rejects by raising
                         errors.append(exc)
         out = [st for st in self._collect(results, node, targs) if executable(planned, st, self.mesh_shape, targs)]
+        out += ring_strategies(planned, out, targs, self.mesh_shape)
         if not self.partial_inputs:
             out = [st for st in out if not any(i.partial_axes() for i in st.ins)]
         return out
@@ -426,8 +428,8 @@ def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None =
 
     Fused attention with grouped queries runs by its rule only where its query heads and its
     key heads are split into equal parts (:func:`autoshard.graph.attention.heads_split_evenly`);
-    a causal kernel's queries split on the sequence only into one run per rank
-    (:func:`autoshard.graph.attention.contiguous_query_split`).
+    a causal kernel's queries split on the sequence only into one run per rank and where the batch
+    could not take those axes (:func:`autoshard.graph.attention.sequence_split_offered`).
 
     Most ops run by their rule. Convolutions run by a handler of their own
     (``torch.distributed.tensor._tp_conv``) that reads each spec as one mesh axis per tensor
@@ -438,7 +440,7 @@ def executable(node: fx.Node, st: Strategy, mesh_shape: tuple[int, ...] | None =
     """
     if is_fused_attention(node.target):
         targs = _tensor_args(node) if tensor_args is None else tensor_args
-        if not contiguous_query_split(node, st.ins, targs):
+        if not sequence_split_offered(node, st.ins, targs, mesh_shape):
             return False
         return mesh_shape is None or heads_split_evenly(node, st.ins, mesh_shape, targs)
     if node.target not in _CONV:

@@ -94,7 +94,7 @@ def assemble_plan(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: P
         flops_uncounted=gp.flops_uncounted,
         recompute={"mode": rc.mode, "nodes": rc.count, "layers": len(rc.nodes),
                    "compute_us": round(float(sum(gp.compute_us[c][choice[c]] for c in gp.copy_of)), 3)},
-        attention=attention_summary(gp.nodes[:gp.num_originals], chosen, prof) or None,
+        attention=attention_summary(gp.nodes[:gp.num_originals], chosen, prof, mesh_shape) or None,
         load_imbalance=dict(gp.imbalance) if gp.imbalance else None,
         simulated={"step_us": round(tl.step_us, 3), "exposed_comm_us": round(max(0.0, tl.exposed_us), 3),
                    "comm_us": round(tl.comm_us, 3), "overlap_share": prof.overlap},

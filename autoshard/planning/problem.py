@@ -38,7 +38,7 @@ import torch.fx as fx
 
 import solver
 from autoshard.errors import AutoshardError
-from autoshard.graph.attention import KERNEL_BACKWARD, kernel_of, mirror_messages, work_factor
+from autoshard.graph.attention import KERNEL_BACKWARD, kernel_messages, kernel_of, work_factor
 from autoshard.graph.layers import layer_ties
 from autoshard.graph.pricing import is_view, matmul_operands, matmul_side, memory_pattern, node_flops, op_pricing
 from autoshard.graph.recompute import Recompute, recomputed
@@ -240,22 +240,27 @@ def _node_costs(n, strats, ns, outs_vals, mesh_shape, profile, flop_memo, flop_f
             flops_i = flops / split
         c[i] = compute_time_us(flops_i, in_b + out_b, profile, dtype, pattern, side, kernel)
         if kernel is not None:
-            c[i] += _mirror_us(n, s, mesh_shape, ns.tensor_args, profile)
+            c[i] += _inside_us(n, s, mesh_shape, ns.tensor_args, profile, c[i])
     return c, usage
 
 
-def _mirror_us(n, s, mesh_shape, tensor_args, profile) -> float:
-    """Time of the messages a causal kernel split on its queries exchanges with its mirror rank
-    (:func:`autoshard.graph.attention.mirror_messages`): each one rank's send of its bytes to one
-    other rank, an ``all_to_all`` whose other splits are empty (priced as the all_to_all whose
-    per-rank share sent is those bytes)."""
-    axes, sizes = mirror_messages(n, s.ins, mesh_shape, tensor_args)
+def _inside_us(n, s, mesh_shape, tensor_args, profile, compute_us: float) -> float:
+    """Time a causal kernel split on the sequence spends on its own messages
+    (:func:`autoshard.graph.attention.kernel_messages`) beyond its compute: the mirror exchange's
+    whole, the ring's passes where they outlast the block attention they overlap. Each message
+    is one rank's send to one other, an ``all_to_all`` whose other splits are empty (priced as
+    the all_to_all whose per-rank share sent is those bytes)."""
+    axes, exposed, passes = kernel_messages(n, s.ins, mesh_shape, tensor_args)
     if not axes:
         return 0.0
     parts = math.prod(mesh_shape[a] for a in axes)
     intra = MeshTopology(tuple(mesh_shape), profile.devices_per_node).group_is_intra_node(axes)
     send = profile.collective_predictor("all_to_all", parts, intra)
-    return float(sum(send(b * parts / (parts - 1)) for b in sizes))
+
+    def total(sizes):
+        return float(sum(send(b * parts / (parts - 1)) for b in sizes))
+
+    return total(exposed) + max(0.0, total(passes) - compute_us)
 
 
 def live_root(a: fx.Node, recomputed=None, in_backward=None) -> tuple[fx.Node, bool]:

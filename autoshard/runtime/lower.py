@@ -332,30 +332,53 @@ class Lowering:
 
     def _sequence_kernel(self, n: fx.Node, args, kwargs, entry: dict) -> tuple:
         """A causal attention kernel whose queries are split on the sequence (context parallelism,
-        :mod:`autoshard.graph.attention`): this rank's queries, at their global offset, against
-        the keys and values the planned moves gathered; the key and value gradients partial
-        sums over the ranks that split the queries."""
+        :mod:`autoshard.graph.attention`). Keys and values gathered by the planned moves: this
+        rank's queries, at their global offset, against them, the key and value gradients
+        partial sums. Keys and values split like the queries: ring attention. Balanced by the
+        mirror exchange where the sequence cuts into two chunks per rank."""
         bound = attention.bound_args(n.target, args, kwargs)
         q, k = bound["query"], bound["key"]
-        if any(isinstance(p, tc.Shard) and p.dim == 2 for p in k.placements):
-            raise LowerError(f"{n.name}: a causal attention kernel's keys split on the sequence ({k.placements}) "
-                             "need ring attention; its plan gathers them (this plan was not made so)")
         local = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in bound.items()}
         p, scale = local.get("dropout_p", 0.0), local.get("scale")
-        axes = [a for a, pl in enumerate(q.placements) if isinstance(pl, tc.Shard) and pl.dim == 2]
+        if p:
+            raise LowerError(f"{n.name}: a causal attention kernel with dropout_p={p} split on the sequence")
+        axes = [a for a, pl in enumerate(q.placements) if isinstance(pl, tc.Shard) and pl.dim == 2
+                and self.mesh.size(a) > 1]
+        ring = [a for a, pl in enumerate(k.placements) if isinstance(pl, tc.Shard) and pl.dim == 2
+                and self.mesh.size(a) > 1]
+        if ring and ring != axes:
+            raise LowerError(f"{n.name}: keys split on the sequence over axes {ring}, queries over {axes}: ring "
+                             "attention needs both over the same axes")
         group = attention.mirror_axes(axes, q.shape[2], tuple(self.mesh.shape))
         forward = n.target is attention.CPU_FORWARD
-        if group is not None:  # balanced: each rank swaps half its queries with its mirror's
-            # The rank's chunk: row-major over the split's axes, as in their flattened group.
-            where = self.mesh.get_coordinate()
-            coordinate, parts = 0, 1
-            for a in group:
-                coordinate, parts = coordinate * self.mesh.size(a) + where[a], parts * self.mesh.size(a)
-            sub, i = group_mesh(self.mesh, group)
+        # The rank's chunk: row-major over the split's axes, as in their flattened group.
+        where = self.mesh.get_coordinate()
+        coordinate, parts = 0, 1
+        for a in axes:
+            coordinate, parts = coordinate * self.mesh.size(a) + where[a], parts * self.mesh.size(a)
+        sub, i = group_mesh(self.mesh, tuple(axes)) if axes else (self.mesh, 0)
 
-            def swap(x):
-                return tc.exchange(x, 2, parts - 1 - coordinate, sub, i)
+        def swap(x):  # with the mirror rank
+            return tc.exchange(x, 2, parts - 1 - coordinate, sub, i)
 
+        def halves(ts, *, back=False):  # each tensor's second half swapped with the mirror's
+            c = [t.shape[2] // 2 for t in ts]
+            return [torch.cat([t[:, :, :h].transpose(1, 2), swap(t[:, :, h:]).transpose(1, 2)], 1).transpose(1, 2)
+                    for t, h in zip(ts, c)]
+
+        if ring:
+            shift = _Shift(coordinate, parts, sub, i)
+            mirrored = group is not None
+            names = ("query", "key", "value") if forward else ("grad_out", "query", "key", "value", "out", "logsumexp")
+            ins = [local[name] for name in names]
+            if mirrored:
+                ins = halves(ins)
+            if forward:
+                outs = attention.ring_forward(*ins, coordinate, parts, mirrored, shift, scale=scale)
+            else:
+                outs = attention.ring_backward(*ins, coordinate, parts, mirrored, shift, scale=scale)
+            outs = tuple(halves(list(outs))) if mirrored else outs
+        elif group is not None:  # balanced: each rank swaps half its queries with its mirror's
             if forward:
                 outs = attention.mirror_forward(local["query"], local["key"], local["value"], coordinate, parts,
                                                 swap, p, scale=scale)
@@ -464,6 +487,22 @@ class Lowering:
         gm.recompile()
         return RankProgram(gm=gm, in_specs=list(in_specs), out_specs=list(delivered), out_meta=list(meta),
                            out_strides=list(local_strides), in_strides=strides)
+
+
+class _Shift:
+    """Ring attention's pass: start sending a tensor to the next rank of the ring while receiving
+    the previous rank's (``shift(x)``), and what arrived (``shift.wait(started)``)."""
+
+    def __init__(self, coordinate: int, parts: int, mesh, axis: int):
+        self.to, self.came_from = (coordinate + 1) % parts, (coordinate - 1) % parts
+        self.mesh, self.axis = mesh, axis
+
+    def __call__(self, x):
+        return tc.shift_start(x, 2, self.to, self.came_from, self.mesh, self.axis)
+
+    @staticmethod
+    def wait(started):
+        return tc.wait(started)
 
 
 def _differ(t: torch.Tensor, stride: tuple) -> bool:
