@@ -30,7 +30,11 @@ by the planned redistribute. Split contiguously, the rank with the sequence's en
 work (about ``2 - 1/n`` times an even share); where the sequence cuts into two chunks per rank,
 each rank swaps its second chunk with its mirror's (:func:`mirror_forward`,
 :func:`mirror_backward`: rank ``r`` of ``n`` runs chunks ``2r`` and ``2n - 1 - 2r``, equal work).
-:func:`work_factor` prices the busiest rank, :func:`kernel_messages` the exchange.
+:func:`work_factor` prices the busiest rank, :func:`kernel_messages` the exchange. Where the
+mirror balances a split, ring attention is offered too (:func:`ring_strategies`): keys, values
+and their gradients split like the queries, their shards passed round the ring
+(:func:`ring_forward`, :func:`ring_backward`). Either is offered only where the batch could not
+take the split's axes (:func:`sequence_split_offered`).
 
 Nothing else is legal: the head dim is contracted inside the softmax, and a split of the keys'
 sequence needs the softmax's running maximum and sum merged across ranks (ring attention).
