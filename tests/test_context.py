@@ -123,6 +123,15 @@ def test_sequence_split_is_priced_at_its_busiest_rank(world):
             assert axes == (0,) and sizes == [2 * 4 * 8 * 16 * 4] * 2 + [2 * 4 * 8 * 4]
         else:
             assert axes == (0,) and sizes == []  # contiguous: nothing exchanged
+        rings = [st for st in ns.strategies if str(st.ins[0]) == "S(2)" and str(st.ins[1]) == "S(2)"]
+        if seq == 64:  # the ring: the same work; keys and values (2, 1, 16, 16) float32 passed 3 times
+            (ring,) = rings
+            assert attention.work_factor(node, ring.ins, (4,), ns.tensor_args) == pytest.approx(1.0)
+            axes, sizes, passes = attention.kernel_messages(node, ring.ins, (4,), ns.tensor_args)
+            assert axes == (0,) and passes == [2 * 16 * 16 * 4] * 6
+            assert sizes == [2 * 4 * 8 * 16 * 4] * 2 + [2 * 4 * 8 * 4] + [2 * 8 * 16 * 4] * 2
+        else:  # no ring where the mirror cannot balance it
+            assert rings == []
         whole = next(st for st in ns.strategies if str(st.ins[0]) == "R")
         assert attention.work_factor(node, whole.ins, (4,), ns.tensor_args) == 1.0
     # Four sequences over 4 ranks: a batch split does the same work with nothing gathered.
