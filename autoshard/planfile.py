@@ -259,7 +259,7 @@ class Plan:
             if att.get("sequence"):
                 seq = att["sequence"]
                 lines.append(f"  context parallel: {seq['kernels']} causal kernels split on the sequence, "
-                             f"{seq['balanced']} balanced by the mirror exchange")
+                             f"{seq['balanced']} balanced by the mirror exchange, {seq.get('ring', 0)} ring attention")
         if s.get("fallback_ops"):
             lines.append(f"  ops with no sharding rule (replicated): {s['fallback_ops']}")
         for op, err in (s.get("rule_errors") or {}).items():

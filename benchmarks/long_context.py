@@ -64,9 +64,12 @@ def _plan(model, tokens, mesh, args, **kw):
 
 def _splits(plan) -> str:
     """How a plan splits attention (its query's spec, most kernels) and the tokens."""
-    att = plan.summary.get("attention", {}).get("splits", {})
-    query = max(att, key=att.get) if att else "-"
-    return f"attention q {query}, tokens {plan.inputs[0] if plan.inputs else '?'}"
+    att = plan.summary.get("attention", {})
+    splits = att.get("splits", {})
+    query = max(splits, key=splits.get) if splits else "-"
+    seq = att.get("sequence")
+    cp = f", CP {seq['kernels']} kernels ({seq['balanced']} balanced, {seq['ring']} ring)" if seq else ""
+    return f"attention q {query}{cp}, tokens {plan.inputs[0] if plan.inputs else '?'}"
 
 
 def _fmt(name, plan, seconds, why) -> str:

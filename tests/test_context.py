@@ -86,7 +86,7 @@ def test_context_parallel_plan_matches_single_device(world, monkeypatch, batch, 
     specs = _query_specs(plan)
     both = tokens == "S(1)S(1)"
     assert specs and all(s == "S(2)S(2)" if both else "S(2)" in s for s in specs), specs
-    assert plan.summary["attention"]["sequence"] == {"kernels": 2, "balanced": 2 if mirrored else 0}
+    assert plan.summary["attention"]["sequence"] == {"kernels": 2, "balanced": 2 if mirrored else 0, "ring": 0}
     assert "context parallel: 2 causal kernels split on the sequence" in plan.describe()
     ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), _loss)
     with LocalTensorMode(4):
@@ -192,6 +192,8 @@ def test_ring_attention_plan_matches_single_device(world, monkeypatch):
     keys = [e["in"][1 if "for_cpu_backward" not in e["op"] else 2] for e in plan.nodes.values()
             if "flash_attention_for_cpu" in e["op"]]
     assert keys and all("S(2)" in k for k in keys), keys
+    assert plan.summary["attention"]["sequence"]["ring"] == 2
+    assert "2 balanced by the mirror exchange, 2 ring attention" in plan.describe()
     ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), _loss)
     with LocalTensorMode(4):
         sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))

@@ -125,10 +125,11 @@ def attention_summary(nodes, chosen, profile, mesh_shape=None) -> dict:
     """What a plan says of its fused attention (``Plan.summary["attention"]``; empty without
     any): ``kernels`` (forward kernels planned), ``splits`` (the query's spec -> kernels so
     split), ``sequence`` (causal kernels split on the sequence: context parallelism;
-    ``balanced`` of them by the mirror exchange; absent where none) and ``kernel_shares`` (the
+    ``balanced`` of them by the mirror exchange, ``ring`` of them ring attention; absent where
+    none) and ``kernel_shares`` (the
     profile's shares of the matmul rate the kernels are priced at; absent: at the matmul rate)."""
     splits: dict[str, int] = {}
-    sequence = balanced = 0
+    sequence = balanced = ring = 0
     for n, st in zip(nodes, chosen):
         if n.op == "call_function" and n.target in FORWARD:
             key = str(st.ins[0])
@@ -138,11 +139,12 @@ def attention_summary(nodes, chosen, profile, mesh_shape=None) -> dict:
                 sequence += 1
                 q_len = _shape(bound_args(n.target, n.args, n.kwargs)["query"])[2]
                 balanced += mesh_shape is not None and mirror_axes(axes, q_len, mesh_shape) is not None
+                ring += 2 in st.ins[1].shard_dims()  # the key's spec: split too on a ring
     if not splits:
         return {}
     out = {"kernels": sum(splits.values()), "splits": dict(sorted(splits.items()))}
     if sequence:
-        out["sequence"] = {"kernels": sequence, "balanced": int(balanced)}
+        out["sequence"] = {"kernels": sequence, "balanced": int(balanced), "ring": int(ring)}
     shares = {k: profile.kernel_share(k) for k in KERNELS if k in profile.kernel_shares}
     if shares:
         out["kernel_shares"] = shares
