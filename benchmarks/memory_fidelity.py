@@ -1,9 +1,10 @@
 """Predicted peak memory per rank against measured, on 4 gloo processes.
 
-    python benchmarks/memory_fidelity.py [--nproc 4] [--models llama,gpt2,hf-llama,hf-gpt2]
+    python benchmarks/memory_fidelity.py [--nproc 4] [--models llama,gpt2,hf-llama,hf-gpt2,llama-long]
 
 Per model (the small LLaMA and GPT-2 of ``fidelity.py``; Hugging Face LLaMA and GPT-2 built from
-their config classes), our plan and the hand-written ones (DDP, FSDP, TP, FSDP+TP, FSDP+TP with
+their config classes; ``llama-long``: the small LLaMA, one key head, two sequences of 1024, whose
+plans split the sequence), our plan and the hand-written ones (DDP, FSDP, TP, FSDP+TP, FSDP+TP with
 full recomputation) on a fake (2, 2) mesh under the shipped ``cpu-gloo`` profile, then each
 measured by ``autoshard measure``: two AdamW steps under torch's memory tracker (live tensor
 storage, by category), the largest rank's peak against the plan's ``peak_mem_bytes``. Per plan:
@@ -57,9 +58,21 @@ def hf_gpt2():
     return transformers.AutoModelForCausalLM.from_config(cfg), (torch.randint(0, 2048, (16, SEQ)),)
 
 
+def llama_long():
+    """Factory: the small LLaMA with one key head (multi-query) at 16 times the sequence, two
+    sequences: a batch the (2, 2) mesh cannot split over all ranks, so plans split the sequence
+    (context parallelism: the all-gather form or ring attention)."""
+    from autoshard.models import llama as make
+
+    torch.manual_seed(0)
+    model = make("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=1, ffn_dim=688, vocab_size=2048,
+                 max_seq_len=16 * SEQ)
+    return model, (torch.randint(0, 2048, (2, 16 * SEQ)),)
+
+
 #: The loss is the default (the output's mean, the logits' for a Hugging Face output), as
 #: ``autoshard measure`` runs it.
-MODELS = {"llama": llama, "gpt2": gpt2, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2}
+MODELS = {"llama": llama, "gpt2": gpt2, "hf-llama": hf_llama, "hf-gpt2": hf_gpt2, "llama-long": llama_long}
 
 
 def measure(name: str, plan_file: Path, nproc: int, out: Path) -> dict:

@@ -176,7 +176,7 @@ def test_ring_attention_plan_matches_single_device(world, monkeypatch):
         out = real(self, node, targs, errors)
         if not attention.is_causal_cpu_kernel(node):
             return out
-        return [st for st in out if not attention._query_axes(node, st.ins, targs)
+        return [st for st in out if not attention.query_axes(node, st.ins, targs)
                 or attention.is_ring(node, st.ins, targs)]
 
     strategies.clear_shared_cache()
@@ -203,3 +203,31 @@ def test_ring_attention_plan_matches_single_device(world, monkeypatch):
         for fqn, p in sharded.named_parameters():
             torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
     assert calls.count("ring_forward") == calls.count("ring_backward") == 8, calls
+
+
+def test_hugging_face_llama_splits_its_sequence(world):
+    """A Hugging Face LLaMA (its default attention: the causal fused kernel, positions built in
+    its forward) planned with its tokens split by sequence on CP 2 x DP 2: the causal kernels
+    split on the sequence, and the single-device loss and gradients."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                   intermediate_size=176, vocab_size=256, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(out):
+        return out.logits.float().pow(2).mean()
+
+    world(4)
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "cp")), profile=SHARDING_PROFILE,
+                          loss_fn=loss_fn, memory_budget=None, seed_baselines=False, input_specs=["S(0)S(1)"])
+    assert plan.summary["attention"]["sequence"]["kernels"] == 2, plan.summary["attention"]
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), loss_fn)
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
+        loss = loss_fn(sharded(x))
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)

@@ -235,7 +235,7 @@ def _query_index(node: fx.Node, tensor_args: list[fx.Node]) -> int | None:
     return tensor_args.index(q) if q in tensor_args else None
 
 
-def _query_axes(node: fx.Node, ins, tensor_args: list[fx.Node]) -> list[int]:
+def query_axes(node: fx.Node, ins, tensor_args: list[fx.Node]) -> list[int]:
     """The mesh axes a strategy (input specs ``ins``) splits a causal CPU kernel's queries on."""
     if not is_causal_cpu_kernel(node):
         return []
@@ -257,7 +257,7 @@ def mirror_axes(axes: list[int], q_len: int, mesh_shape) -> tuple[int, ...] | No
 def work_factor(node: fx.Node, ins, mesh_shape, tensor_args: list[fx.Node]) -> float:
     """The busiest rank's work over an even share of the kernel's work, under a strategy: 1 but
     where a causal kernel's queries are split (module doc)."""
-    axes = _query_axes(node, ins, tensor_args)
+    axes = query_axes(node, ins, tensor_args)
     if not axes:
         return 1.0
     parts = math.prod(mesh_shape[a] for a in axes)
@@ -277,7 +277,7 @@ def kernel_messages(node: fx.Node, ins, mesh_shape,
     queries' gradient back, and with a ring the keys', values' and their gradients'). Ring:
     ``n - 1`` passes of the local keys and values, and in the backward ``n`` of their float32
     gradient sums, which overlap the block attention. ((), [], []) where none is sent."""
-    axes = _query_axes(node, ins, tensor_args)
+    axes = query_axes(node, ins, tensor_args)
     if not axes:
         return (), [], []
     args = bound_args(node.target, node.args, node.kwargs)
