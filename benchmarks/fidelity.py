@@ -66,7 +66,19 @@ def gpt2():
     return model, (torch.randint(0, 2048, (BATCH, SEQ)),)
 
 
-MODELS = {"llama": llama, "gpt2": gpt2}
+def llama_long():
+    """Factory: the small LLaMA with one key head (multi-query), two sequences of 8 x SEQ: a batch
+    the mesh cannot split over all ranks, so the plans split the sequence (context parallelism).
+    Not among the defaults: ``--models llama-long``."""
+    from autoshard.models import llama as make
+
+    torch.manual_seed(0)
+    model = make("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=1, ffn_dim=688, vocab_size=2048,
+                 max_seq_len=8 * SEQ)
+    return model, (torch.randint(0, 2048, (2, 8 * SEQ)),)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "llama-long": llama_long}
 
 
 def calibrate(nproc: int, out: Path) -> float:
@@ -106,7 +118,8 @@ def plan_all(name: str, profile: Path | str, folder: Path, nproc: int, models: d
 def measure(name: str, plan_file: Path, nproc: int, steps: int, out: Path, refine: tuple[Path, Path] | None = None
             ) -> dict:
     """``autoshard measure`` of one plan; ``refine``: (profile, refined profile to write)."""
-    cmd = [sys.executable, "-m", "autoshard", "-q", "measure", f"fidelity:{name}", "--plan", str(plan_file),
+    factory = name.replace("-", "_")
+    cmd = [sys.executable, "-m", "autoshard", "-q", "measure", f"fidelity:{factory}", "--plan", str(plan_file),
            "--backend", "gloo", "--nproc", str(nproc), "--steps", str(steps), "--json", str(out)]
     if refine:
         cmd += ["--refine", str(refine[0]), "-o", str(refine[1])]
