@@ -60,6 +60,18 @@ def test_sequence_kernels_compute_the_causal_result(parts):
     torch.testing.assert_close(dv, v.grad)
 
 
+def _matches_single_device(model, x, plan, loss_fn):
+    """The plan on CP 2 x DP 2 under LocalTensorMode: the single-device loss and gradients."""
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), loss_fn)
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
+        loss = loss_fn(sharded(x))
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+
+
 def _cp_plan(world, shape, names, batch, seq, input_spec, **kw):
     world(int(torch.tensor(shape).prod()))
     # One key head: a head split over 2 ranks cannot split it evenly, so the sequence is split.
@@ -88,14 +100,7 @@ def test_context_parallel_plan_matches_single_device(world, monkeypatch, batch, 
     assert specs and all(s == "S(2)S(2)" if both else "S(2)" in s for s in specs), specs
     assert plan.summary["attention"]["sequence"] == {"kernels": 2, "balanced": 2 if mirrored else 0, "ring": 0}
     assert "context parallel: 2 causal kernels split on the sequence" in plan.describe()
-    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), _loss)
-    with LocalTensorMode(4):
-        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
-        loss = _loss(sharded(x))
-        loss.backward()
-        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
-        for fqn, p in sharded.named_parameters():
-            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    _matches_single_device(model, x, plan, _loss)
     # Two layers' forward and backward kernels on each of 4 ranks.
     assert calls.count("mirror_forward") == (8 if mirrored else 0), calls
     assert calls.count("sequence_forward") == (16 if mirrored else 8), calls
@@ -194,14 +199,7 @@ def test_ring_attention_plan_matches_single_device(world, monkeypatch):
     assert keys and all("S(2)" in k for k in keys), keys
     assert plan.summary["attention"]["sequence"]["ring"] == 2
     assert "2 balanced by the mirror exchange, 2 ring attention" in plan.describe()
-    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), _loss)
-    with LocalTensorMode(4):
-        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
-        loss = _loss(sharded(x))
-        loss.backward()
-        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
-        for fqn, p in sharded.named_parameters():
-            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    _matches_single_device(model, x, plan, _loss)
     assert calls.count("ring_forward") == calls.count("ring_backward") == 8, calls
 
 
@@ -223,11 +221,4 @@ def test_hugging_face_llama_splits_its_sequence(world):
     plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "cp")), profile=SHARDING_PROFILE,
                           loss_fn=loss_fn, memory_budget=None, seed_baselines=False, input_specs=["S(0)S(1)"])
     assert plan.summary["attention"]["sequence"]["kernels"] == 2, plan.summary["attention"]
-    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), loss_fn)
-    with LocalTensorMode(4):
-        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
-        loss = loss_fn(sharded(x))
-        loss.backward()
-        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
-        for fqn, p in sharded.named_parameters():
-            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    _matches_single_device(model, x, plan, loss_fn)
