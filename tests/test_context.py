@@ -148,7 +148,8 @@ def test_sequence_split_is_priced_at_its_busiest_rank(world):
 
 def test_fsdp_cp_is_a_hand_written_plan_by_name(world):
     """FSDP + CP: parameters as FSDP's, the tokens by batch over all axes but the last and by
-    sequence over the last; compare() solves it when asked by name, its recomputation with it."""
+    sequence over the last; compare() solves it when asked by name, its recomputation with it,
+    and by default where the batch cannot take every rank."""
     from autoshard.planning.baselines import baseline_pins, baseline_recompute, baselines_for
     from costmodel import Spec
 
@@ -165,6 +166,12 @@ def test_fsdp_cp_is_a_hand_written_plan_by_name(world):
                             profile=SHARDING_PROFILE, loss_fn=_loss, memory_budget=None)
     plan = got["fsdp_cp"]
     assert plan.inputs == ["S(0)S(1)"], plan.inputs
+    # By default where the batch cannot be split over every rank (2 sequences, 4 ranks), not where it can.
+    for batch, want in ((2, True), (8, False)):
+        planner = autoshard.Planner(model, (torch.randint(0, 256, (batch, 64)),),
+                                    autoshard.fake_mesh((2, 2), ("dp", "cp")), profile=SHARDING_PROFILE)
+        assert ("fsdp_cp" in planner.baseline_names()) is want
+        assert ("fsdp_cp_ac" in planner.baseline_names()) is want
     assert got["autoshard"].summary["step_us"] <= plan.summary["step_us"] * (1 + 1e-9)
 
 

@@ -16,9 +16,9 @@ its best execution. Ours is unpinned, so it is never dearer than any baseline.
 
 - ``fsdp_cp``: torchtitan's FSDP + context parallelism: every parameter sharded over every
   axis, the batch split over all axes but the last, the sequence (dim 1 of the tokens) over
-  the last; ``fsdp_cp_ac`` with full activation checkpointing. Not among the plans every solve
-  is seeded with (their place is long sequences: ``benchmarks/long_context.py``); ask
-  :func:`baseline_pins` or ``compare(baselines=...)`` for them by name.
+  the last; ``fsdp_cp_ac`` with full activation checkpointing. They apply where the model has
+  causal attention and the batch cannot be split over every rank (long sequences:
+  :meth:`autoshard.planning.planner.Planner.baseline_names` adds them there).
 
 Models with experts (3-D parameters of a module named ``experts``: expert, in, out
 or expert, out, in) get two more, and the others treat expert weights as follows

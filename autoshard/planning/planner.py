@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from typing import Sequence
 
@@ -30,7 +31,13 @@ from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve, resolve_budget
 from autoshard.planfile import RECOMPUTE_MODES, Plan
 from autoshard.planning.assemble import assemble_plan
-from autoshard.planning.baselines import HandWritten, baseline_pins, baseline_recompute, baselines_for
+from autoshard.planning.baselines import (
+    CONTEXT_BASELINES,
+    HandWritten,
+    baseline_pins,
+    baseline_recompute,
+    baselines_for,
+)
 from autoshard.planning.overlap import additive_solve, follow, relaxed
 from autoshard.planning.pins import resolve_pins, to_spec
 from autoshard.planning.problem import GraphProblem, build_problem, pin_indices, with_recompute
@@ -449,7 +456,7 @@ class Planner:
         seeds: dict[str, HandWritten | str] = {}
 
         def hand_written():
-            seeds.update(self._baselines(baselines_for(self.model), opts, BASELINES_SHARE * time_limit))
+            seeds.update(self._baselines(self.baseline_names(), opts, BASELINES_SHARE * time_limit))
             return [(name, s.choice) for name, s in seeds.items() if isinstance(s, HandWritten)]
 
         result = self._solve_once(opts, (1 - BASELINES_SHARE) * time_limit, late_starts=hand_written,
@@ -461,8 +468,8 @@ class Planner:
 
     @fewer_gc_passes()
     def compare(self, baselines: Sequence[str] | None = None, **overrides) -> dict[str, Plan | str]:
-        """Our plan and each hand-written baseline (default: every one that applies to the model,
-        :func:`~autoshard.planning.baselines.baselines_for`), costed alike.
+        """Our plan and each hand-written baseline (default: every one that applies here,
+        :meth:`baseline_names`), costed alike.
 
         ``"autoshard"`` is what :meth:`solve` returns under the same options (pins included),
         unless a baseline that the options allow (no input specs given, its recompute mode the
@@ -481,7 +488,7 @@ class Planner:
             out["autoshard"] = self.solve(**overrides)
         except MemoryBudgetError as exc:
             out["autoshard"] = str(exc)
-        names = baselines_for(self.model) if baselines is None else baselines
+        names = self.baseline_names() if baselines is None else baselines
         for name, seed in self._baselines(names, opts, opts.time_limit).items():
             out[name] = seed.plan if isinstance(seed, HandWritten) else seed
             allowed = opts.input_specs is None and opts.recompute in ("auto", baseline_recompute(name))
@@ -491,6 +498,22 @@ class Planner:
                     isinstance(ours, str) or seed.step_us < ours.summary.step_us - 1e-3):
                 out["autoshard"] = self._adopt(opts, name, seed)
         return out
+
+    def baseline_names(self) -> tuple[str, ...]:
+        """The hand-written plans that apply here: :func:`~autoshard.planning.baselines.baselines_for`
+        the model, and FSDP + CP (with and without full recomputation) where the model has causal
+        fused attention and its batch cannot be split over every rank (long sequences: FSDP's
+        batch split cannot be written, FSDP + CP's is what people run)."""
+        from autoshard.graph.attention import is_causal_cpu_kernel
+
+        names = baselines_for(self.model)
+        inputs = self.traced.input_nodes()
+        val = inputs[0].meta.get("val") if inputs else None
+        world = math.prod(tuple(self.mesh.shape))
+        if (isinstance(val, torch.Tensor) and val.ndim >= 2 and val.shape[0] % world
+                and any(n.op == "call_function" and is_causal_cpu_kernel(n) for n in self.traced.gm.graph.nodes)):
+            names += CONTEXT_BASELINES
+        return names
 
     @fewer_gc_passes()
     def hand_written(self, time_limit: float, additive_floor_us: float = 0.0, compute_floor_us: float = 0.0,
@@ -513,7 +536,7 @@ class Planner:
             extra = self.recompute_floor(mode, opts) if mode != "none" else 0.0
             return step_floor(additive_floor_us + extra, compute_floor_us + extra, self.profile.overlap)
 
-        names = [n for n in baselines_for(self.model) if opts.recompute in ("auto", baseline_recompute(n))]
+        names = [n for n in self.baseline_names() if opts.recompute in ("auto", baseline_recompute(n))]
         end = time.perf_counter() + time_limit
         best: tuple[str, HandWritten] | None = None
         for k, name in enumerate(names):
