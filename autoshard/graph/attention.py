@@ -126,8 +126,8 @@ def attention_summary(nodes, chosen, profile, mesh_shape=None) -> dict:
     any): ``kernels`` (forward kernels planned), ``splits`` (the query's spec -> kernels so
     split), ``sequence`` (causal kernels split on the sequence: context parallelism;
     ``balanced`` of them by the mirror exchange, ``ring`` of them ring attention; absent where
-    none) and ``kernel_shares`` (the
-    profile's shares of the matmul rate the kernels are priced at; absent: at the matmul rate)."""
+    none) and ``kernel_shares`` (the profile's shares of the matmul rate the kernels are priced
+    at; absent: at the matmul rate)."""
     splits: dict[str, int] = {}
     sequence = balanced = ring = 0
     for n, st in zip(nodes, chosen):
@@ -515,52 +515,27 @@ def _offset_mask(q_len: int, offset: int, dtype, device):
     return torch.zeros((q_len, offset + q_len), dtype=dtype, device=device).masked_fill(j > i, float("-inf"))
 
 
-def _bottom_right_flash(q, k, attn_mask) -> bool:
-    """Flash's causal mask aligns to the bottom right: queries offset.. against keys ..offset+L."""
-    e = q.shape[-1]
-    return (attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
-            and _has_flash(q.device))
-
-
-def sequence_forward(q, k, v, offset: int, dropout_p=0.0, *, scale=None):
+def sequence_forward(q, k, v, offset: int, *, scale=None):
     """``(out, lse)`` of causal attention for queries at global positions ``offset ..`` (``q``:
-    ``(B, Hq, Lq, E)``, this rank's run of the sequence) against the whole keys and values
-    (``(B, Hkv, S, E)``): only keys ``< offset + Lq`` can be seen, so only those are read. CUDA:
-    the flash kernel (bottom-right causal alignment is exactly this mask) where it fits; else
-    the CPU kernel with the offset mask (or, on CUDA, SDPA with it)."""
-    _no_dropout_sequence(dropout_p)
+    ``(B, Hq, Lq, E)``, one run of the sequence) against the whole keys and values (``(B, Hkv,
+    S, E)``): only keys ``< offset + Lq`` can be seen, so only those are read. On a CPU the
+    kernel with the offset's mask; elsewhere :func:`block_forward`'s causal mask, which aligns
+    to the bottom right: exactly the offset."""
     end = offset + q.shape[2]
     k, v = k[:, :, :end], v[:, :, :end]
-    if q.device.type == "cuda":
-        if _bottom_right_flash(q, k, None):
-            out, lse, *_ = aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-                                                         None, q.shape[2], end, 0.0, True, False, scale=scale)
-            return out.transpose(1, 2), lse
-        mask = _offset_mask(q.shape[2], offset, q.dtype, q.device)
-        out = _sdpa(q, k, v, mask, False, scale)
-        return out, torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    if q.device.type != "cpu":
+        return block_forward(q, k, v, True, scale)
     mask = _offset_mask(q.shape[2], offset, q.dtype, q.device)
     return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
 
 
-def sequence_backward(grad_out, q, k, v, out, lse, offset: int, dropout_p=0.0, *, scale=None):
+def sequence_backward(grad_out, q, k, v, out, lse, offset: int, *, scale=None):
     """``(grad_q, grad_k, grad_v)`` of :func:`sequence_forward`; the key and value gradients whole
-    (zero past the rank's last query: this rank's part of their sum over ranks)."""
-    _no_dropout_sequence(dropout_p)
+    (zero past the run's last query: its part of their sum over runs)."""
     end, seq = offset + q.shape[2], k.shape[2]
     ks, vs = k[:, :, :end], v[:, :, :end]
-    if q.device.type == "cuda" and _bottom_right_flash(q, ks, None):
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
-        dq, dk, dv = aten._flash_attention_backward(grad_out.transpose(1, 2), q.transpose(1, 2), ks.transpose(1, 2),
-                                                    vs.transpose(1, 2), out.transpose(1, 2), lse, None, None,
-                                                    q.shape[2], end, 0.0, True, rng, unused, scale=scale)
-        dq, dk, dv = (g.transpose(1, 2) for g in (dq, dk, dv))
-    elif q.device.type == "cuda":
-        mask = _offset_mask(q.shape[2], offset, q.dtype, q.device)
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, ks, vs)]
-            dq, dk, dv = torch.autograd.grad(_sdpa(*leaves, mask, False, scale), leaves, grad_out)
+    if q.device.type != "cpu":
+        dq, dk, dv = block_backward(grad_out, q, ks, vs, out, lse, True, scale)
     else:
         mask = _offset_mask(q.shape[2], offset, q.dtype, q.device)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, ks, vs, out, lse, 0.0,
@@ -572,40 +547,32 @@ def sequence_backward(grad_out, q, k, v, out, lse, offset: int, dropout_p=0.0, *
     return dq, dk, dv
 
 
-def _no_dropout_sequence(dropout_p: float) -> None:
-    if dropout_p:
-        raise NotImplementedError(f"a causal attention kernel with dropout_p={dropout_p} split on the sequence: the "
-                                  "plan would need each rank's share of the dropout mask")
+def mirror_layout(coordinate: int, parts: int) -> list[int]:
+    """The chunks (of ``2 parts``) a rank at ``coordinate`` of the ``parts`` splitting the
+    sequence holds once it swapped its second chunk with its mirror's (``parts - 1 -
+    coordinate``): ``2 coordinate`` and ``2 parts - 1 - 2 coordinate``, the same causal work on
+    every rank."""
+    return [2 * coordinate, 2 * parts - 1 - 2 * coordinate]
 
 
-def mirror_forward(q, k, v, coordinate: int, parts: int, swap, dropout_p=0.0, *, scale=None):
-    """:func:`sequence_forward` balanced over the ``parts`` ranks splitting the queries: with the
-    sequence cut into ``2 parts`` chunks of ``c``, this rank (at ``coordinate``) holds chunks
-    ``2 coordinate`` and ``2 coordinate + 1`` and swaps its second one with its mirror's
-    (``parts - 1 - coordinate``): it runs chunk ``2 coordinate`` and chunk ``2 parts - 1 - 2
-    coordinate``, the same work on every rank, and hands the second one's output back.
-    ``swap(x)``: ``x`` (split on dim 2) exchanged with the mirror."""
+def mirror_forward(q, k, v, coordinate: int, parts: int, *, scale=None):
+    """:func:`sequence_forward` of queries in the mirrored layout (:func:`mirror_layout`; the
+    lowering swaps the halves in and the outputs' back) against the whole keys and values."""
     c = q.shape[2] // 2
-    mirror = parts - 1 - coordinate
-    q_b = swap(q[:, :, c:])
-    out_a, lse_a = sequence_forward(q[:, :, :c], k, v, 2 * coordinate * c, dropout_p, scale=scale)
-    out_b, lse_b = sequence_forward(q_b, k, v, (2 * mirror + 1) * c, dropout_p, scale=scale)
-    out = torch.cat([out_a.transpose(1, 2), swap(out_b).transpose(1, 2)], 1).transpose(1, 2)
-    return out, torch.cat([lse_a, swap(lse_b)], 2)
+    runs = [sequence_forward(piece, k, v, j * c, scale=scale)
+            for piece, j in zip(_pieces(q, 2), mirror_layout(coordinate, parts))]
+    out = torch.cat([o.transpose(1, 2) for o, _ in runs], 1).transpose(1, 2)
+    return out, torch.cat([lse for _, lse in runs], 2)
 
 
-def mirror_backward(grad_out, q, k, v, out, lse, coordinate: int, parts: int, swap, dropout_p=0.0, *, scale=None):
-    """The gradients of :func:`mirror_forward`: the mirror's chunk's values swapped in, its
-    query gradient swapped back; key and value gradients this rank's part of their sum."""
+def mirror_backward(grad_out, q, k, v, out, lse, coordinate: int, parts: int, *, scale=None):
+    """The gradients of :func:`mirror_forward` (the query gradient in the mirrored layout; key and
+    value gradients whole, this rank's part of their sum)."""
     c = q.shape[2] // 2
-    mirror = parts - 1 - coordinate
-    first = slice(None, c)
-    dq_a, dk_a, dv_a = sequence_backward(grad_out[:, :, first], q[:, :, first], k, v, out[:, :, first],
-                                         lse[:, :, first], 2 * coordinate * c, dropout_p, scale=scale)
-    second = [swap(t[:, :, c:]) for t in (grad_out, q, out, lse)]
-    dq_b, dk_b, dv_b = sequence_backward(second[0], second[1], k, v, second[2], second[3], (2 * mirror + 1) * c,
-                                         dropout_p, scale=scale)
-    return torch.cat([dq_a, swap(dq_b)], 2), dk_a + dk_b, dv_a + dv_b
+    runs = [sequence_backward(g, qq, k, v, o, ls, j * c, scale=scale)
+            for g, qq, o, ls, j in zip(_pieces(grad_out, 2), _pieces(q, 2), _pieces(out, 2), _pieces(lse, 2),
+                                        mirror_layout(coordinate, parts))]
+    return torch.cat([r[0] for r in runs], 2), runs[0][1] + runs[1][1], runs[0][2] + runs[1][2]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -654,7 +621,7 @@ def block_forward(q, k, v, causal: bool, scale=None):
     the top-left mask): the CPU kernel, CUDA's flash kernel where it fits, else plain ops."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    if _bottom_right_flash(q, k, None):
+    if flash_fits(q, k, None, False):  # causal or not: equal runs, or a causal mask at the bottom right
         out, lse, *_ = aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                                      None, q.shape[2], k.shape[2], 0.0, causal, False, scale=scale)
         return out.transpose(1, 2), lse
@@ -666,7 +633,7 @@ def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale=None):
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
                                                                          scale=scale)
-    if _bottom_right_flash(q, k, None):
+    if flash_fits(q, k, None, False):  # causal or not: equal runs, or a causal mask at the bottom right
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
         unused = torch.zeros((), dtype=torch.uint64, device=q.device)
         grads = aten._flash_attention_backward(grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2),
@@ -691,27 +658,22 @@ def _pieces(t, count: int):
     return [t[:, :, i * size:(i + 1) * size] for i in range(count)]
 
 
-def ring_layout(coordinate: int, parts: int, mirrored: bool) -> list[int]:
-    """The sequence chunks a rank holds, in order: its own run (one chunk of ``parts``), or,
-    mirrored, chunks ``2 coordinate`` and ``2 parts - 1 - 2 coordinate`` of ``2 parts``."""
-    return [2 * coordinate, 2 * parts - 1 - 2 * coordinate] if mirrored else [coordinate]
-
-
-def ring_forward(q, k, v, coordinate: int, parts: int, mirrored: bool, shift, scale=None):
+def ring_forward(q, k, v, coordinate: int, parts: int, shift, scale=None):
     """``(out, lse)`` of causal attention whose queries, keys and values are all split on the
-    sequence (``ring_layout``): ``parts`` steps; at step ``t`` this rank holds the keys and values
-    of rank ``coordinate - t`` and runs every pair of its query chunks and their key chunks that
-    the mask keeps (earlier chunks whole, the same chunk causal), merging the partial results,
+    sequence, in the mirrored layout (:func:`mirror_layout`): ``parts`` steps; at step ``t`` this
+    rank holds the keys and values of rank ``coordinate - t`` and runs every pair of its query
+    chunks and their key chunks that the mask keeps (earlier chunks whole, the same chunk
+    causal), merging the partial results,
     while the block goes on to the next rank (``shift(x)``: start sending ``x`` on and receiving
     the previous rank's; ``shift.wait``: what arrived)."""
-    mine = ring_layout(coordinate, parts, mirrored)
+    mine = mirror_layout(coordinate, parts)
     qs = _pieces(q, len(mine))
     state = [None] * len(mine)
     block = (k, v)
     for t in range(parts):
         source = (coordinate - t) % parts
         moving = [shift(x) for x in block] if t < parts - 1 else None
-        theirs = ring_layout(source, parts, mirrored)
+        theirs = mirror_layout(source, parts)
         ks, vs = _pieces(block[0], len(theirs)), _pieces(block[1], len(theirs))
         for i, x in enumerate(mine):
             for j, y in enumerate(theirs):
@@ -723,10 +685,10 @@ def ring_forward(q, k, v, coordinate: int, parts: int, mirrored: bool, shift, sc
     return out, torch.cat([lse for _, lse in state], 2)
 
 
-def ring_backward(grad_out, q, k, v, out, lse, coordinate: int, parts: int, mirrored: bool, shift, scale=None):
+def ring_backward(grad_out, q, k, v, out, lse, coordinate: int, parts: int, shift, scale=None):
     """The gradients of :func:`ring_forward`: the keys and values go round again, each with its
     gradients' running sums, which one last step hands back to the rank that holds the block."""
-    mine = ring_layout(coordinate, parts, mirrored)
+    mine = mirror_layout(coordinate, parts)
     n = len(mine)
     qs, gs, os_, ls = _pieces(q, n), _pieces(grad_out, n), _pieces(out, n), _pieces(lse, n)
     dq = [torch.zeros(p.shape, dtype=torch.float32, device=q.device) for p in qs]
@@ -735,7 +697,7 @@ def ring_backward(grad_out, q, k, v, out, lse, coordinate: int, parts: int, mirr
     for t in range(parts):
         source = (coordinate - t) % parts
         moving = [shift(x) for x in block[:2]] if t < parts - 1 else None
-        theirs = ring_layout(source, parts, mirrored)
+        theirs = mirror_layout(source, parts)
         ks, vs = _pieces(block[0], len(theirs)), _pieces(block[1], len(theirs))
         dks, dvs = _pieces(block[2], len(theirs)), _pieces(block[3], len(theirs))
         for i, x in enumerate(mine):

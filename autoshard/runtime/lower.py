@@ -338,66 +338,52 @@ class Lowering:
         mirror exchange where the sequence cuts into two chunks per rank."""
         bound = attention.bound_args(n.target, args, kwargs)
         q, k = bound["query"], bound["key"]
-        local = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in bound.items()}
-        p, scale = local.get("dropout_p", 0.0), local.get("scale")
-        if p:
-            raise LowerError(f"{n.name}: a causal attention kernel with dropout_p={p} split on the sequence")
-        axes = [a for a, pl in enumerate(q.placements) if isinstance(pl, tc.Shard) and pl.dim == 2
-                and self.mesh.size(a) > 1]
-        ring = [a for a, pl in enumerate(k.placements) if isinstance(pl, tc.Shard) and pl.dim == 2
-                and self.mesh.size(a) > 1]
-        if ring and ring != axes:
-            raise LowerError(f"{n.name}: keys split on the sequence over axes {ring}, queries over {axes}: ring "
-                             "attention needs both over the same axes")
+        if bound.get("dropout_p"):
+            raise LowerError(f"{n.name}: a causal attention kernel with dropout_p={bound['dropout_p']} split on the "
+                             "sequence: the plan would need each rank's share of the dropout mask")
+
+        def seq_axes(placements):
+            return [a for a, pl in enumerate(placements) if isinstance(pl, tc.Shard) and pl.dim == 2
+                    and self.mesh.size(a) > 1]
+
+        axes, ring = seq_axes(q.placements), bool(seq_axes(k.placements))
         group = attention.mirror_axes(axes, q.shape[2], tuple(self.mesh.shape))
-        forward = n.target is attention.CPU_FORWARD
-        # The rank's chunk: row-major over the split's axes, as in their flattened group.
-        where = self.mesh.get_coordinate()
-        coordinate, parts = 0, 1
-        for a in axes:
-            coordinate, parts = coordinate * self.mesh.size(a) + where[a], parts * self.mesh.size(a)
-        sub, i = group_mesh(self.mesh, tuple(axes)) if axes else (self.mesh, 0)
-
-        def swap(x):  # with the mirror rank
-            return tc.exchange(x, 2, parts - 1 - coordinate, sub, i)
-
-        def halves(ts, *, back=False):  # each tensor's second half swapped with the mirror's
-            c = [t.shape[2] // 2 for t in ts]
-            return [torch.cat([t[:, :, :h].transpose(1, 2), swap(t[:, :, h:]).transpose(1, 2)], 1).transpose(1, 2)
-                    for t, h in zip(ts, c)]
-
-        if ring:
-            shift = _Shift(coordinate, parts, sub, i)
-            mirrored = group is not None
-            names = ("query", "key", "value") if forward else ("grad_out", "query", "key", "value", "out", "logsumexp")
-            ins = [local[name] for name in names]
-            if mirrored:
-                ins = halves(ins)
-            if forward:
-                outs = attention.ring_forward(*ins, coordinate, parts, mirrored, shift, scale=scale)
-            else:
-                outs = attention.ring_backward(*ins, coordinate, parts, mirrored, shift, scale=scale)
-            outs = tuple(halves(list(outs))) if mirrored else outs
-        elif group is not None:  # balanced: each rank swaps half its queries with its mirror's
-            if forward:
-                outs = attention.mirror_forward(local["query"], local["key"], local["value"], coordinate, parts,
-                                                swap, p, scale=scale)
-            else:
-                outs = attention.mirror_backward(local["grad_out"], local["query"], local["key"], local["value"],
-                                                 local["out"], local["logsumexp"], coordinate, parts, swap, p,
-                                                 scale=scale)
-        else:
-            offset = tc.shard_offset(q.shape[2], 2, self.mesh, q.placements)
-            if forward:
-                outs = attention.sequence_forward(local["query"], local["key"], local["value"], offset, p,
-                                                  scale=scale)
-            else:
-                outs = attention.sequence_backward(local["grad_out"], local["query"], local["key"], local["value"],
-                                                   local["out"], local["logsumexp"], offset, p, scale=scale)
+        if ring and (seq_axes(k.placements) != axes or group is None):
+            raise LowerError(f"{n.name}: ring attention needs its keys split like its queries ({k.placements} against "
+                             f"{q.placements}) and two chunks of the sequence per rank")
         if "out" in entry:
             placements = [tc.placements_for(Spec.parse(s), self.mesh) for s in entry["out"]]
         else:
             placements = attention.local_placements(n.target, q.placements, k.placements)
+        forward = n.target is attention.CPU_FORWARD
+        names = ("query", "key", "value") if forward else ("grad_out", "query", "key", "value", "out", "logsumexp")
+        ins, scale = [bound[name].to_local() for name in names], bound.get("scale")
+        if group is None:
+            offset = tc.shard_offset(q.shape[2], 2, self.mesh, q.placements)
+            kernel = attention.sequence_forward if forward else attention.sequence_backward
+            outs = kernel(*ins, offset, scale=scale)
+        else:
+            # The rank's chunk: row-major over the split's axes, as in their flattened group.
+            where = self.mesh.get_coordinate()
+            coordinate, parts = 0, 1
+            for a in group:
+                coordinate, parts = coordinate * self.mesh.size(a) + where[a], parts * self.mesh.size(a)
+            sub, i = group_mesh(self.mesh, group)
+
+            def mirrored(t):  # its second half swapped with the mirror rank's
+                h = t.shape[2] // 2
+                other = tc.exchange(t[:, :, h:], 2, parts - 1 - coordinate, sub, i)
+                return torch.cat([t[:, :, :h].transpose(1, 2), other.transpose(1, 2)], 1).transpose(1, 2)
+
+            # Every tensor split on the sequence like the queries goes in mirrored and comes back so.
+            ins = [mirrored(t) if seq_axes(bound[name].placements) else t for name, t in zip(names, ins)]
+            if ring:
+                kernel = attention.ring_forward if forward else attention.ring_backward
+                outs = kernel(*ins, coordinate, parts, _Shift(coordinate, parts, sub, i), scale=scale)
+            else:
+                kernel = attention.mirror_forward if forward else attention.mirror_backward
+                outs = kernel(*ins, coordinate, parts, scale=scale)
+            outs = [mirrored(o) if seq_axes(pl) else o for o, pl in zip(outs, placements)]
         return tuple(DTensor.from_local(o, self.mesh, p, run_check=False, shape=v.shape, stride=v.stride())
                      for o, p, v in zip(outs, placements, n.meta["val"]))
 
