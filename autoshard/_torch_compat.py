@@ -563,3 +563,25 @@ def memory_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker()
+
+
+
+def interleaved_order(ranks: int, microbatches: int, stages_per_rank: int) -> dict[int, list]:
+    """Torch's interleaved 1F1B order of compute actions per pipeline rank, the order its
+    runtime executes (``ScheduleInterleaved1F1B._calculate_single_rank_operations``, a method
+    that reads only the counts set here, so no stage or process group is needed): per rank a
+    list of ``(kind, stage, microbatch)``, ``kind`` ``"F"`` or ``"B"`` (idle slots dropped)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as s
+
+    rounds = max(1, microbatches // ranks)
+    ns = SimpleNamespace(n_local_stages=stages_per_rank, pp_group_size=ranks, _n_microbatches=microbatches,
+                         number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
+    kinds = {s.FORWARD: "F", s.FULL_BACKWARD: "B"}
+    out = {}
+    for r in range(ranks):
+        acts = s.ScheduleInterleaved1F1B._calculate_single_rank_operations(ns, r)
+        out[r] = [(kinds[a.computation_type], a.stage_index, a.microbatch_index) for a in acts
+                  if a is not None and a.computation_type in kinds]
+    return out
