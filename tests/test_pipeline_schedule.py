@@ -54,9 +54,14 @@ def test_the_slowest_stage_and_the_sends_set_the_step():
     run = simulate("1f1b", p, m, f, b)
     assert run.step_us == pytest.approx(7.0 + (m * 6.0 - 2 * 2.0) + 2.0 + 2.0)
     assert run.busy_us == [24.0, 24.0, 48.0, 24.0]
-    sent = simulate("1f1b", p, m, [1.0] * p, [2.0] * p, send_us=[0.5] * p)
-    free = simulate("1f1b", p, m, [1.0] * p, [2.0] * p)
-    assert sent.step_us == pytest.approx(free.step_us + 2 * (p - 1) * 0.5)
+    # GPipe: the sends add one trip down and one up. 1F1B alternates, so in steady state the
+    # last stages wait a trip each way between microbatches: p = 2, m = 2 by hand, stage 1
+    # runs F0 [1.5, 2.5], B0 [2.5, 4.5], F1, B1 [5.5, 7.5], stage 0 B0 [5, 7] and B1 [8, 10].
+    free = {k: simulate(k, p, m, [1.0] * p, [2.0] * p).step_us for k in ("gpipe", "1f1b")}
+    sent = {k: simulate(k, p, m, [1.0] * p, [2.0] * p, send_us=[0.5] * p).step_us for k in ("gpipe", "1f1b")}
+    assert sent["gpipe"] == pytest.approx(free["gpipe"] + 2 * (p - 1) * 0.5)
+    assert free["gpipe"] + 2 * (p - 1) * 0.5 < sent["1f1b"] <= free["1f1b"] + 2 * m * 0.5
+    assert simulate("1f1b", 2, 2, [1.0] * 2, [2.0] * 2, send_us=[0.5] * 2).step_us == pytest.approx(10.0)
 
 
 def test_bad_counts_are_refused_with_values():
