@@ -585,3 +585,8 @@ def interleaved_order(ranks: int, microbatches: int, stages_per_rank: int) -> di
         out[r] = [(kinds[a.computation_type], a.stage_index, a.microbatch_index) for a in acts
                   if a is not None and a.computation_type in kinds]
     return out
+
+
+def root_mesh(mesh):
+    """The mesh ``mesh`` was sliced from (itself where it was not sliced)."""
+    return mesh._get_root_mesh()

@@ -40,10 +40,13 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 def check_mesh(mesh: DeviceMesh) -> None:
-    """The mesh must cover the whole world of the default process group."""
+    """The mesh must cover the whole world of the default process group, or be a slice of a
+    mesh that does (a pipeline stage's sub-mesh: ``mesh["dp", "tp"]``)."""
     if dist.is_initialized():
         world = dist.get_world_size()
-        if mesh.size() != world:
+        from autoshard._torch_compat import root_mesh
+
+        if root_mesh(mesh).size() != world:
             raise MeshError(
                 f"mesh {tuple(mesh.shape)} has {mesh.size()} ranks but the world size is {world}: "
                 "expected their product to equal the number of processes"

@@ -1,8 +1,9 @@
 """Repeated layers: find them in the module tree and tag the traced nodes of each.
 
-A *layer group* is a ``ModuleList`` / ``Sequential`` of two or more children of
-the same class with the same parameter names and shapes (the decoder blocks of
-a transformer). While tracing, forward hooks tag every node created inside a
+A *layer group* is a ``ModuleList`` / ``Sequential``, or any module whose children
+are all named by integers (torchtitan's ``ModuleDict`` of layers, the layer container of a
+pipeline stage split by ``torch.distributed.pipelining``), of two or more children of the
+same class with the same parameter names and shapes (the decoder blocks of a transformer). While tracing, forward hooks tag every node created inside a
 child's forward with ``(child fqn, "fwd")`` and backward hooks tag the nodes of
 its backward with ``(child fqn, "bwd")``, through ``node.meta["custom"]`` (the
 FX metadata channel that ``preserve_node_meta`` copies onto every node).
@@ -31,9 +32,10 @@ def layer_groups(model: nn.Module) -> list[list[str]]:
     """FQNs of the children of each repeated-layer container, in order."""
     groups = []
     for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
-            continue
         kids = list(mod.named_children())
+        listed = isinstance(mod, (nn.ModuleList, nn.Sequential)) or (kids and all(k.isdigit() for k, _ in kids))
+        if not listed or len(kids) < 2:
+            continue
         sigs = {(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for _, m in kids}
         if len(sigs) == 1 and any(True for _ in kids[0][1].parameters()):
             groups.append([f"{name}.{k}" if name else k for k, _ in kids])

@@ -25,7 +25,7 @@ import solver.overlap
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.gcpause import fewer_gc_passes
 from autoshard.graph.recompute import NONE, Recompute, choose, recomputed
-from autoshard.graph.tracing import trace
+from autoshard.graph.tracing import node_phase, trace
 from autoshard.graph.unroll import trace_unrolled
 from autoshard.mesh import axis_names_of, check_mesh
 from autoshard.options import SOLVE_FIELDS, TRACE_FIELDS, PlanOptions, resolve, resolve_budget
@@ -465,6 +465,23 @@ class Planner:
             result[0].solver["seeds"] = {name: round(s.step_us, 3) if isinstance(s, HandWritten) else None
                                          for name, s in seeds.items()}
         return result
+
+    def phase_compute_us(self, plan: Plan) -> tuple[float, float]:
+        """(forward, backward) compute of ``plan``'s chosen strategies, microseconds: the model's
+        and the loss's nodes, then the backward's, recomputed copies counted in the backward
+        (they run there). ``plan``: one this planner made."""
+        choice = next((c for p, c in self._plans.values() if p is plan), None)
+        if choice is None:
+            raise ConfigError("phase_compute_us: the plan given was not made by this planner")
+        gp = self.variant(plan.recompute.get("mode", "none"))[1]
+        forward = backward = 0.0
+        for v, node in enumerate(gp.nodes):
+            us = float(gp.compute_us[v][choice[v]])
+            if v < gp.num_originals and node_phase(node) in ("forward", "loss"):
+                forward += us
+            else:
+                backward += us
+        return forward, backward
 
     @fewer_gc_passes()
     def compare(self, baselines: Sequence[str] | None = None, **overrides) -> dict[str, Plan | str]:

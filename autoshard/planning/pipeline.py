@@ -1,0 +1,381 @@
+r"""Pipeline stages planned with the rest: the partition, each stage's placements, the schedule.
+
+A mesh axis ``axis`` of size ``p`` carries the pipeline: its ranks hold ``S = p * v`` stages
+(``v`` virtual stages per rank, torch's loop placement), each a contiguous run of the model's
+repeated layers (:func:`autoshard.graph.layers.layer_groups`), the first with what runs before
+them (the embedding), the last with what runs after (the head and the loss). The batch is cut
+into ``m`` microbatches. The stages are the modules torch's own splitter makes
+(``torch.distributed.pipelining.pipeline`` with a split point at each stage's first layer):
+the modules ``PipelineStage`` runs, with the model's parameter names.
+
+Each stage is planned by :class:`~autoshard.planning.planner.Planner` on the mesh without
+``axis`` (the stage's sub-mesh), at one microbatch, its boundary activation as input and, but
+for the last stage, a loss whose gradient is the one the next stage sends back (``out.sum()``).
+Stages with the same role (first, middle, last) and layer count are the same problem and are
+solved once. From stage ``s``'s plan:
+
+- ``f_s``, ``b_s``: its simulated step (compute and exposed communication of one microbatch)
+  cut in the ratio of its forward's and backward's compute (:meth:`Planner.phase_compute_us`);
+- ``a_s``: the activations its memory account holds at its peak (one microbatch's);
+- ``c_s``: the send of its boundary activation's local shard to stage ``s + 1`` over ``axis``
+  (one rank to one other, priced as the ``all_to_all`` of two ranks each sending those bytes,
+  as the ring attention's passes are).
+
+The step is :func:`autoshard.planning.schedule.simulate` of the schedule with those times. The
+memory of pipeline rank ``r`` is its stages' plans' peaks with one microbatch each, plus what
+the schedule keeps in flight beyond it:
+
+    M_r = sum_(s on r) (peak_s - a_s) + max_t sum_(s on r) a_s n_s(t)  <= budget
+
+(1F1B, ``v = 1``: ``peak_s + (p - s - 1) a_s``). Where a stage breaks it, the stage is solved
+again with its budget lowered by the excess (:data:`BUDGET_ROUNDS` times at most), so that the
+solver trades placements or recomputation for the in-flight microbatches.
+
+The partition is balanced by cost, not by count: the first solve cuts the layers evenly; with
+``t`` a middle layer's time (``f + b`` per layer of a middle stage) and ``e_0``, ``e_last`` the
+first and last stages' time beyond their layers, the layers are cut again to minimize
+``max_s (n_s t + [s = 0] e_0 + [s = S-1] e_last)`` (:func:`balanced_partition`) and the new
+stages solved, once.
+
+What is not modelled yet: each microbatch's backward reduces its gradients as the stage's plan
+does (a step with ``m`` microbatches pays the reduction ``m`` times; accumulating across
+microbatches and reducing once is the next step), the optimizer step, and zero-bubble schedules.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from types import MethodType
+from dataclasses import dataclass, field
+
+import torch
+
+from autoshard.errors import ConfigError, MemoryBudgetError
+from autoshard.graph.layers import layer_groups
+from autoshard.mesh import axis_names_of
+from autoshard.planfile import Plan
+from autoshard.planning.schedule import ScheduleRun, check_schedule, simulate
+from autoshard.units import human_bytes
+from costmodel import load_profile
+from costmodel.collectives import MeshTopology
+from costmodel.profile import Profile
+from costmodel.spec import Spec
+
+log = logging.getLogger(__name__)
+
+#: Solves of a stage, at most, with its budget lowered by what its in-flight microbatches add.
+BUDGET_ROUNDS = 3
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: its layers and the plan that places them."""
+
+    index: int
+    rank: int
+    """Its position on the pipeline axis (``index mod p``)."""
+    layers: tuple[int, int]
+    """``[start, end)`` in the layer group."""
+    role: str
+    """``"first"``, ``"middle"``, ``"last"`` or ``"only"``."""
+    plan: Plan
+    """The plan of its module on the sub-mesh (shared by the stages of the same role and layer
+    count: their problems are the same)."""
+    forward_us: float
+    backward_us: float
+    send_us: float
+    """Its boundary activation's send to the next stage (0 for the last)."""
+    activation_bytes: float
+    """One microbatch's activations at the plan's peak."""
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "rank": self.rank, "layers": list(self.layers), "role": self.role,
+                "forward_us": round(self.forward_us, 3), "backward_us": round(self.backward_us, 3),
+                "send_us": round(self.send_us, 3), "activation_bytes": int(self.activation_bytes),
+                "peak_bytes": int(self.plan.summary["peak_mem_bytes"]), "step_us": self.plan.summary["step_us"]}
+
+
+@dataclass
+class PipelinePlan:
+    """A pipelined plan: stages, their plans, the schedule and what it is predicted to take."""
+
+    axis: str
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+    group: str
+    """The repeated-layer container the stages cut (``"layers"``)."""
+    stages: list[Stage]
+    run: ScheduleRun
+    memory_bytes: list[float]
+    """Per pipeline rank, the predicted peak (module docstring)."""
+    budget_bytes: float
+    mesh_shape: list[int] = field(default_factory=list)
+    axis_names: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def step_us(self) -> float:
+        return self.run.step_us
+
+    def to_json(self) -> dict:
+        return {"kind": "pipeline", "axis": self.axis, "schedule": self.schedule,
+                "microbatches": self.microbatches, "stages_per_rank": self.stages_per_rank, "group": self.group,
+                "mesh": {"shape": list(self.mesh_shape), "axis_names": list(self.axis_names)},
+                "step_us": round(self.step_us, 3), "schedule_run": self.run.to_json(),
+                "memory_bytes": [int(b) for b in self.memory_bytes], "budget_bytes": int(self.budget_bytes),
+                "stages": [s.to_json() for s in self.stages], "seconds": round(self.seconds, 3)}
+
+    def describe(self) -> str:
+        p = len(self.memory_bytes)
+        lines = [f"pipeline over {self.axis!r} ({p} ranks, {len(self.stages)} stages), {self.schedule}, "
+                 f"{self.microbatches} microbatches: step {self.step_us / 1e3:.1f} ms predicted, "
+                 f"bubble {100 * self.run.bubble:.1f}%",
+                 f"  {'stage':>5} {'rank':>4} {'layers':>9} {'fwd ms':>8} {'bwd ms':>8} {'send ms':>8} "
+                 f"{'in flight':>9} {'rank peak':>10}"]
+        for s in self.stages:
+            lines.append(f"  {s.index:>5} {s.rank:>4} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} "
+                         f"{s.forward_us / 1e3:>8.2f} {s.backward_us / 1e3:>8.2f} {s.send_us / 1e3:>8.3f} "
+                         f"{self.run.in_flight[s.index]:>9} {human_bytes(self.memory_bytes[s.rank]):>10}")
+        lines.append(f"  budget {human_bytes(self.budget_bytes)} per device")
+        return "\n".join(lines)
+
+
+def balanced_partition(layers: int, stages: int, layer_us: float, first_extra_us: float = 0.0,
+                       last_extra_us: float = 0.0) -> list[int]:
+    """Layers per stage, contiguous, minimizing the slowest stage's time ``n_s t + [s = 0] e_0
+    + [s = S-1] e_last`` (ties: the most even counts). Every stage gets a layer."""
+    if stages < 1 or layers < stages:
+        raise ConfigError(f"pipeline: {stages} stages need at least as many repeated layers, found {layers}")
+    if stages == 1:
+        return [layers]
+    best = None
+    for first in range(1, layers - stages + 2):
+        for last in range(1, layers - first - stages + 3):
+            rest = layers - first - last
+            if (stages == 2 and rest) or (stages > 2 and rest < stages - 2):
+                continue
+            mids = [] if stages == 2 else [rest // (stages - 2) + (1 if k < rest % (stages - 2) else 0)
+                                           for k in range(stages - 2)]
+            counts = [first] + mids + [last]
+            worst = max([first * layer_us + first_extra_us, last * layer_us + last_extra_us]
+                        + [n * layer_us for n in mids])
+            key = (round(worst, 6), max(counts) - min(counts), counts)
+            if best is None or key < best[0]:
+                best = (key, counts)
+    return best[1]
+
+
+def sub_mesh(mesh, axis: str):
+    """The mesh without ``axis``: where each stage's placements live."""
+    names = axis_names_of(mesh)
+    if axis not in names:
+        raise ConfigError(f"pipeline axis {axis!r} is not an axis of the mesh {dict(zip(names, mesh.shape))}")
+    rest = [n for n in names if n != axis]
+    if not rest:
+        raise ConfigError(f"pipeline axis {axis!r} is the mesh's only axis: add another (of size 1 for a "
+                          "pipeline alone) for the stages' placements")
+    return mesh[tuple(rest)] if len(rest) > 1 else mesh[rest[0]]
+
+
+def split_stages(model: torch.nn.Module, microbatch_inputs, group: list[str], counts: list[int]):
+    """Torch's split of ``model`` into stage modules, a split point at each stage's first layer
+    (``SplitPoint.BEGINNING``): the modules its ``PipelineStage`` runs."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    starts = [sum(counts[:k]) for k in range(1, len(counts))]
+    try:
+        pipe = pipeline(model, mb_args=tuple(microbatch_inputs),
+                        split_spec={group[k]: SplitPoint.BEGINNING for k in starts})
+    finally:
+        # The splitter wraps each split point's forward in place (and would wrap its own wrapper
+        # on a second split: a recursion): the model is left as it was given.
+        for k in starts:
+            mod = model.get_submodule(group[k])
+            for attr in ("forward", "_orig_forward"):
+                mod.__dict__.pop(attr, None)
+    stages = [pipe.split_gm.get_submodule(f"submod_pp_{k}") for k in range(pipe.num_stages)]
+    for stage in stages:
+        # The splitter's submodules run their graphs through fx's Interpreter while traced, which
+        # replaces the node metadata our tracer tags phases and layers with: they run their
+        # graphs' generated code instead (what they run outside tracing).
+        for mod in stage.modules():
+            gm = getattr(mod, "graph_module", None)
+            if hasattr(mod, "_run_with_interpreter") and gm is not None:
+                mod.forward = MethodType(type(gm).forward, mod)
+    return stages
+
+
+def _microbatches(example_inputs, m: int) -> tuple:
+    out = []
+    for k, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ConfigError(f"pipeline: example input {k} must be a tensor with a batch dim, found {type(t).__name__}")
+        if t.shape[0] % m:
+            raise ConfigError(f"pipeline: example input {k}'s batch ({t.shape[0]}) is not divisible by "
+                              f"microbatches ({m})")
+        out.append(torch.empty((t.shape[0] // m,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device))
+    return tuple(out)
+
+
+def _role(s: int, n: int) -> str:
+    return "only" if n == 1 else "first" if s == 0 else "last" if s == n - 1 else "middle"
+
+
+def _send_us(plan: Plan, boundary: torch.Tensor, profile: Profile, mesh_shape, axis_index: int) -> float:
+    """The send of the next stage's input (``plan``: the next stage's) over the pipeline axis."""
+    spec = Spec.parse(plan.inputs[0]) if plan.inputs else None
+    sub = [n for k, n in enumerate(mesh_shape) if k != axis_index]
+    shape = spec.local_shape(tuple(boundary.shape), tuple(sub)) if spec is not None else tuple(boundary.shape)
+    nbytes = math.prod(shape) * boundary.element_size()
+    intra = MeshTopology(tuple(mesh_shape), profile.devices_per_node).group_is_intra_node((axis_index,))
+    return float(profile.collective_predictor("all_to_all", 2, intra)(2 * nbytes))
+
+
+def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "pp", microbatches: int,
+                  schedule: str = "1f1b", stages_per_rank: int = 1, layers_per_stage=None,
+                  loss_fn=None, **overrides) -> PipelinePlan:
+    """Plan ``model`` pipelined over mesh axis ``axis`` (module docstring). ``layers_per_stage``:
+    the partition (default: balanced by cost); other keywords are
+    :class:`~autoshard.options.PlanOptions` fields for every stage's solve (``profile``,
+    ``memory_budget``, ``time_limit`` ... shared by the distinct stages)."""
+    from autoshard.options import resolve, resolve_budget
+    from autoshard.planning.planner import Planner
+
+    t0 = time.perf_counter()
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    names = axis_names_of(mesh)
+    sub = sub_mesh(mesh, axis)
+    axis_index = names.index(axis)
+    p = mesh.shape[axis_index]
+    check_schedule(schedule, p, microbatches, stages_per_rank)
+    n_stages = p * stages_per_rank
+    groups = layer_groups(model)
+    if not groups:
+        raise ConfigError(f"pipeline: {type(model).__name__} has no repeated layers to cut into stages "
+                          "(a ModuleList of identical blocks)")
+    group = max(groups, key=len)
+    opts = resolve(None, overrides)
+    profile = opts.profile if isinstance(opts.profile, Profile) else load_profile(opts.profile)
+    if opts.compute_dtype:
+        profile = profile.priced_as(opts.compute_dtype)
+    budget = resolve_budget(opts.memory_budget, profile.memory_bytes)
+    mb = _microbatches(example_inputs, microbatches)
+    counts = list(layers_per_stage) if layers_per_stage is not None else balanced_partition(len(group), n_stages, 1.0)
+    if len(counts) != n_stages or sum(counts) != len(group) or min(counts) < 1:
+        raise ConfigError(f"layers_per_stage: expected {n_stages} counts >= 1 summing to {len(group)} layers, "
+                          f"found {counts}")
+    limit = float(opts.time_limit)
+    solved: dict[tuple, tuple] = {}
+
+    def stage_plans(counts):
+        modules = split_stages(model, mb, group, counts)
+        inputs, boundaries = [mb], []
+        with torch.no_grad():
+            for k, mod in enumerate(modules[:-1]):
+                out = mod(*inputs[-1])
+                out = out if isinstance(out, tuple) else (out,)
+                if len(out) != 1:
+                    raise ConfigError(f"pipeline: stage {k} hands {len(out)} tensors to the next; "
+                                      "one boundary activation is supported")
+                boundaries.append(out[0])
+                inputs.append((torch.empty_like(out[0]),))
+        plans = []
+        for k, mod in enumerate(modules):
+            role = _role(k, n_stages)
+            key = (role, counts[k])
+            if key not in solved:
+                kinds = len({(_role(j, n_stages), counts[j]) for j in range(n_stages)} - set(solved))
+                seconds = max(5.0, (limit - (time.perf_counter() - t0)) / max(1, kinds))
+                solved[key] = _solve_stage(Planner, mod, inputs[k], sub, overrides, role, seconds,
+                                           loss_fn, budget)
+            plans.append(solved[key])
+        return plans, boundaries
+
+    plans, boundaries = stage_plans(counts)
+    if layers_per_stage is None and n_stages > 2:
+        per_layer = {k: (f + b) / counts[k] for k, (_pl, f, b, _a) in enumerate(plans)
+                     if _role(k, n_stages) == "middle"}
+        t = min(per_layer.values())
+        first_extra = plans[0][1] + plans[0][2] - counts[0] * t
+        last_extra = plans[-1][1] + plans[-1][2] - counts[-1] * t
+        better = balanced_partition(len(group), n_stages, t, first_extra, last_extra)
+        if better != counts:
+            log.info(f"pipeline: layers per stage {counts} -> {better} (balanced by cost)")
+            counts = better
+            plans, boundaries = stage_plans(counts)
+
+    run, memory = None, []
+    for _round in range(BUDGET_ROUNDS + 1):
+        sends = [_send_us(plans[k + 1][0], boundaries[k], profile, tuple(mesh.shape), axis_index)
+                 for k in range(n_stages - 1)] + [0.0]
+        run = simulate(schedule, p, microbatches, [x[1] for x in plans], [x[2] for x in plans], sends,
+                       [x[3] for x in plans], stages_per_rank)
+        memory = [sum(plans[s][0].summary["peak_mem_bytes"] - plans[s][3] for s in range(r, n_stages, p))
+                  + run.peak_activation_bytes[r] for r in range(p)]
+        over = {s: memory[s % p] - budget for s in range(n_stages) if budget is not None and memory[s % p] > budget}
+        if not over:
+            break
+        if _round == BUDGET_ROUNDS:
+            worst = max(memory)
+            raise MemoryBudgetError(
+                f"pipeline: rank {memory.index(worst)} needs {human_bytes(worst)} with {microbatches} microbatches "
+                f"in {schedule}, above the budget {human_bytes(budget)} after {BUDGET_ROUNDS} solves with the "
+                "in-flight microbatches taken off the stage budgets: more stages, fewer microbatches in flight "
+                "(1f1b) or recomputation", budget, worst)
+        for s, excess in over.items():
+            key = (_role(s, n_stages), counts[s])
+            pl = solved[key][0]
+            lowered = pl.summary["memory_budget_bytes"] - excess / stages_per_rank
+            log.info(f"pipeline: stage {s} over the budget by {human_bytes(excess)}; solving it again "
+                     f"under {human_bytes(lowered)}")
+            modules = split_stages(model, mb, group, counts)
+            inputs = (mb,) if s == 0 else (torch.empty_like(boundaries[s - 1]),)
+            solved[key] = _solve_stage(Planner, modules[s], inputs, sub, overrides, key[0],
+                                       max(5.0, limit / 4), loss_fn, lowered)
+        plans = [solved[(_role(k, n_stages), counts[k])] for k in range(n_stages)]
+
+    stages, start = [], 0
+    for k in range(n_stages):
+        pl, f, b, a = plans[k]
+        stages.append(Stage(k, k % p, (start, start + counts[k]), _role(k, n_stages), pl, f, b,
+                            0.0 if k == n_stages - 1 else run_send(k, plans, boundaries, profile, mesh, axis_index), a))
+        start += counts[k]
+    prefix = group[0].rpartition(".")[0]
+    return PipelinePlan(axis=axis, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
+                        group=prefix, stages=stages, run=run, memory_bytes=memory, budget_bytes=budget or 0.0,
+                        mesh_shape=list(mesh.shape), axis_names=names, seconds=time.perf_counter() - t0)
+
+
+def run_send(k: int, plans, boundaries, profile: Profile, mesh, axis_index: int) -> float:
+    return _send_us(plans[k + 1][0], boundaries[k], profile, tuple(mesh.shape), axis_index)
+
+
+def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds: float, loss_fn,
+                 budget) -> tuple[Plan, float, float, float]:
+    """(plan, forward us, backward us, activation bytes) of one stage on the sub-mesh."""
+    kw = dict(overrides)
+    kw["time_limit"] = seconds
+    if budget is not None:
+        kw["memory_budget"] = float(budget)
+    if role in ("last", "only"):
+        if loss_fn is not None:
+            kw["loss_fn"] = loss_fn
+    else:
+        kw["loss_fn"] = _boundary_loss
+    planner = planner_cls(module, tuple(inputs), sub, **kw)
+    pl = planner.solve()
+    fwd, bwd = planner.phase_compute_us(pl)
+    step = float(pl.summary["step_us"])
+    share = fwd / (fwd + bwd) if fwd + bwd > 0 else 1 / 3
+    act = float(pl.summary["memory"]["at_peak"].get("activations", 0))
+    return pl, step * share, step * (1 - share), act
+
+
+def _boundary_loss(out):
+    """A stage's stand-in loss: its output's gradient is a full tensor, as the one the next stage
+    sends back."""
+    return out.sum()
