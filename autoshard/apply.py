@@ -82,8 +82,9 @@ class _PlannedForward:
     programs (one per input signature, lowered on first use)."""
 
     def __init__(self, model: nn.Module, template: nn.Module, plan: Plan, mesh, loss_fn, profile, bucket_mb,
-                 overlap, compute_loss, compile=False):
+                 overlap, compute_loss, compile=False, seed=None):
         self.model, self.template, self.plan, self.mesh = model, template, plan, mesh
+        self.seed = seed
         self.bucket_mb, self.overlap, self.compute_loss = bucket_mb, overlap, compute_loss
         self.compile = compile
         self.loss_fn, self.profile = loss_fn, profile
@@ -105,6 +106,8 @@ class _PlannedForward:
                 tg = trace(self.template, positional, self.loss_fn, example_kwargs=keywords)
             self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile, self.bucket_mb,
                                                  self.overlap, self.compute_loss, compile=self.compile)
+            if self.seed is not None:
+                self.programs[key]._base_seed = int(self.seed)
         return self.programs[key]
 
     def __call__(self, *args, **kwargs):
@@ -136,7 +139,7 @@ class _PlannedForward:
 @fewer_gc_passes()
 def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_dict: dict | None = None,
                 loss_fn=None, profile=None, bucket_mb: float = 25.0, overlap: bool = True,
-                compute_loss: bool = False, compile: bool | str = False) -> nn.Module:
+                compute_loss: bool = False, compile: bool | str = False, seed: int | None = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
 
     Parameters and buffers become DTensors with the planned placements (a tied parameter
@@ -165,7 +168,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
     inside the lowered programs. The fast path for training: a loss computed outside the model
     runs by DTensor's eager rules instead (correct, but e.g. ``mean``'s backward then builds its
     full-size gradient on every rank). ``loss_fn`` sees the outputs only: targets that change
-    per step must be model inputs, or the loss computed outside.
+    per step must be model inputs, or the loss computed outside. ``seed``: the base of the
+    random streams (dropout) the programs draw, the same on every rank of ``mesh``; default rank
+    0's initial seed, broadcast over the world on the first forward (which every rank must then
+    run together: a pipeline stage's mesh passes it instead).
 
     A model on the meta device is never materialized whole: its parameters become
     meta DTensors, then ``to_empty`` allocates each rank's shards only, and either
@@ -221,7 +227,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
     if not (isinstance(compile, bool) or (isinstance(compile, str) and compile)):
         raise ConfigError(f"compile: expected True, False or a torch.compile backend name, found {compile!r}")
     model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile, bucket_mb, overlap, compute_loss,
-                                    compile)
+                                    compile, seed)
     model._autoshard_plan = plan
     return model
 

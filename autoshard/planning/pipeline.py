@@ -65,6 +65,9 @@ from costmodel.spec import Spec
 
 log = logging.getLogger(__name__)
 
+PIPELINE_VERSION = 1
+"""The pipelined plan file's schema version."""
+
 #: Solves of a stage, at most, with its budget lowered by what its in-flight microbatches add.
 BUDGET_ROUNDS = 3
 
@@ -82,7 +85,9 @@ class Stage:
     """``"first"``, ``"middle"``, ``"last"`` or ``"only"``."""
     plan: Plan
     """The plan of its module on the sub-mesh (shared by the stages of the same role and layer
-    count: their problems are the same)."""
+    count: their problems are the same; :func:`stage_plan` names its parameters for this stage)."""
+    planned_layers: tuple[int, int]
+    """The layers ``plan`` names (those of the first stage of this role and layer count)."""
     forward_us: float
     backward_us: float
     send_us: float
@@ -90,8 +95,9 @@ class Stage:
     activation_bytes: float
     """One microbatch's activations at the plan's peak."""
 
-    def to_json(self) -> dict:
+    def to_json(self, plan_index: int) -> dict:
         return {"index": self.index, "rank": self.rank, "layers": list(self.layers), "role": self.role,
+                "plan": plan_index, "planned_layers": list(self.planned_layers),
                 "forward_us": round(self.forward_us, 3), "backward_us": round(self.backward_us, 3),
                 "send_us": round(self.send_us, 3), "activation_bytes": int(self.activation_bytes),
                 "peak_bytes": int(self.plan.summary["peak_mem_bytes"]), "step_us": self.plan.summary["step_us"]}
@@ -121,12 +127,53 @@ class PipelinePlan:
         return self.run.step_us
 
     def to_json(self) -> dict:
-        return {"kind": "pipeline", "axis": self.axis, "schedule": self.schedule,
+        plans = []
+        for s in self.stages:
+            if not any(p is s.plan for p in plans):
+                plans.append(s.plan)
+        index = {id(p): k for k, p in enumerate(plans)}
+        return {"version": PIPELINE_VERSION, "kind": "pipeline", "axis": self.axis, "schedule": self.schedule,
                 "microbatches": self.microbatches, "stages_per_rank": self.stages_per_rank, "group": self.group,
                 "mesh": {"shape": list(self.mesh_shape), "axis_names": list(self.axis_names)},
                 "step_us": round(self.step_us, 3), "schedule_run": self.run.to_json(),
                 "memory_bytes": [int(b) for b in self.memory_bytes], "budget_bytes": int(self.budget_bytes),
-                "stages": [s.to_json() for s in self.stages], "seconds": round(self.seconds, 3)}
+                "stages": [s.to_json(index[id(s.plan)]) for s in self.stages],
+                "plans": [p.to_json() for p in plans], "seconds": round(self.seconds, 3)}
+
+    @staticmethod
+    def from_json(data: dict) -> "PipelinePlan":
+        from autoshard.errors import PlanError
+
+        if data.get("kind") != "pipeline" or data.get("version") != PIPELINE_VERSION:
+            raise PlanError(f"pipeline plan: expected kind 'pipeline' version {PIPELINE_VERSION}, found kind "
+                            f"{data.get('kind')!r} version {data.get('version')!r}")
+        try:
+            plans = [Plan.from_json(p) for p in data["plans"]]
+            stages = [Stage(s["index"], s["rank"], tuple(s["layers"]), s["role"], plans[s["plan"]],
+                            tuple(s["planned_layers"]), s["forward_us"], s["backward_us"], s["send_us"],
+                            s["activation_bytes"]) for s in data["stages"]]
+            r = data["schedule_run"]
+            run = ScheduleRun(r["step_us"], r["busy_us"], r["bubble"], r["in_flight"], r["peak_activation_bytes"])
+            return PipelinePlan(axis=data["axis"], schedule=data["schedule"], microbatches=data["microbatches"],
+                                stages_per_rank=data["stages_per_rank"], group=data["group"], stages=stages,
+                                run=run, memory_bytes=data["memory_bytes"], budget_bytes=data["budget_bytes"],
+                                mesh_shape=data["mesh"]["shape"], axis_names=data["mesh"]["axis_names"],
+                                seconds=data.get("seconds", 0.0))
+        except (KeyError, TypeError, IndexError) as exc:
+            raise PlanError(f"pipeline plan: missing or malformed field {exc}") from None
+
+    def save(self, path) -> None:
+        import json
+        from pathlib import Path
+
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @staticmethod
+    def load(path) -> "PipelinePlan":
+        import json
+        from pathlib import Path
+
+        return PipelinePlan.from_json(json.loads(Path(path).read_text()))
 
     def describe(self) -> str:
         p = len(self.memory_bytes)
@@ -208,7 +255,8 @@ def split_stages(model: torch.nn.Module, microbatch_inputs, group: list[str], co
     return stages
 
 
-def _microbatches(example_inputs, m: int) -> tuple:
+def _microbatches(example_inputs, m: int, device=None) -> tuple:
+    """One microbatch of each input (zeros: valid token ids), on ``device`` (default the input's)."""
     out = []
     for k, t in enumerate(example_inputs):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -216,7 +264,7 @@ def _microbatches(example_inputs, m: int) -> tuple:
         if t.shape[0] % m:
             raise ConfigError(f"pipeline: example input {k}'s batch ({t.shape[0]}) is not divisible by "
                               f"microbatches ({m})")
-        out.append(torch.empty((t.shape[0] // m,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device))
+        out.append(torch.zeros((t.shape[0] // m,) + tuple(t.shape[1:]), dtype=t.dtype, device=device or t.device))
     return tuple(out)
 
 
@@ -263,7 +311,13 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
     if opts.compute_dtype:
         profile = profile.priced_as(opts.compute_dtype)
     budget = resolve_budget(opts.memory_budget, profile.memory_bytes)
-    mb = _microbatches(example_inputs, microbatches)
+    from autoshard.runtime.shards import unsharded_meta_copy
+
+    # Planning never computes: the stages are split, run for their boundaries' shapes and traced
+    # on the meta device.
+    if any(not t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        model = unsharded_meta_copy(model)
+    mb = _microbatches(example_inputs, microbatches, device="meta")
     counts = list(layers_per_stage) if layers_per_stage is not None else balanced_partition(len(group), n_stages, 1.0)
     if len(counts) != n_stages or sum(counts) != len(group) or min(counts) < 1:
         raise ConfigError(f"layers_per_stage: expected {n_stages} counts >= 1 summing to {len(group)} layers, "
@@ -291,13 +345,13 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                 kinds = len({(_role(j, n_stages), counts[j]) for j in range(n_stages)} - set(solved))
                 seconds = max(5.0, (limit - (time.perf_counter() - t0)) / max(1, kinds))
                 solved[key] = _solve_stage(Planner, mod, inputs[k], sub, overrides, role, seconds,
-                                           loss_fn, budget)
+                                           loss_fn, budget) + (sum(counts[:k]),)
             plans.append(solved[key])
         return plans, boundaries
 
     plans, boundaries = stage_plans(counts)
     if layers_per_stage is None and n_stages > 2:
-        per_layer = {k: (f + b) / counts[k] for k, (_pl, f, b, _a) in enumerate(plans)
+        per_layer = {k: (f + b) / counts[k] for k, (_pl, f, b, _a, _at) in enumerate(plans)
                      if _role(k, n_stages) == "middle"}
         t = min(per_layer.values())
         first_extra = plans[0][1] + plans[0][2] - counts[0] * t
@@ -335,14 +389,14 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
             modules = split_stages(model, mb, group, counts)
             inputs = (mb,) if s == 0 else (torch.empty_like(boundaries[s - 1]),)
             solved[key] = _solve_stage(Planner, modules[s], inputs, sub, overrides, key[0],
-                                       max(5.0, limit / 4), loss_fn, lowered)
+                                       max(5.0, limit / 4), loss_fn, lowered) + (sum(counts[:s]),)
         plans = [solved[(_role(k, n_stages), counts[k])] for k in range(n_stages)]
 
     stages, start = [], 0
     for k in range(n_stages):
-        pl, f, b, a = plans[k]
-        stages.append(Stage(k, k % p, (start, start + counts[k]), _role(k, n_stages), pl, f, b,
-                            0.0 if k == n_stages - 1 else run_send(k, plans, boundaries, profile, mesh, axis_index), a))
+        pl, f, b, a, at = plans[k]
+        stages.append(Stage(k, k % p, (start, start + counts[k]), _role(k, n_stages), pl, (at, at + counts[k]),
+                            f, b, sends[k], a))
         start += counts[k]
     prefix = group[0].rpartition(".")[0]
     return PipelinePlan(axis=axis, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
@@ -350,8 +404,29 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                         mesh_shape=list(mesh.shape), axis_names=names, seconds=time.perf_counter() - t0)
 
 
-def run_send(k: int, plans, boundaries, profile: Profile, mesh, axis_index: int) -> float:
-    return _send_us(plans[k + 1][0], boundaries[k], profile, tuple(mesh.shape), axis_index)
+def stage_plan(pplan: PipelinePlan, stage: Stage) -> Plan:
+    """``stage``'s plan with its own parameter names: the shared plan's layers
+    (``planned_layers``) renamed to the stage's (same structure, so the same graph and nodes)."""
+    shift = stage.layers[0] - stage.planned_layers[0]
+    if shift == 0:
+        return stage.plan
+    prefix = f"{pplan.group}." if pplan.group else ""
+
+    def rename(fqn: str) -> str:
+        if not fqn.startswith(prefix):
+            return fqn
+        head, _, tail = fqn[len(prefix):].partition(".")
+        if not head.isdigit():
+            return fqn
+        return f"{prefix}{int(head) + shift}" + (f".{tail}" if tail else "")
+
+    data = stage.plan.to_json()
+    data["params"] = {rename(k): v for k, v in data["params"].items()}
+    rc = data.get("recompute") or {}
+    for field_name in ("nodes", "at"):
+        if isinstance(rc.get(field_name), dict):
+            rc[field_name] = {rename(k): v for k, v in rc[field_name].items()}
+    return Plan.from_json(data)
 
 
 def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds: float, loss_fn,

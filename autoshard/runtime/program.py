@@ -79,6 +79,9 @@ class PlannedProgram:
         self.trainable = [f for f in tg.param_fqns if f in self.split.grads]
         self._forward: dict[int, RankProgram] = {}
         self._base_seed: int | None = None
+        """Rank 0's initial seed, broadcast on the first forward; set beforehand where this
+        program's mesh is a slice of the world's (a pipeline stage's ranks run their first
+        forward when their stage does, not all at once)."""
         self._runs = 0
         self._backward: dict[int, RankProgram] = {}
 
