@@ -77,6 +77,15 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict) -> None:
                 t.copy_(src)
 
 
+def _in_spec(a: DTensor, mesh, spec: Spec) -> DTensor:
+    """A DTensor input in its planned spec (a pipeline stage's input arrives in the spec the stage
+    before handed it over in)."""
+    from autoshard._torch_compat import placements_for
+
+    want = placements_for(spec, mesh)
+    return a if tuple(a.placements) == tuple(want) else a.redistribute(mesh, want)
+
+
 class _PlannedForward:
     """The model's ``forward`` once parallelized: the plan's lowered forward and backward
     programs (one per input signature, lowered on first use)."""
@@ -103,7 +112,8 @@ class _PlannedForward:
                     shapes = [torch.empty(x.shape, dtype=x.dtype) for x in inputs]
                 positional = shapes[: len(shapes) - len(names)]
                 keywords = {**constants, **dict(zip(names, shapes[len(positional):]))}
-                tg = trace(self.template, positional, self.loss_fn, example_kwargs=keywords)
+                tg = trace(self.template, positional, self.loss_fn, example_kwargs=keywords,
+                           input_grads=bool(self.plan.model.get("input_grads")))
             self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile, self.bucket_mb,
                                                  self.overlap, self.compute_loss, compile=self.compile)
             if self.seed is not None:
@@ -123,7 +133,8 @@ class _PlannedForward:
             raise PlanError(f"forward got tensor keyword inputs {sorted(tensor_kw)}, the plan was made for "
                             f"{sorted(names)}")
         inputs = list(args) + [tensor_kw[k] for k in names]
-        dist_inputs = [a if isinstance(a, DTensor) else distribute(a, self.mesh, spec, src_data_rank=None)
+        dist_inputs = [_in_spec(a, self.mesh, spec) if isinstance(a, DTensor)
+                       else distribute(a, self.mesh, spec, src_data_rank=None)
                        for a, spec in zip(inputs, self.input_specs)]
         program = self.program(dist_inputs, constants)
         params = dict(self.model.named_parameters())

@@ -13,7 +13,7 @@ from solver import BACKENDS
 
 #: Fields fixed once the model is traced and its problem built (a new Planner changes them).
 TRACE_FIELDS = ("profile", "compute_dtype", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers",
-                "load_imbalance", "bucket_mb")
+                "load_imbalance", "bucket_mb", "input_grads")
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
                 "overlap_objective", "export_problem")
@@ -143,6 +143,11 @@ class PlanOptions:
     """Keyword arguments of ``forward`` (``attention_mask``, ``labels`` ...): tensors are planned
     inputs after the positional ones, other values constants of the plan."""
 
+    input_grads: bool = False
+    """The step computes its floating-point inputs' gradients too, planned with the rest and
+    returned by the lowered backward: a pipeline stage's (:mod:`autoshard.planning.pipeline`),
+    which sends its input's gradient back to the stage before."""
+
     export_problem: str | None = None
     """Also write the solver's problem (pins applied) to this path in the IOPDDL contest format
     (``.json`` or ``.json.gz``; ties and pins as extra keys)."""
@@ -159,7 +164,7 @@ class PlanOptions:
             raise ConfigError(f"time_limit: expected seconds > 0, found {self.time_limit!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {BACKENDS}, found {self.backend!r}")
-        for name in ("tie_layers", "unroll_layers", "overlap_objective", "seed_baselines"):
+        for name in ("tie_layers", "unroll_layers", "overlap_objective", "seed_baselines", "input_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")
         if self.compute_dtype is not None and not _is_float_dtype(self.compute_dtype):

@@ -57,6 +57,9 @@ class TracedGraph:
     loss_node: fx.Node | None = None
     grad_of: dict[str, fx.Node] = field(default_factory=dict)
     """Parameter FQN -> the node producing its gradient (absent when unused)."""
+    input_grad_of: dict[int, fx.Node] = field(default_factory=dict)
+    """Tensor input index -> the node producing its gradient, where the step was traced with
+    ``input_grads`` (a pipeline stage sends its input's gradient back to the stage before)."""
     layer_groups: list[list[str]] = field(default_factory=list)
     """Repeated layers whose traced nodes are tagged (see :mod:`autoshard.graph.layers`)."""
     outputs: list = field(default_factory=list)
@@ -178,6 +181,8 @@ class RawTrace:
     tree: object = None
     grads: dict[int, fx.Node | None] = field(default_factory=dict)
     fake_mode: FakeTensorMode | None = None
+    grad_inputs: list[int] = field(default_factory=list)
+    """Indices of the tensor inputs whose gradients the graph outputs after the parameters'."""
 
 
 def trace(
@@ -186,6 +191,7 @@ def trace(
     loss_fn: Callable | None = None,
     tie_layers: bool = True,
     example_kwargs: dict | None = None,
+    input_grads: bool = False,
 ) -> TracedGraph:
     """Trace one training step of ``model`` on ``example_inputs`` (real, fake or meta tensors).
 
@@ -193,10 +199,12 @@ def trace(
     (after the positional ones, in the dict's order), anything else is a constant of the trace.
     With ``tie_layers``, the nodes of repeated layers are tagged so that the
     planner can tie them. :func:`autoshard.graph.unroll.trace_unrolled` traces deep models faster.
+    ``input_grads``: the step computes the gradient of each floating-point input too
+    (:attr:`TracedGraph.input_grad_of`: a pipeline stage's, sent back to the stage before).
     """
     example_inputs = check_inputs(example_inputs)
     groups = layer_groups(model) if tie_layers else []
-    return finish(raw_trace(model, example_inputs, loss_fn, example_kwargs, groups))
+    return finish(raw_trace(model, example_inputs, loss_fn, example_kwargs, groups, input_grads))
 
 
 def check_inputs(example_inputs) -> tuple:
@@ -211,7 +219,7 @@ def check_inputs(example_inputs) -> tuple:
 
 
 def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None, example_kwargs: dict | None,
-              groups: list[list[str]]) -> RawTrace:
+              groups: list[list[str]], input_grads: bool = False) -> RawTrace:
     """``make_fx`` of the training step, layers of ``groups`` tagged (untagged if that fails)."""
     example_kwargs = dict(example_kwargs or {})
     kw_names = [k for k, v in example_kwargs.items() if isinstance(v, torch.Tensor)]
@@ -227,7 +235,8 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
     fm = FakeTensorMode(allow_non_fake_inputs=True)
     fparams = [_to_fake(fm, p, device, requires_grad=p.requires_grad) for p in params.values()]
     fbuffers = [_to_fake(fm, b, device) for b in buffers.values()]
-    finputs = [_to_fake(fm, x, device, requires_grad=False) for x in example_inputs]
+    grad_inputs = [k for k, x in enumerate(example_inputs) if input_grads and x.is_floating_point()]
+    finputs = [_to_fake(fm, x, device, requires_grad=k in grad_inputs) for k, x in enumerate(example_inputs)]
     names_p, names_b = list(params), list(buffers)
     trainable = [i for i, p in enumerate(params.values()) if p.requires_grad]
     seen: dict = {}
@@ -259,7 +268,8 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise TraceError(f"loss: expected a scalar tensor, found {getattr(loss, 'shape', type(loss))}")
         tc.node_meta_custom()[PHASE] = "backward"
-        grads = torch.autograd.grad(loss, [ps[i] for i in trainable], allow_unused=True)
+        grads = torch.autograd.grad(loss, [ps[i] for i in trainable] + [xs[k] for k in grad_inputs],
+                                    allow_unused=True)
         tc.node_meta_custom().pop(PHASE, None)
         return (loss, *grads)
 
@@ -288,6 +298,7 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
             f"{_flex_attention_hint(exc)}"
         ) from exc
     return RawTrace(gm=gm, param_fqns=names_p, buffer_fqns=names_b, trainable=trainable, input_names=input_names,
+                    grad_inputs=grad_inputs,
                     groups=groups, leaves=seen.get("leaves", []), tree=seen.get("tree"),
                     grads=dict(seen.get("grads", {})), fake_mode=fm)
 
@@ -366,4 +377,7 @@ def finish(raw: RawTrace) -> TracedGraph:
     for idx, g in zip(trainable, flat[1:]):
         if isinstance(g, fx.Node):
             tg.grad_of[names_p[idx]] = g
+    for k, g in zip(raw.grad_inputs, flat[1 + len(trainable):]):
+        if isinstance(g, fx.Node):
+            tg.input_grad_of[k] = g
     return tg

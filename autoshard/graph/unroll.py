@@ -77,11 +77,15 @@ def truncated(model: torch.nn.Module, groups: list[list[str]], depth: int):
             parent._modules = kids
 
 
-def trace_unrolled(model: torch.nn.Module, example_inputs, loss_fn=None, example_kwargs=None) -> TracedGraph:
+def trace_unrolled(model: torch.nn.Module, example_inputs, loss_fn=None, example_kwargs=None,
+                   input_grads: bool = False) -> TracedGraph:
     """:func:`autoshard.graph.tracing.trace` (layers tied), each group of :data:`MIN_LAYERS` or more
-    layers unrolled from three when that reproduces the four-layer trace, else traced whole."""
+    layers unrolled from three when that reproduces the four-layer trace, else traced whole
+    (always with ``input_grads``: the unrolled graph carries the parameters' gradients only)."""
     example_inputs = check_inputs(example_inputs)
     groups = layer_groups(model)
+    if input_grads:
+        return finish(raw_trace(model, example_inputs, loss_fn, example_kwargs, groups, input_grads=True))
     raw = unrolled_trace(model, example_inputs, loss_fn, example_kwargs, groups) if groups else None
     return finish(raw if raw is not None else raw_trace(model, example_inputs, loss_fn, example_kwargs, groups))
 

@@ -124,7 +124,8 @@ def assemble_plan(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: P
                 "variables": sol.stats.get("variables"), "constraints": sol.stats.get("constraints"),
                 **({"cut_by_clock": sol.stats["cut_by_clock"]} if sol.stats.get("cut_by_clock") else {})},
         profile=profile_entry(prof),
-        model={"class": type(model).__name__, "fingerprint": Plan.fingerprint(shapes)},
+        model={"class": type(model).__name__, "fingerprint": Plan.fingerprint(shapes),
+               **({"input_grads": sorted(tg.input_grad_of)} if tg.input_grad_of else {})},
         recompute=rc.to_json(),
     )
 

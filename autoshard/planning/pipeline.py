@@ -10,7 +10,9 @@ the modules ``PipelineStage`` runs, with the model's parameter names.
 
 Each stage is planned by :class:`~autoshard.planning.planner.Planner` on the mesh without
 ``axis`` (the stage's sub-mesh), at one microbatch, its boundary activation as input and, but
-for the last stage, a loss whose gradient is the one the next stage sends back (``out.sum()``).
+for the last stage, a loss whose gradient is the one the next stage sends back (``out.sum()``),
+and but for the first, its input's gradient computed and returned (``input_grads``: what it
+sends back).
 Stages with the same role (first, middle, last) and layer count are the same problem and are
 solved once. From stage ``s``'s plan:
 
@@ -441,6 +443,8 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
             kw["loss_fn"] = loss_fn
     else:
         kw["loss_fn"] = _boundary_loss
+    if role in ("middle", "last"):
+        kw["input_grads"] = True  # the gradient it sends back to the stage before
     planner = planner_cls(module, tuple(inputs), sub, **kw)
     pl = planner.solve()
     fwd, bwd = planner.phase_compute_us(pl)

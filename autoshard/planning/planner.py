@@ -144,10 +144,11 @@ class Planner:
             with quiet_tracing():  # called inside LocalTensorMode or CommDebugMode, the trace is the model's alone
                 if opts.tie_layers and opts.unroll_layers:
                     self.traced = tg = trace_unrolled(model, example_inputs, opts.loss_fn,
-                                                      example_kwargs=opts.example_kwargs)
+                                                      example_kwargs=opts.example_kwargs,
+                                                      input_grads=opts.input_grads)
                 else:
                     self.traced = tg = trace(model, example_inputs, opts.loss_fn, tie_layers=opts.tie_layers,
-                                             example_kwargs=opts.example_kwargs)
+                                             example_kwargs=opts.example_kwargs, input_grads=opts.input_grads)
         self.phases["trace_s"] = time.perf_counter() - t0
         log.info(f"traced {len(tg.gm.graph.nodes)} graph nodes in {self.phases['trace_s']:.2f}s"
                  + (f"; repeated layers: {', '.join(f'{g[0]}..{g[-1]}' for g in tg.layer_groups)}"

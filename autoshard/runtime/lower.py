@@ -53,6 +53,8 @@ class Split:
     with the loss lowered, (0, the loss's gradient)."""
     grads: dict[str, fx.Node]
     """Parameter FQN -> the node of its gradient (only parameters the loss reaches)."""
+    input_grads: dict[int, fx.Node] = field(default_factory=dict)
+    """Tensor input index -> the node of its gradient, where the step was traced with them."""
     recomputed: frozenset = frozenset()
     """The backward's ops that run a forward op again (activation checkpointing)."""
 
@@ -109,7 +111,7 @@ def split(tg: TracedGraph, with_loss: bool = False, recompute: Recompute = NONE)
     rec = recomputed(tg.gm, recompute)
     wanted: set[fx.Node] = set()
     saved: dict[fx.Node, None] = {}
-    stack = [g for g in tg.grad_of.values()]
+    stack = [g for g in tg.grad_of.values()] + list(tg.input_grad_of.values())
     while stack:
         n = stack.pop()
         if n in wanted or n in saved or n in tangent_of:
@@ -133,10 +135,11 @@ def split(tg: TracedGraph, with_loss: bool = False, recompute: Recompute = NONE)
     # A layer's recomputed ops run, in forward order, just before the first backward op reading one.
     backward = sorted((n for n in nodes if n in wanted),
                       key=lambda n: (order[rec[n]], 0, order[n]) if n in rec else (order[n], 1, 0))
-    used = {a for n in backward for a in n.all_input_nodes} | set(tg.grad_of.values())
+    used = {a for n in backward for a in n.all_input_nodes} | set(tg.grad_of.values()) | set(tg.input_grad_of.values())
     tangents = sorted(((k, n) for n, k in tangent_of.items() if n in used), key=lambda kn: kn[0])
     return Split(forward=forward, backward=backward, saved=sorted(saved, key=order.__getitem__),
-                 tangents=tangents, grads=dict(tg.grad_of), recomputed=frozenset(n for n in backward if n in rec))
+                 tangents=tangents, grads=dict(tg.grad_of), recomputed=frozenset(n for n in backward if n in rec),
+                 input_grads=dict(tg.input_grad_of))
 
 
 @dataclass

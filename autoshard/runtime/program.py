@@ -102,11 +102,12 @@ class PlannedProgram:
             s, fwd = self.split, self.forward_program(rank)
             saved_specs = fwd.out_specs[len(self.outputs):]
             tangent_specs = [self._tangent_spec(k, d, fwd) for k, d in s.tangents]
-            grads = [s.grads[f] for f in self.trainable]
+            grads = [s.grads[f] for f in self.trainable] + [s.input_grads[k] for k in sorted(s.input_grads)]
+            # An input's gradient leaves in the spec its node is planned in (None).
             self._backward[rank] = self.lowering.lower(
                 s.saved + [d for _, d in s.tangents], list(saved_specs) + tangent_specs,
                 [_meta(n) for n in s.saved] + [_meta(d) for _, d in s.tangents], s.backward, grads,
-                [self.plan.param_spec(f) for f in self.trainable], rank,
+                [self.plan.param_spec(f) for f in self.trainable] + [None] * len(s.input_grads), rank,
                 in_strides=fwd.out_strides[len(self.outputs):] + [None] * len(s.tangents), recomputed=s.recomputed)
             self._optimize(self._backward[rank])
         return self._backward[rank]
@@ -288,7 +289,10 @@ class StepFunction(torch.autograd.Function):
         grads = program.run("backward", args)
         out = [None] * ctx.n_flat
         index = {f: i for i, f in enumerate(program.tg.param_fqns)}
-        for f, local, spec, meta in zip(program.trainable, grads, bwd.out_specs, bwd.out_meta):
+        first_input = len(program.tg.param_fqns) + len(program.tg.buffer_fqns)
+        index.update({k: first_input + k for k in s.input_grads})
+        for f, local, spec, meta in zip(program.trainable + sorted(s.input_grads), grads, bwd.out_specs,
+                                        bwd.out_meta):
             out[index[f]] = DTensor.from_local(local, program.mesh, tc.placements_for(spec, program.mesh),
                                                run_check=False, shape=meta[0], stride=meta[1])
         return (None, *out)
