@@ -4,6 +4,7 @@
     python -m autoshard.train --single --steps 5          # the single-process reference
     torchrun ... -m autoshard.train --steps 3 --save ckpt/ --save-plan plan.json
     torchrun ... -m autoshard.train --plan plan.json --resume ckpt/ --start-step 3 --steps 2
+    torchrun ... -m autoshard.train --model llama --layers 4 --mesh pp=2,dp=2 --pipeline pp --microbatches 4
 
 Rank 0 plans (or loads ``--plan``) and broadcasts the plan; every rank builds the
 same model from the same seed, applies the plan with ``autoshard.parallelize`` and
@@ -68,6 +69,40 @@ def train(model, data, lr: float, report: bool, opt=None, start: int = 0, planne
     return opt
 
 
+def train_pipelined(model, mesh, data, args) -> None:
+    """Plan (rank 0) and run a pipelined plan: each rank's stages in torch's schedule, AdamW on
+    their parameters; the rank of the last stage whose other coordinates are 0 prints the loss
+    (the mean of the microbatches' losses)."""
+    from autoshard.planning.pipeline import PipelinePlan, plan_pipeline
+    from autoshard.runtime.stages import pipeline_schedule
+
+    box = [None]
+    if dist.get_rank() == 0:
+        pplan = plan_pipeline(model, (data[0],), mesh, axis=args.pipeline, microbatches=args.microbatches,
+                              schedule=args.schedule, stages_per_rank=args.stages_per_rank, profile=args.profile,
+                              loss_fn=loss_fn, time_limit=60)
+        print(pplan.describe(), flush=True)
+        box[0] = pplan.to_json()
+        if args.save_plan:
+            pplan.save(args.save_plan)
+    dist.broadcast_object_list(box, src=0)
+    pplan = PipelinePlan.from_json(box[0])
+    schedule, stages = pipeline_schedule(model, pplan, mesh, (data[0],), loss_fn=lambda out, _target: loss_fn(out))
+    opt = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=args.lr)
+    pp_rank = mesh.get_local_rank(args.pipeline)
+    first = pplan.stages[0].rank == pp_rank
+    last = pplan.stages[-1].rank == pp_rank
+    others = [mesh.get_local_rank(n) for n in pplan.axis_names if n != args.pipeline]
+    for step, tokens in enumerate(data, start=args.start_step):
+        losses: list = []
+        schedule.step(*((tokens,) if first else ()), **({"target": tokens, "losses": losses} if last else {}))
+        opt.step()
+        opt.zero_grad()
+        if last and not any(others):
+            value = torch.stack([x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]).mean()
+            print(f"step {step} loss {value.item():.8f}", flush=True)
+
+
 def save_checkpoint(path: str, model, opt) -> None:
     """Each rank writes its own shards (torch.distributed.checkpoint): no full gather."""
     import torch.distributed.checkpoint as dcp
@@ -121,6 +156,11 @@ def main(argv=None) -> int:
                     help="activation checkpointing of the repeated layers, planned (needs --layers 2 or more)")
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="torch.compile each rank's lowered programs with this backend (inductor, aot_eager, ...)")
+    ap.add_argument("--pipeline", default=None, metavar="AXIS",
+                    help="pipeline stages over this mesh axis (autoshard.planning.pipeline), run by torch's schedules")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved_1f1b"))
+    ap.add_argument("--stages-per-rank", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = build(args.seed, args.dim, args.layers, args.vocab, args.model, args.seq)
@@ -142,6 +182,11 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo")
     shape, names = autoshard.parse_mesh(args.mesh)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if args.pipeline:
+        train_pipelined(model, mesh, data, args)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     box = [None]
     if dist.get_rank() == 0:
         if args.plan:
