@@ -164,3 +164,27 @@ def test_died_by_signal_reads_only_the_root_cause():
     assert not died_by_signal("Traceback (most recent call last):\nValueError: bad mesh\n")
     no_root = summary("-6", "Signal 6 (SIGABRT) received by PID 6").replace("Root Cause (first observed failure)", "")
     assert not died_by_signal(no_root)  # without torchrun's root-cause block nothing is rerun
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_pipeline_matches_single_process(tmp_path):
+    """A reference LLaMA of 4 layers pipelined in 2 stages x DP 2 on 4 gloo ranks (1F1B, 4
+    microbatches, torch's PipelineStage and schedule; each stage's plan lowered, the second
+    stage's input gradient sent back): the single process's losses over 3 AdamW steps."""
+    from autoshard.planning.pipeline import PipelinePlan
+
+    plan_file = tmp_path / "pipeline.json"
+    _against_single_process(4, "--mesh", "pp=2,dp=2", "--pipeline", "pp", "--microbatches", "4",
+                            "--save-plan", str(plan_file), model="llama")
+    pplan = PipelinePlan.load(plan_file)
+    assert (pplan.schedule, pplan.microbatches, len(pplan.stages)) == ("1f1b", 4, 2)
+    assert pplan.stages[1].plan.model.get("input_grads") == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_interleaved_pipeline_with_tensor_parallel_stages_matches_single_process():
+    """Interleaved 1F1B, two stages per rank (the middle stages' plans renamed to their layers),
+    the stages' placements on a TP axis."""
+    _against_single_process(4, "--mesh", "pp=2,tp=2", "--pipeline", "pp", "--microbatches", "4",
+                            "--schedule", "interleaved_1f1b", "--stages-per-rank", "2", model="llama")

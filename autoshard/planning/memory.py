@@ -64,11 +64,14 @@ class MemoryAccount:
     the optimizer's temporaries)."""
     largest: list = field(default_factory=list)
     """The largest values live at the peak: ``(bytes, category, what)``, largest first."""
+    saved_bytes: int = 0
+    """The forward's values live when the backward starts: what the step keeps from its forward
+    for its backward (a pipeline stage holds this much per microbatch in flight)."""
 
     def to_json(self) -> dict:
         return {"peak_bytes": int(self.peak_bytes), "at_peak": {k: int(v) for k, v in self.at_peak.items() if v},
                 "peak_at": self.peak_at, "rows_peak_bytes": int(self.rows_peak_bytes),
-                "at_step": {k: int(v) for k, v in self.at_step.items() if v},
+                "at_step": {k: int(v) for k, v in self.at_step.items() if v}, "saved_bytes": int(self.saved_bytes),
                 "largest": [[int(b), c, w] for b, c, w in self.largest]}
 
 
@@ -265,6 +268,12 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
     for k in np.flatnonzero(live):
         at_peak[events[k][3]] += int(e_b[k])
     peak_at = _node_at(gp, lo, at)
+    backward_lo = [lo[v] for v in range(n) if v not in gp.copy_of and node_phase(gp.nodes[v]) == "backward"]
+    saved = 0
+    if backward_lo:
+        t_b = min(backward_lo)
+        saved = int(sum(e_b[k] for k in np.flatnonzero((e_lo < t_b) & (t_b < e_hi))
+                        if events[k][3] == "activations"))
     largest = sorted(((int(e_b[k]), events[k][3], events[k][4]) for k in np.flatnonzero(live)), reverse=True)[:8]
 
     # The optimizer step: what is held to the end, and AdamW's temporaries.
@@ -282,7 +291,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
         what = "every parameter's shard (foreach)" if foreach else f"{tg.fqn_of[gp.nodes[top[0]].name]}'s shard"
         largest = sorted(largest + [(step["optimizer step"], "optimizer step", what)], reverse=True)
     return MemoryAccount(peak_bytes=int(peak), at_peak=at_peak, peak_at=peak_at, rows_peak_bytes=int(rows_peak),
-                         at_step=step, largest=largest)
+                         at_step=step, largest=largest, saved_bytes=saved)
 
 
 def _is_view(gp: GraphProblem, v: int) -> bool:

@@ -18,7 +18,8 @@ solved once. From stage ``s``'s plan:
 
 - ``f_s``, ``b_s``: its simulated step (compute and exposed communication of one microbatch)
   cut in the ratio of its forward's and backward's compute (:meth:`Planner.phase_compute_us`);
-- ``a_s``: the activations its memory account holds at its peak (one microbatch's);
+- ``a_s``: what one microbatch keeps from its forward for its backward (the memory account's
+  ``saved_bytes``: forward values live when the backward starts);
 - ``c_s``: the send of its boundary activation's local shard to stage ``s + 1`` over ``axis``
   (one rank to one other, priced as the ``all_to_all`` of two ranks each sending those bytes,
   as the ring attention's passes are).
@@ -49,8 +50,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from types import MethodType
 from dataclasses import dataclass, field
+from types import MethodType
 
 import torch
 
@@ -195,7 +196,8 @@ class PipelinePlan:
 def balanced_partition(layers: int, stages: int, layer_us: float, first_extra_us: float = 0.0,
                        last_extra_us: float = 0.0) -> list[int]:
     """Layers per stage, contiguous, minimizing the slowest stage's time ``n_s t + [s = 0] e_0
-    + [s = S-1] e_last`` (ties: the most even counts). Every stage gets a layer."""
+    + [s = S-1] e_last`` (ties: the least sum of squared stage times). Every stage gets a layer;
+    the middle stages' counts differ by one at most."""
     if stages < 1 or layers < stages:
         raise ConfigError(f"pipeline: {stages} stages need at least as many repeated layers, found {layers}")
     if stages == 1:
@@ -209,9 +211,10 @@ def balanced_partition(layers: int, stages: int, layer_us: float, first_extra_us
             mids = [] if stages == 2 else [rest // (stages - 2) + (1 if k < rest % (stages - 2) else 0)
                                            for k in range(stages - 2)]
             counts = [first] + mids + [last]
-            worst = max([first * layer_us + first_extra_us, last * layer_us + last_extra_us]
-                        + [n * layer_us for n in mids])
-            key = (round(worst, 6), max(counts) - min(counts), counts)
+            times = ([first * layer_us + first_extra_us] + [n * layer_us for n in mids]
+                     + [last * layer_us + last_extra_us])
+            # Ties of the slowest stage: the most even times (the others wait least), then counts.
+            key = (round(max(times), 6), round(sum(t * t for t in times), 6), counts)
             if best is None or key < best[0]:
                 best = (key, counts)
     return best[1]
@@ -262,7 +265,8 @@ def _microbatches(example_inputs, m: int, device=None) -> tuple:
     out = []
     for k, t in enumerate(example_inputs):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise ConfigError(f"pipeline: example input {k} must be a tensor with a batch dim, found {type(t).__name__}")
+            raise ConfigError(f"pipeline: example input {k} must be a tensor with a batch dim, "
+                              f"found {type(t).__name__}")
         if t.shape[0] % m:
             raise ConfigError(f"pipeline: example input {k}'s batch ({t.shape[0]}) is not divisible by "
                               f"microbatches ({m})")
@@ -375,23 +379,23 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
         over = {s: memory[s % p] - budget for s in range(n_stages) if budget is not None and memory[s % p] > budget}
         if not over:
             break
-        if _round == BUDGET_ROUNDS:
-            worst = max(memory)
+        worst = max(memory)
+        lowered = {s: solved[(_role(s, n_stages), counts[s])][0].summary["memory_budget_bytes"]
+                   - excess / stages_per_rank for s, excess in over.items()}
+        if _round == BUDGET_ROUNDS or min(lowered.values()) <= 0:
             raise MemoryBudgetError(
                 f"pipeline: rank {memory.index(worst)} needs {human_bytes(worst)} with {microbatches} microbatches "
-                f"in {schedule}, above the budget {human_bytes(budget)} after {BUDGET_ROUNDS} solves with the "
-                "in-flight microbatches taken off the stage budgets: more stages, fewer microbatches in flight "
+                f"in {schedule}, above the budget {human_bytes(budget)} (after {_round + 1} solves with the "
+                "in-flight microbatches taken off the stage budgets): more stages, fewer microbatches in flight "
                 "(1f1b) or recomputation", budget, worst)
         for s, excess in over.items():
             key = (_role(s, n_stages), counts[s])
-            pl = solved[key][0]
-            lowered = pl.summary["memory_budget_bytes"] - excess / stages_per_rank
             log.info(f"pipeline: stage {s} over the budget by {human_bytes(excess)}; solving it again "
-                     f"under {human_bytes(lowered)}")
+                     f"under {human_bytes(lowered[s])}")
             modules = split_stages(model, mb, group, counts)
             inputs = (mb,) if s == 0 else (torch.empty_like(boundaries[s - 1]),)
             solved[key] = _solve_stage(Planner, modules[s], inputs, sub, overrides, key[0],
-                                       max(5.0, limit / 4), loss_fn, lowered) + (sum(counts[:s]),)
+                                       max(5.0, limit / 4), loss_fn, lowered[s]) + (sum(counts[:s]),)
         plans = [solved[(_role(k, n_stages), counts[k])] for k in range(n_stages)]
 
     stages, start = [], 0
@@ -446,11 +450,14 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
     if role in ("middle", "last"):
         kw["input_grads"] = True  # the gradient it sends back to the stage before
     planner = planner_cls(module, tuple(inputs), sub, **kw)
-    pl = planner.solve()
+    try:
+        pl = planner.solve()
+    except MemoryBudgetError as exc:
+        raise MemoryBudgetError(f"pipeline stage ({role}): {exc}", exc.budget_bytes, exc.min_feasible_bytes) from None
     fwd, bwd = planner.phase_compute_us(pl)
     step = float(pl.summary["step_us"])
     share = fwd / (fwd + bwd) if fwd + bwd > 0 else 1 / 3
-    act = float(pl.summary["memory"]["at_peak"].get("activations", 0))
+    act = float(pl.summary["memory"]["saved_bytes"])
     return pl, step * share, step * (1 - share), act
 
 

@@ -1,0 +1,136 @@
+"""Pipeline planning: stages cut by torch's splitter and planned on the sub-mesh, the schedule's
+step from their times, each rank's memory with its in-flight microbatches, and the plan file."""
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import ConfigError, MemoryBudgetError
+from autoshard.graph.layers import layer_groups
+from autoshard.models import llama
+from autoshard.planning.pipeline import PipelinePlan, balanced_partition, plan_pipeline, split_stages, stage_plan
+from autoshard.planning.schedule import simulate
+
+
+def _model(layers=6, vocab=4096):
+    with torch.device("meta"):
+        return llama("tiny", dim=128, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=vocab,
+                     max_seq_len=64)
+
+
+def _tokens(batch=16):
+    return torch.empty(batch, 64, dtype=torch.long, device="meta")
+
+
+def _loss(out):
+    return out.float().pow(2).mean()
+
+
+@pytest.fixture(scope="module")
+def planned():
+    from conftest import use_world
+
+    use_world(64)
+    mesh = autoshard.fake_mesh((4, 4, 4), ("pp", "dp", "tp"))
+    return plan_pipeline(_model(), (_tokens(),), mesh, axis="pp", microbatches=8, profile="h100-sxm",
+                         loss_fn=_loss, time_limit=30)
+
+
+def test_balanced_partition_gives_the_heavy_ends_fewer_layers():
+    assert balanced_partition(8, 4, 1.0) == [2, 2, 2, 2]
+    # A head worth 1.5 layers: the last stage takes one layer; of the partitions whose slowest
+    # stage is 3, the most even.
+    assert balanced_partition(8, 4, 1.0, 0.0, 1.5) == [2, 3, 2, 1]
+    counts = balanced_partition(30, 4, 1.0, 2.0, 6.0)
+    # 38 layers of work on 4 stages: 9.5 each at best, so 10 with whole layers.
+    assert sum(counts) == 30 and max(counts[0] + 2, counts[-1] + 6, *counts[1:-1]) == 10
+    with pytest.raises(ConfigError, match="at least as many repeated layers"):
+        balanced_partition(3, 4, 1.0)
+
+
+def test_the_step_is_the_schedule_of_the_stages_times(planned):
+    pp = planned
+    assert [s.rank for s in pp.stages] == [0, 1, 2, 3]
+    assert sum(s.layers[1] - s.layers[0] for s in pp.stages) == 6
+    again = simulate("1f1b", 4, 8, [s.forward_us for s in pp.stages], [s.backward_us for s in pp.stages],
+                     [s.send_us for s in pp.stages])
+    assert pp.step_us == pytest.approx(again.step_us)
+    assert pp.step_us > 8 * max(s.forward_us + s.backward_us for s in pp.stages)
+    assert all(s.send_us > 0 for s in pp.stages[:-1]) and pp.stages[-1].send_us == 0
+    # Each stage's time is its plan's step, cut at its forward's share.
+    for s in pp.stages:
+        assert s.forward_us + s.backward_us == pytest.approx(s.plan.summary["step_us"], rel=1e-6)
+        assert 0 < s.forward_us < s.backward_us
+
+
+def test_each_rank_holds_its_in_flight_microbatches(planned):
+    """1F1B: stage s keeps p - s microbatches; rank memory = its plan's peak (one in flight)
+    plus the others' activations."""
+    pp = planned
+    assert pp.run.in_flight == [4, 3, 2, 1]
+    for s in pp.stages:
+        extra = (pp.run.in_flight[s.index] - 1) * s.activation_bytes
+        assert pp.memory_bytes[s.rank] == pytest.approx(s.plan.summary["peak_mem_bytes"] + extra)
+        assert s.activation_bytes > 0
+
+
+def test_stages_alike_are_solved_once_and_named_for_their_layers(planned):
+    pp = planned
+    by_kind = {}
+    for s in pp.stages:
+        by_kind.setdefault((s.role, s.layers[1] - s.layers[0]), set()).add(id(s.plan))
+    assert all(len(ids) == 1 for ids in by_kind.values())
+    # Their modules: torch's split of the model at the same layers.
+    model = _model()
+    group = layer_groups(model)[0]
+    counts = [s.layers[1] - s.layers[0] for s in pp.stages]
+    modules = split_stages(model, (torch.zeros(2, 64, dtype=torch.long, device="meta"),), group, counts)
+    for s, mod in zip(pp.stages, modules):
+        names = {n for n, _ in mod.named_parameters()}
+        assert names == {f for f in stage_plan(pp, s).params if f in names} and names <= set(stage_plan(pp, s).params)
+    # The model is left as given: splitting it again works.
+    split_stages(model, (torch.zeros(2, 64, dtype=torch.long, device="meta"),), group, [1, 2, 2, 1])
+    # Every stage but the first computes its input's gradient (sent back).
+    assert [s.plan.model.get("input_grads") for s in pp.stages] == [None, [0], [0], [0]]
+
+
+def test_the_plan_file_round_trips(planned, tmp_path):
+    pp = planned
+    pp.save(tmp_path / "pp.json")
+    back = PipelinePlan.load(tmp_path / "pp.json")
+    assert back.to_json() == pp.to_json()
+    assert "pipeline over 'pp'" in back.describe() and "bubble" in back.describe()
+
+
+def test_interleaved_stages_share_a_rank(world):
+    world(64)
+    mesh = autoshard.fake_mesh((2, 4, 8), ("pp", "dp", "tp"))
+    pp = plan_pipeline(_model(8), (_tokens(),), mesh, axis="pp", microbatches=4, schedule="interleaved_1f1b",
+                       stages_per_rank=2, profile="h100-sxm", loss_fn=_loss, time_limit=30)
+    assert [s.rank for s in pp.stages] == [0, 1, 0, 1]
+    one = plan_pipeline(_model(8), (_tokens(),), mesh, axis="pp", microbatches=4, profile="h100-sxm",
+                        loss_fn=_loss, time_limit=30)
+    assert pp.run.bubble < one.run.bubble
+
+
+def test_bad_pipelines_are_refused_with_values(world):
+    world(64)
+    mesh = autoshard.fake_mesh((4, 16), ("pp", "dp"))
+    with pytest.raises(ConfigError, match="'cp' is not an axis"):
+        plan_pipeline(_model(), (_tokens(),), mesh, axis="cp", microbatches=4)
+    with pytest.raises(ConfigError, match=r"batch \(16\) is not divisible by microbatches \(6\)"):
+        plan_pipeline(_model(), (_tokens(),), mesh, axis="pp", microbatches=6)
+    with pytest.raises(ConfigError, match="4 stages need at least as many repeated layers, found 3"):
+        plan_pipeline(_model(3), (_tokens(),), mesh, axis="pp", microbatches=4)
+    with pytest.raises(ConfigError, match="expected 4 counts"):
+        plan_pipeline(_model(), (_tokens(),), mesh, axis="pp", microbatches=4, layers_per_stage=[3, 3])
+
+
+def test_a_budget_below_the_in_flight_microbatches_says_what_it_needs(world):
+    world(64)
+    mesh = autoshard.fake_mesh((4, 16), ("pp", "dp"))
+    with pytest.raises(MemoryBudgetError) as info:
+        plan_pipeline(_model(), (_tokens(64),), mesh, axis="pp", microbatches=16, profile="h100-sxm",
+                      loss_fn=_loss, memory_budget=4 * 2**20, time_limit=20)
+    assert "pipeline" in str(info.value) and info.value.budget_bytes == 4 * 2**20
+    assert info.value.min_feasible_bytes > info.value.budget_bytes
