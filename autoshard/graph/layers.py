@@ -4,9 +4,10 @@ A *layer group* is a ``ModuleList`` / ``Sequential``, or any module whose childr
 are all named by integers (torchtitan's ``ModuleDict`` of layers, the layer container of a
 pipeline stage split by ``torch.distributed.pipelining``), of two or more children of the
 same class with the same parameter names and shapes (the decoder blocks of a transformer).
-While tracing, forward hooks tag every node created inside a child's forward with ``(child fqn, "fwd")`` and backward hooks tag the nodes of
-its backward with ``(child fqn, "bwd")``, through ``node.meta["custom"]`` (the
-FX metadata channel that ``preserve_node_meta`` copies onto every node).
+While tracing, forward hooks tag every node created inside a child's forward with
+``(child fqn, "fwd")`` and backward hooks tag the nodes of its backward with
+``(child fqn, "bwd")``, through ``node.meta["custom"]`` (the FX metadata channel that
+``preserve_node_meta`` copies onto every node).
 
 :func:`layer_ties` then matches the k-th node of one layer with the k-th node of
 every other layer of its group, when the two sequences agree op by op and shape

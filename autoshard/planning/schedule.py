@@ -4,8 +4,8 @@ A pipeline of ``S = p * v`` stages runs on ``p`` ranks of the pipeline axis, sta
 rank ``s mod p`` (``v`` virtual stages per rank: torch's loop placement), ``m`` microbatches.
 Each rank runs its compute actions in the order torch's runtime runs them (:func:`orders`:
 GPipe, 1F1B, interleaved 1F1B), one at a time. With ``f_s``, ``b_s`` stage ``s``'s forward
-and backward of one microbatch and ``c_s`` the send of its boundary activation to stage ``s + 1`` (the gradient comes back at the same
-price), an action starts when its rank is free and its inputs are there:
+and backward of one microbatch and ``c_s`` the send of its boundary activation to stage
+``s + 1`` (the gradient comes back at the same price), an action starts when its rank is free and its inputs are there:
 
     start F(s, j) >= end F(s-1, j) + c_(s-1)                       (s > 0)
     start B(s, j) >= end F(s, j),   start B(s, j) >= end B(s+1, j) + c_s   (s < S-1)
