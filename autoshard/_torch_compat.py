@@ -590,3 +590,23 @@ def interleaved_order(ranks: int, microbatches: int, stages_per_rank: int) -> di
 def root_mesh(mesh):
     """The mesh ``mesh`` was sliced from (itself where it was not sliced)."""
     return mesh._get_root_mesh()
+
+
+def pipeline_stage_class(before_reduce, after_inference):
+    """torch's ``PipelineStage`` calling ``before_reduce(stage)`` where the schedule reduces
+    gradients (``perform_reduce_grad``, after every microbatch's backward, before the scaling)
+    and ``after_inference(stage)`` once its metadata inference has run its backward
+    (``_prepare_backward_infra``, on the first step)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def perform_reduce_grad(self, grad_scale_factor: int):
+            before_reduce(self)
+            super().perform_reduce_grad(grad_scale_factor)
+
+        def _prepare_backward_infra(self, *args, **kwargs):
+            out = super()._prepare_backward_infra(*args, **kwargs)
+            after_inference(self)
+            return out
+
+    return Stage

@@ -91,9 +91,9 @@ class _PlannedForward:
     programs (one per input signature, lowered on first use)."""
 
     def __init__(self, model: nn.Module, template: nn.Module, plan: Plan, mesh, loss_fn, profile, bucket_mb,
-                 overlap, compute_loss, compile=False, seed=None):
+                 overlap, compute_loss, compile=False, seed=None, accumulate=False):
         self.model, self.template, self.plan, self.mesh = model, template, plan, mesh
-        self.seed = seed
+        self.seed, self.accumulate = seed, accumulate
         self.bucket_mb, self.overlap, self.compute_loss = bucket_mb, overlap, compute_loss
         self.compile = compile
         self.loss_fn, self.profile = loss_fn, profile
@@ -115,10 +115,30 @@ class _PlannedForward:
                 tg = trace(self.template, positional, self.loss_fn, example_kwargs=keywords,
                            input_grads=bool(self.plan.model.get("input_grads")))
             self.programs[key] = PlannedProgram(tg, self.plan, self.mesh, self.profile, self.bucket_mb,
-                                                 self.overlap, self.compute_loss, compile=self.compile)
+                                                 self.overlap, self.compute_loss, compile=self.compile,
+                                                 accumulate=self.accumulate)
             if self.seed is not None:
                 self.programs[key]._base_seed = int(self.seed)
         return self.programs[key]
+
+    def reduce_gradients(self) -> None:
+        """Move the gradients the backward accumulated unreduced (``accumulate``) to their
+        parameters' specs, once (DTensor's redistribution: an all-reduce, a reduce-scatter ...),
+        into each parameter's ``.grad``."""
+        from autoshard._torch_compat import placements_for
+
+        params = dict(self.model.named_parameters())
+        for program in self.programs.values():
+            for fqn, g in program.pending.items():
+                p = params[fqn]
+                moved = g.redistribute(self.mesh, placements_for(self.plan.param_spec(fqn), self.mesh))
+                p.grad = moved if p.grad is None else p.grad + moved
+            program.pending = {}
+
+    def discard_gradients(self) -> None:
+        """Drop what the backwards accumulated (a pipeline stage's metadata inference runs one)."""
+        for program in self.programs.values():
+            program.pending = {}
 
     def __call__(self, *args, **kwargs):
         names = self.plan.keyword_inputs
@@ -150,7 +170,8 @@ class _PlannedForward:
 @fewer_gc_passes()
 def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_dict: dict | None = None,
                 loss_fn=None, profile=None, bucket_mb: float = 25.0, overlap: bool = True,
-                compute_loss: bool = False, compile: bool | str = False, seed: int | None = None) -> nn.Module:
+                compute_loss: bool = False, compile: bool | str = False, seed: int | None = None,
+                accumulate_gradients: bool = False) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it.
 
     Parameters and buffers become DTensors with the planned placements (a tied parameter
@@ -182,7 +203,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
     per step must be model inputs, or the loss computed outside. ``seed``: the base of the
     random streams (dropout) the programs draw, the same on every rank of ``mesh``; default rank
     0's initial seed, broadcast over the world on the first forward (which every rank must then
-    run together: a pipeline stage's mesh passes it instead).
+    run together: a pipeline stage's mesh passes it instead). ``accumulate_gradients``: backwards
+    add their gradients, unreduced, to a buffer and ``model.forward.reduce_gradients()`` reduces
+    them into ``.grad`` once (a pipeline stage's microbatches: one reduction per step).
 
     A model on the meta device is never materialized whole: its parameters become
     meta DTensors, then ``to_empty`` allocates each rank's shards only, and either
@@ -238,7 +261,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh, *, init_fn=None, full_state_
     if not (isinstance(compile, bool) or (isinstance(compile, str) and compile)):
         raise ConfigError(f"compile: expected True, False or a torch.compile backend name, found {compile!r}")
     model.forward = _PlannedForward(model, template, plan, mesh, loss_fn, profile, bucket_mb, overlap, compute_loss,
-                                    compile, seed)
+                                    compile, seed, accumulate_gradients)
     model._autoshard_plan = plan
     return model
 

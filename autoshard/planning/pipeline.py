@@ -17,7 +17,11 @@ Stages with the same role (first, middle, last) and layer count are the same pro
 solved once. From stage ``s``'s plan:
 
 - ``f_s``, ``b_s``: its simulated step (compute and exposed communication of one microbatch)
-  cut in the ratio of its forward's and backward's compute (:meth:`Planner.phase_compute_us`);
+  without the gradients' moves to their parameters' specs, cut in the ratio of its forward's and
+  backward's compute, and ``r_s`` what those moves add to its step (:meth:`Planner.pipeline_times`):
+  a stage accumulates its microbatches' gradients unreduced and reduces them once, after its
+  last backward (as torch's ``PipelineStage`` has FSDP do), so each rank's step ends at its last
+  action's end plus ``sum_(s on r) r_s``;
 - ``a_s``: what one microbatch keeps from its forward for its backward (the memory account's
   ``saved_bytes``: forward values live when the backward starts);
 - ``c_s``: the send of its boundary activation's local shard to stage ``s + 1`` over ``axis``
@@ -30,9 +34,12 @@ the schedule keeps in flight beyond it:
 
     M_r = sum_(s on r) (peak_s - a_s) + max_t sum_(s on r) a_s n_s(t)  <= budget
 
-(1F1B, ``v = 1``: ``peak_s + (p - s - 1) a_s``). Where a stage breaks it, the stage is solved
-again with its budget lowered by the excess (:data:`BUDGET_ROUNDS` times at most), so that the
-solver trades placements or recomputation for the in-flight microbatches.
+(1F1B, ``v = 1``: ``peak_s + (p - s - 1) a_s``), plus ``g_s``, the unreduced gradients it
+accumulates (each gradient move's buffer). Where a stage breaks it, the stage is solved
+again with its budget lowered by the excess, or to ``budget / (max in flight + 1)`` where that
+leaves less (:data:`BUDGET_ROUNDS` times at most), so that the solver trades placements or
+recomputation for the in-flight microbatches (recomputing shrinks ``a_s``: each round measures
+it again).
 
 The partition is balanced by cost, not by count: the first solve cuts the layers evenly; with
 ``t`` a middle layer's time (``f + b`` per layer of a middle stage) and ``e_0``, ``e_last`` the
@@ -40,9 +47,8 @@ first and last stages' time beyond their layers, the layers are cut again to min
 ``max_s (n_s t + [s = 0] e_0 + [s = S-1] e_last)`` (:func:`balanced_partition`) and the new
 stages solved, once.
 
-What is not modelled yet: each microbatch's backward reduces its gradients as the stage's plan
-does (a step with ``m`` microbatches pays the reduction ``m`` times; accumulating across
-microbatches and reducing once is the next step), the optimizer step, and zero-bubble schedules.
+What is not modelled yet: the optimizer step, zero-bubble schedules, and parameters gathered
+once per step (a stage's plan gathers what it shards for every microbatch, as it runs).
 """
 
 from __future__ import annotations
@@ -96,13 +102,18 @@ class Stage:
     send_us: float
     """Its boundary activation's send to the next stage (0 for the last)."""
     activation_bytes: float
-    """One microbatch's activations at the plan's peak."""
+    """What one microbatch in flight holds (the plan's ``saved_bytes``)."""
+    reduce_us: float = 0.0
+    """Its gradients' reduction, once per step, exposed after its last backward."""
+    gradient_bytes: float = 0.0
+    """The unreduced gradients it accumulates over the microbatches."""
 
     def to_json(self, plan_index: int) -> dict:
         return {"index": self.index, "rank": self.rank, "layers": list(self.layers), "role": self.role,
                 "plan": plan_index, "planned_layers": list(self.planned_layers),
                 "forward_us": round(self.forward_us, 3), "backward_us": round(self.backward_us, 3),
                 "send_us": round(self.send_us, 3), "activation_bytes": int(self.activation_bytes),
+                "reduce_us": round(self.reduce_us, 3), "gradient_bytes": int(self.gradient_bytes),
                 "peak_bytes": int(self.plan.summary["peak_mem_bytes"]), "step_us": self.plan.summary["step_us"]}
 
 
@@ -125,9 +136,8 @@ class PipelinePlan:
     axis_names: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    @property
-    def step_us(self) -> float:
-        return self.run.step_us
+    step_us: float = 0.0
+    """The schedule's run, each rank's gradient reduction after its last backward."""
 
     def to_json(self) -> dict:
         plans = []
@@ -154,14 +164,15 @@ class PipelinePlan:
             plans = [Plan.from_json(p) for p in data["plans"]]
             stages = [Stage(s["index"], s["rank"], tuple(s["layers"]), s["role"], plans[s["plan"]],
                             tuple(s["planned_layers"]), s["forward_us"], s["backward_us"], s["send_us"],
-                            s["activation_bytes"]) for s in data["stages"]]
+                            s["activation_bytes"], s["reduce_us"], s["gradient_bytes"]) for s in data["stages"]]
             r = data["schedule_run"]
-            run = ScheduleRun(r["step_us"], r["busy_us"], r["bubble"], r["in_flight"], r["peak_activation_bytes"])
+            run = ScheduleRun(r["step_us"], r["busy_us"], r["bubble"], r["in_flight"], r["peak_activation_bytes"],
+                              r["rank_end_us"])
             return PipelinePlan(axis=data["axis"], schedule=data["schedule"], microbatches=data["microbatches"],
                                 stages_per_rank=data["stages_per_rank"], group=data["group"], stages=stages,
                                 run=run, memory_bytes=data["memory_bytes"], budget_bytes=data["budget_bytes"],
                                 mesh_shape=data["mesh"]["shape"], axis_names=data["mesh"]["axis_names"],
-                                seconds=data.get("seconds", 0.0))
+                                seconds=data.get("seconds", 0.0), step_us=data["step_us"])
         except (KeyError, TypeError, IndexError) as exc:
             raise PlanError(f"pipeline plan: missing or malformed field {exc}") from None
 
@@ -184,11 +195,12 @@ class PipelinePlan:
                  f"{self.microbatches} microbatches: step {self.step_us / 1e3:.1f} ms predicted, "
                  f"bubble {100 * self.run.bubble:.1f}%",
                  f"  {'stage':>5} {'rank':>4} {'layers':>9} {'fwd ms':>8} {'bwd ms':>8} {'send ms':>8} "
-                 f"{'in flight':>9} {'rank peak':>10}"]
+                 f"{'reduce ms':>9} {'in flight':>9} {'rank peak':>10}"]
         for s in self.stages:
             lines.append(f"  {s.index:>5} {s.rank:>4} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} "
                          f"{s.forward_us / 1e3:>8.2f} {s.backward_us / 1e3:>8.2f} {s.send_us / 1e3:>8.3f} "
-                         f"{self.run.in_flight[s.index]:>9} {human_bytes(self.memory_bytes[s.rank]):>10}")
+                         f"{s.reduce_us / 1e3:>9.2f} {self.run.in_flight[s.index]:>9} "
+                         f"{human_bytes(self.memory_bytes[s.rank]):>10}")
         lines.append(f"  budget {human_bytes(self.budget_bytes)} per device")
         return "\n".join(lines)
 
@@ -357,7 +369,7 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
 
     plans, boundaries = stage_plans(counts)
     if layers_per_stage is None and n_stages > 2:
-        per_layer = {k: (f + b) / counts[k] for k, (_pl, f, b, _a, _at) in enumerate(plans)
+        per_layer = {k: (x[1] + x[2]) / counts[k] for k, x in enumerate(plans)
                      if _role(k, n_stages) == "middle"}
         t = min(per_layer.values())
         first_extra = plans[0][1] + plans[0][2] - counts[0] * t
@@ -374,15 +386,18 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                  for k in range(n_stages - 1)] + [0.0]
         run = simulate(schedule, p, microbatches, [x[1] for x in plans], [x[2] for x in plans], sends,
                        [x[3] for x in plans], stages_per_rank)
-        memory = [sum(plans[s][0].summary["peak_mem_bytes"] - plans[s][3] for s in range(r, n_stages, p))
+        memory = [sum(plans[s][0].summary["peak_mem_bytes"] - plans[s][3] + plans[s][5] for s in range(r, n_stages, p))
                   + run.peak_activation_bytes[r] for r in range(p)]
         over = {s: memory[s % p] - budget for s in range(n_stages) if budget is not None and memory[s % p] > budget}
         if not over:
             break
         worst = max(memory)
-        lowered = {s: solved[(_role(s, n_stages), counts[s])][0].summary["memory_budget_bytes"]
-                   - excess / stages_per_rank for s, excess in over.items()}
-        if _round == BUDGET_ROUNDS or min(lowered.values()) <= 0:
+        # The excess off the stage's budget; where that leaves little, a budget that makes the
+        # solver recompute (what a microbatch keeps shrinks with it: the next round measures it).
+        floor = budget / (max(run.in_flight) + 1)
+        lowered = {s: max(floor, solved[(_role(s, n_stages), counts[s])][0].summary["memory_budget_bytes"]
+                          - excess / stages_per_rank) for s, excess in over.items()}
+        if _round == BUDGET_ROUNDS:
             raise MemoryBudgetError(
                 f"pipeline: rank {memory.index(worst)} needs {human_bytes(worst)} with {microbatches} microbatches "
                 f"in {schedule}, above the budget {human_bytes(budget)} (after {_round + 1} solves with the "
@@ -400,14 +415,16 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
 
     stages, start = [], 0
     for k in range(n_stages):
-        pl, f, b, a, at = plans[k]
+        pl, f, b, a, red, grads, at = plans[k]
         stages.append(Stage(k, k % p, (start, start + counts[k]), _role(k, n_stages), pl, (at, at + counts[k]),
-                            f, b, sends[k], a))
+                            f, b, sends[k], a, red, grads))
         start += counts[k]
+    step = max(run.rank_end_us[r] + sum(s.reduce_us for s in stages if s.rank == r) for r in range(p))
     prefix = group[0].rpartition(".")[0]
     return PipelinePlan(axis=axis, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
                         group=prefix, stages=stages, run=run, memory_bytes=memory, budget_bytes=budget or 0.0,
-                        mesh_shape=list(mesh.shape), axis_names=names, seconds=time.perf_counter() - t0)
+                        mesh_shape=list(mesh.shape), axis_names=names, seconds=time.perf_counter() - t0,
+                        step_us=step)
 
 
 def stage_plan(pplan: PipelinePlan, stage: Stage) -> Plan:
@@ -436,8 +453,9 @@ def stage_plan(pplan: PipelinePlan, stage: Stage) -> Plan:
 
 
 def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds: float, loss_fn,
-                 budget) -> tuple[Plan, float, float, float]:
-    """(plan, forward us, backward us, activation bytes) of one stage on the sub-mesh."""
+                 budget) -> tuple[Plan, float, float, float, float, float]:
+    """(plan, forward us, backward us, activation bytes, reduction us, unreduced gradient bytes) of
+    one stage on the sub-mesh."""
     kw = dict(overrides)
     kw["time_limit"] = seconds
     if budget is not None:
@@ -454,11 +472,10 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
         pl = planner.solve()
     except MemoryBudgetError as exc:
         raise MemoryBudgetError(f"pipeline stage ({role}): {exc}", exc.budget_bytes, exc.min_feasible_bytes) from None
-    fwd, bwd = planner.phase_compute_us(pl)
-    step = float(pl.summary["step_us"])
-    share = fwd / (fwd + bwd) if fwd + bwd > 0 else 1 / 3
+    fwd, bwd, reduce = planner.pipeline_times(pl)
     act = float(pl.summary["memory"]["saved_bytes"])
-    return pl, step * share, step * (1 - share), act
+    grads = float(sum(max(r.get("step_bytes") or [0]) for r in pl.redistributes if r.get("arg") == "grad"))
+    return pl, fwd, bwd, act, reduce, grads
 
 
 def _boundary_loss(out):

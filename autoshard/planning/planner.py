@@ -467,13 +467,18 @@ class Planner:
                                          for name, s in seeds.items()}
         return result
 
-    def phase_compute_us(self, plan: Plan) -> tuple[float, float]:
-        """(forward, backward) compute of ``plan``'s chosen strategies, microseconds: the model's
-        and the loss's nodes, then the backward's, recomputed copies counted in the backward
-        (they run there). ``plan``: one this planner made."""
+    def pipeline_times(self, plan: Plan) -> tuple[float, float, float]:
+        """``plan``'s step as a pipeline stage runs it, microseconds: (forward, backward) of one
+        microbatch, the simulated step without the gradients' moves to their parameters' specs cut
+        in the ratio of the forward's and the backward's compute (the model's and the loss's
+        nodes, then the backward's, recomputed copies with the backward), and the exposed
+        reduction: what those moves add to the step, paid once per step (a stage accumulates its
+        microbatches' gradients unreduced). ``plan``: one this planner made."""
+        import dataclasses as dc
+
         choice = next((c for p, c in self._plans.values() if p is plan), None)
         if choice is None:
-            raise ConfigError("phase_compute_us: the plan given was not made by this planner")
+            raise ConfigError("pipeline_times: the plan given was not made by this planner")
         gp = self.variant(plan.recompute.get("mode", "none"))[1]
         forward = backward = 0.0
         for v, node in enumerate(gp.nodes):
@@ -482,7 +487,12 @@ class Planner:
                 forward += us
             else:
                 backward += us
-        return forward, backward
+        costs = [np.zeros_like(m) if e.arg < 0 else m for e, m in zip(gp.edges, gp.problem.edge_costs)]
+        without = dc.replace(gp, problem=gp.problem.with_edge_costs(costs))
+        bare = simulate_plan(without, choice, self.profile.overlap).step_us
+        whole = float(plan.summary["step_us"])
+        share = forward / (forward + backward) if forward + backward > 0 else 1 / 3
+        return bare * share, bare * (1 - share), max(0.0, whole - bare)
 
     @fewer_gc_passes()
     def compare(self, baselines: Sequence[str] | None = None, **overrides) -> dict[str, Plan | str]:

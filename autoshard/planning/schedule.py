@@ -51,11 +51,14 @@ class ScheduleRun:
     """Per stage, the most microbatches it held at once (forwarded, backward not done)."""
     peak_activation_bytes: list[float] = field(default_factory=list)
     """Per rank, the peak over the step of ``sum_s a_s n_s(t)`` over its stages."""
+    rank_end_us: list[float] = field(default_factory=list)
+    """Per rank, when its last action ends."""
 
     def to_json(self) -> dict:
         return {"step_us": round(self.step_us, 3), "busy_us": [round(b, 3) for b in self.busy_us],
                 "bubble": round(self.bubble, 4), "in_flight": list(self.in_flight),
-                "peak_activation_bytes": [int(b) for b in self.peak_activation_bytes]}
+                "peak_activation_bytes": [int(b) for b in self.peak_activation_bytes],
+                "rank_end_us": [round(t, 3) for t in self.rank_end_us]}
 
 
 def check_schedule(schedule: str, ranks: int, microbatches: int, stages_per_rank: int) -> None:
@@ -130,7 +133,8 @@ def simulate(schedule: str, ranks: int, microbatches: int, forward_us, backward_
             peak = max(peak, held)
         peaks.append(peak)
     bubble = 1.0 - max(busy) / step if step > 0 else 0.0
-    return ScheduleRun(step_us=step, busy_us=busy, bubble=bubble, in_flight=in_flight, peak_activation_bytes=peaks)
+    return ScheduleRun(step_us=step, busy_us=busy, bubble=bubble, in_flight=in_flight, peak_activation_bytes=peaks,
+                       rank_end_us=list(clock))
 
 
 def orders(schedule: str, ranks: int, microbatches: int, stages_per_rank: int = 1) -> dict[int, list]:

@@ -52,8 +52,15 @@ class PlannedProgram:
     """The lowered forward and backward of one traced step, per rank, built on first use."""
 
     def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile=None, bucket_mb: float = 25.0,
-                 overlap: bool = True, with_loss: bool = False, compile: bool | str = False):
+                 overlap: bool = True, with_loss: bool = False, compile: bool | str = False,
+                 accumulate: bool = False):
         self.tg, self.plan, self.mesh = tg, plan, mesh
+        self.accumulate = accumulate
+        """The backward leaves each gradient unreduced (its node's planned spec, not its
+        parameter's) and adds it to :attr:`pending` instead of returning it: a pipeline stage's
+        microbatches accumulate their gradients and reduce them once
+        (:meth:`autoshard.apply._PlannedForward.reduce_gradients`)."""
+        self.pending: dict[str, DTensor] = {}
         self.compile = compile
         self._callables: dict[tuple[str, int], object] = {}
         self._warned_eager = False
@@ -107,7 +114,8 @@ class PlannedProgram:
             self._backward[rank] = self.lowering.lower(
                 s.saved + [d for _, d in s.tangents], list(saved_specs) + tangent_specs,
                 [_meta(n) for n in s.saved] + [_meta(d) for _, d in s.tangents], s.backward, grads,
-                [self.plan.param_spec(f) for f in self.trainable] + [None] * len(s.input_grads), rank,
+                [None if self.accumulate else self.plan.param_spec(f) for f in self.trainable]
+                + [None] * len(s.input_grads), rank,
                 in_strides=fwd.out_strides[len(self.outputs):] + [None] * len(s.tangents), recomputed=s.recomputed)
             self._optimize(self._backward[rank])
         return self._backward[rank]
@@ -293,6 +301,10 @@ class StepFunction(torch.autograd.Function):
         index.update({k: first_input + k for k in s.input_grads})
         for f, local, spec, meta in zip(program.trainable + sorted(s.input_grads), grads, bwd.out_specs,
                                         bwd.out_meta):
-            out[index[f]] = DTensor.from_local(local, program.mesh, tc.placements_for(spec, program.mesh),
-                                               run_check=False, shape=meta[0], stride=meta[1])
+            g = DTensor.from_local(local, program.mesh, tc.placements_for(spec, program.mesh),
+                                   run_check=False, shape=meta[0], stride=meta[1])
+            if program.accumulate and isinstance(f, str):
+                program.pending[f] = g if f not in program.pending else program.pending[f] + g
+            else:
+                out[index[f]] = g
         return (None, *out)

@@ -10,10 +10,11 @@ every rank runs one training step, the loss on the last stage.
 
 Between stages the boundary activation is a DTensor on the sub-mesh; a stage whose output spec
 differs from the next stage's planned input spec hands it over in that spec (DTensor's
-redistribution, before the send). Gradients accumulate over the microbatches in the
-parameters' ``.grad`` (each microbatch's already reduced as its plan reduces them); the
-schedule divides them by the microbatch count (``scale_grads``), as the loss of the whole
-batch is the mean of the microbatches' losses.
+redistribution, before the send). Each microbatch's backward adds its gradients, unreduced
+(its plan's spec before the move to the parameter's), to a buffer; after the last one the
+stage moves them to their parameters' specs once (torch calls ``perform_reduce_grad`` there,
+where it has FSDP reduce), then the schedule divides them by the microbatch count
+(``scale_grads``), as the loss of the whole batch is the mean of the microbatches' losses.
 """
 
 from __future__ import annotations
@@ -47,6 +48,22 @@ class _Boundary(nn.Module):
         return out
 
 
+def _PlannedStage(*args, **kwargs):
+    """torch's stage whose stage module's gradients, accumulated unreduced over the
+    microbatches, are reduced once where torch has FSDP reduce them (before the schedule scales
+    them), and which discards what torch's metadata inference's backward (on its first step, on
+    made-up inputs) accumulated."""
+    from autoshard._torch_compat import pipeline_stage_class
+
+    def reduce(stage):
+        stage.submod.stage.forward.reduce_gradients()
+
+    def inferred(stage):
+        stage.submod.stage.forward.discard_gradients()
+
+    return pipeline_stage_class(reduce, inferred)(*args, **kwargs)
+
+
 def _stage_mesh(mesh, names):
     """The sub-mesh a received DTensor lives on: ``mesh`` sliced to its axis names (this rank's)."""
     names = tuple(names)
@@ -58,7 +75,6 @@ def pipeline_schedule(model: nn.Module, pplan, mesh, example_inputs, *, loss_fn,
     """(torch's schedule for this rank's stages of ``pplan``, those stage modules). ``example_inputs``:
     one batch of the model's inputs (the microbatches' shapes follow from it); ``loss_fn(output,
     target)``: the loss of the last stage's output, a mean over the microbatch."""
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from autoshard.apply import parallelize
@@ -91,12 +107,12 @@ def pipeline_schedule(model: nn.Module, pplan, mesh, example_inputs, *, loss_fn,
         if st.rank != pp_rank:
             continue
         mod = parallelize(modules[st.index], stage_plan(pplan, st), sub, bucket_mb=bucket_mb, overlap=overlap,
-                          loss_fn=None, seed=box[0] + 1000003 * st.index)
+                          loss_fn=None, seed=box[0] + 1000003 * st.index, accumulate_gradients=True)
         nxt = st.index + 1
         out_spec = Spec.parse(pplan.stages[nxt].plan.inputs[0]) if nxt < len(pplan.stages) else None
         wrapped = _Boundary(mod, sub, out_spec)
         mods.append(wrapped)
-        stages.append(PipelineStage(wrapped, st.index, len(pplan.stages), device, group=group,
+        stages.append(_PlannedStage(wrapped, st.index, len(pplan.stages), device, group=group,
                                     get_mesh=lambda names, layout: _stage_mesh(mesh, names)))
     if not stages:
         raise ConfigError(f"pipeline rank {pp_rank} holds no stage of the plan")
