@@ -145,6 +145,15 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_comput
     p.add_argument("--compare", action="store_true",
                    help="also cost the hand-written plans (DDP, FSDP, TP, FSDP+TP, FSDP+TP with full activation "
                         "checkpointing) and print a table")
+    p.add_argument("--pipeline", default=None, metavar="AXIS",
+                   help="pipeline stages over this mesh axis: the repeated layers cut into stages, each planned on "
+                        "the other axes, run by torch's schedules (autoshard.planning.pipeline)")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="with --pipeline: microbatches per step (default: 4 per pipeline rank, as the batch allows)")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved_1f1b"),
+                   help="with --pipeline: torch's schedule (default 1f1b)")
+    p.add_argument("--stages-per-rank", type=int, default=1, metavar="V",
+                   help="with --pipeline and interleaved_1f1b: stages per pipeline rank")
 
 
 def _compute_dtype(args) -> str | None:
@@ -168,6 +177,8 @@ def _run_plan(model, inputs, args) -> int:
     shape, names = autoshard.parse_mesh(args.mesh)
     mesh = autoshard.fake_mesh(shape, names)
     t0 = time.perf_counter()
+    if args.pipeline:
+        return _run_pipeline(model, inputs, mesh, args, pins, t0)
     planner = autoshard.Planner(model, inputs, mesh, profile=args.profile,
                                 memory_budget=args.memory_budget if args.memory_budget else "auto",
                                 time_limit=args.time_limit, pins=pins or None, export_problem=args.export_problem,
@@ -191,6 +202,35 @@ def _run_plan(model, inputs, args) -> int:
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     if args.output:
         plan.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _run_pipeline(model, inputs, mesh, args, pins, t0: float) -> int:
+    import torch
+
+    from autoshard.errors import AutoshardError
+    from autoshard.planning.pipeline import plan_pipeline
+
+    if args.compare or args.export_problem:
+        raise AutoshardError("--pipeline plans each stage on its own: --compare and --export-problem need a plan "
+                             "without --pipeline")
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    p = dict(zip(mesh.mesh_dim_names, mesh.shape)).get(args.pipeline, 1)
+    m = args.microbatches
+    if m is None:  # 4 per pipeline rank keeps 1F1B's bubble near 20%, where the batch divides
+        batch = inputs[0].shape[0]
+        m = next((k for k in (4 * p, 2 * p, p) if batch % k == 0), p)
+    pplan = plan_pipeline(model, inputs, mesh, axis=args.pipeline, microbatches=m, schedule=args.schedule,
+                          stages_per_rank=args.stages_per_rank, profile=args.profile,
+                          memory_budget=args.memory_budget if args.memory_budget else "auto",
+                          time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,
+                          load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective,
+                          compute_dtype=_compute_dtype(args), bucket_mb=args.bucket_mb)
+    print(pplan.describe())
+    print(f"planned in {time.perf_counter() - t0:.1f} s")
+    if args.output:
+        pplan.save(args.output)
         print(f"wrote {args.output}")
     return 0
 
@@ -524,8 +564,22 @@ def cmd_diff(args) -> int:
 
 
 def cmd_show(args) -> int:
+    import json
+    from pathlib import Path
+
     from autoshard.planfile import Plan
 
+    if args.plan.endswith(".json") and json.loads(Path(args.plan).read_text()).get("kind") == "pipeline":
+        from autoshard.planning.pipeline import PipelinePlan
+
+        pplan = PipelinePlan.load(args.plan)
+        print(pplan.describe())
+        for k, s in enumerate(pplan.stages):
+            if all(t.plan is not s.plan for t in pplan.stages[:k]):
+                print(f"\nstage {s.index} ({s.role}, layers {s.layers[0]}-{s.layers[1] - 1}; the plan of every "
+                      f"{s.role} stage of {s.layers[1] - s.layers[0]} layers):")
+                print(s.plan.describe(max_params=args.max_params))
+        return 0
     plan = Plan.load(args.plan)
     print(plan.describe(max_params=args.max_params))
     return 0

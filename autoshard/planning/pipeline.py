@@ -458,6 +458,8 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
     one stage on the sub-mesh."""
     kw = dict(overrides)
     kw["time_limit"] = seconds
+    # A split stage's layers are called one by one from its graph: no shallower trace to unroll.
+    kw["unroll_layers"] = False
     if budget is not None:
         kw["memory_budget"] = float(budget)
     if role in ("last", "only"):
