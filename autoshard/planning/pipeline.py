@@ -397,20 +397,26 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
         floor = budget / (max(run.in_flight) + 1)
         lowered = {s: max(floor, solved[(_role(s, n_stages), counts[s])][0].summary["memory_budget_bytes"]
                           - excess / stages_per_rank) for s, excess in over.items()}
-        if _round == BUDGET_ROUNDS:
-            raise MemoryBudgetError(
+        def too_big(rounds: int) -> MemoryBudgetError:
+            return MemoryBudgetError(
                 f"pipeline: rank {memory.index(worst)} needs {human_bytes(worst)} with {microbatches} microbatches "
-                f"in {schedule}, above the budget {human_bytes(budget)} (after {_round + 1} solves with the "
+                f"in {schedule}, above the budget {human_bytes(budget)} (after {rounds} solves with the "
                 "in-flight microbatches taken off the stage budgets): more stages, fewer microbatches in flight "
                 "(1f1b) or recomputation", budget, worst)
+
+        if _round == BUDGET_ROUNDS:
+            raise too_big(_round + 1)
         for s, excess in over.items():
             key = (_role(s, n_stages), counts[s])
             log.info(f"pipeline: stage {s} over the budget by {human_bytes(excess)}; solving it again "
                      f"under {human_bytes(lowered[s])}")
             modules = split_stages(model, mb, group, counts)
-            inputs = (mb,) if s == 0 else (torch.empty_like(boundaries[s - 1]),)
-            solved[key] = _solve_stage(Planner, modules[s], inputs, sub, overrides, key[0],
-                                       max(5.0, limit / 4), loss_fn, lowered[s]) + (sum(counts[:s]),)
+            inputs = mb if s == 0 else (torch.empty_like(boundaries[s - 1]),)
+            try:
+                solved[key] = _solve_stage(Planner, modules[s], inputs, sub, overrides, key[0],
+                                           max(5.0, limit / 4), loss_fn, lowered[s]) + (sum(counts[:s]),)
+            except MemoryBudgetError:
+                raise too_big(_round + 2) from None
         plans = [solved[(_role(k, n_stages), counts[k])] for k in range(n_stages)]
 
     stages, start = [], 0
