@@ -610,3 +610,15 @@ def pipeline_stage_class(before_reduce, after_inference):
             return out
 
     return Stage
+
+
+def run_as_code(stage) -> None:
+    """The submodules of a stage torch's pipeline splitter made run their graphs' generated code
+    when traced, as they do outside tracing. (Traced, they run through fx's Interpreter, which
+    replaces the node metadata our tracer tags phases and layers with.)"""
+    from types import MethodType
+
+    for mod in stage.modules():
+        gm = getattr(mod, "graph_module", None)
+        if hasattr(mod, "_run_with_interpreter") and gm is not None:
+            mod.forward = MethodType(type(gm).forward, mod)

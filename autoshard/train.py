@@ -73,8 +73,8 @@ def train_pipelined(model, mesh, data, args) -> None:
     """Plan (rank 0) and run a pipelined plan: each rank's stages in torch's schedule, AdamW on
     their parameters; the rank of the last stage whose other coordinates are 0 prints the loss
     (the mean of the microbatches' losses)."""
+    from autoshard.pipelined import pipeline_schedule
     from autoshard.planning.pipeline import PipelinePlan, plan_pipeline
-    from autoshard.runtime.stages import pipeline_schedule
 
     box = [None]
     if dist.get_rank() == 0:

@@ -57,7 +57,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from types import MethodType
 
 import torch
 
@@ -260,19 +259,15 @@ def split_stages(model: torch.nn.Module, microbatch_inputs, group: list[str], co
             mod = model.get_submodule(group[k])
             for attr in ("forward", "_orig_forward"):
                 mod.__dict__.pop(attr, None)
+    from autoshard._torch_compat import run_as_code
+
     stages = [pipe.split_gm.get_submodule(f"submod_pp_{k}") for k in range(pipe.num_stages)]
     for stage in stages:
-        # The splitter's submodules run their graphs through fx's Interpreter while traced, which
-        # replaces the node metadata our tracer tags phases and layers with: they run their
-        # graphs' generated code instead (what they run outside tracing).
-        for mod in stage.modules():
-            gm = getattr(mod, "graph_module", None)
-            if hasattr(mod, "_run_with_interpreter") and gm is not None:
-                mod.forward = MethodType(type(gm).forward, mod)
+        run_as_code(stage)
     return stages
 
 
-def _microbatches(example_inputs, m: int, device=None) -> tuple:
+def split_batch(example_inputs, m: int, device=None) -> tuple:
     """One microbatch of each input (zeros: valid token ids), on ``device`` (default the input's)."""
     out = []
     for k, t in enumerate(example_inputs):
@@ -335,7 +330,7 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
     # on the meta device.
     if any(not t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         model = unsharded_meta_copy(model)
-    mb = _microbatches(example_inputs, microbatches, device="meta")
+    mb = split_batch(example_inputs, microbatches, device="meta")
     counts = list(layers_per_stage) if layers_per_stage is not None else balanced_partition(len(group), n_stages, 1.0)
     if len(counts) != n_stages or sum(counts) != len(group) or min(counts) < 1:
         raise ConfigError(f"layers_per_stage: expected {n_stages} counts >= 1 summing to {len(group)} layers, "

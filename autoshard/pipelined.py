@@ -78,7 +78,7 @@ def pipeline_schedule(model: nn.Module, pplan, mesh, example_inputs, *, loss_fn,
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from autoshard.apply import parallelize
-    from autoshard.planning.pipeline import _microbatches, split_stages, stage_plan, sub_mesh
+    from autoshard.planning.pipeline import split_batch, split_stages, stage_plan, sub_mesh
 
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -92,7 +92,7 @@ def pipeline_schedule(model: nn.Module, pplan, mesh, example_inputs, *, loss_fn,
         raise PlanError(f"pipeline plan cuts {total} layers of {pplan.group!r}; {type(model).__name__} has "
                         f"{[(g[0].rpartition('.')[0], len(g)) for g in layer_groups(model)]}")
     counts = [s.layers[1] - s.layers[0] for s in pplan.stages]
-    mb = _microbatches(example_inputs, pplan.microbatches)
+    mb = split_batch(example_inputs, pplan.microbatches)
     modules = split_stages(model, mb, groups[0], counts)
     sub = sub_mesh(mesh, pplan.axis)
     pp_rank = mesh.get_local_rank(pplan.axis)
