@@ -13,7 +13,7 @@ from solver import BACKENDS
 
 #: Fields fixed once the model is traced and its problem built (a new Planner changes them).
 TRACE_FIELDS = ("profile", "compute_dtype", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers",
-                "load_imbalance", "bucket_mb", "input_grads")
+                "load_imbalance", "bucket_mb", "input_grads", "in_flight")
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
                 "overlap_objective", "export_problem")
@@ -148,6 +148,12 @@ class PlanOptions:
     returned by the lowered backward: a pipeline stage's (:mod:`autoshard.planning.pipeline`),
     which sends its input's gradient back to the stage before."""
 
+    in_flight: int = 1
+    """Microbatches whose forward values the step keeps at once for their backwards: the memory
+    rows charge what a microbatch keeps this many times over (a pipeline stage's in-flight count
+    under its schedule, :mod:`autoshard.planning.pipeline`). The plan's reported memory stays one
+    microbatch's."""
+
     export_problem: str | None = None
     """Also write the solver's problem (pins applied) to this path in the IOPDDL contest format
     (``.json`` or ``.json.gz``; ties and pins as extra keys)."""
@@ -164,6 +170,8 @@ class PlanOptions:
             raise ConfigError(f"time_limit: expected seconds > 0, found {self.time_limit!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {BACKENDS}, found {self.backend!r}")
+        if not (isinstance(self.in_flight, int) and not isinstance(self.in_flight, bool) and self.in_flight >= 1):
+            raise ConfigError(f"in_flight: expected an int >= 1, found {self.in_flight!r}")
         for name in ("tie_layers", "unroll_layers", "overlap_objective", "seed_baselines", "input_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")

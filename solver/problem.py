@@ -137,6 +137,18 @@ class Problem:
         """This problem with other edge cost matrices (:meth:`with_costs`)."""
         return self.with_costs(edge_costs=edge_costs)
 
+    def with_usages(self, node_usages: list[np.ndarray]) -> Problem:
+        """This problem with other node usage vectors, each of the shape of the one it replaces."""
+        if len(node_usages) != len(self.node_usages):
+            raise ProblemError(f"with_usages: expected {len(self.node_usages)} usage arrays, found {len(node_usages)}")
+        arrays = [np.asarray(u, dtype=np.float64) for u in node_usages]
+        for k, (u, old) in enumerate(zip(arrays, self.node_usages)):
+            if u.shape != old.shape or np.isnan(u).any() or (u < 0).any():
+                raise ProblemError(f"with_usages: node {k} expected shape {old.shape}, >= 0, found shape {u.shape}")
+        new = copy.copy(self)
+        new.node_usages = arrays
+        return new
+
     def with_costs(self, node_costs: list[np.ndarray] | None = None,
                    edge_costs: list[np.ndarray] | None = None) -> Problem:
         """This problem with other node cost vectors and/or edge cost matrices, each of the shape

@@ -23,23 +23,26 @@ solved once. From stage ``s``'s plan:
   last backward (as torch's ``PipelineStage`` has FSDP do), so each rank's step ends at its last
   action's end plus ``sum_(s on r) r_s``;
 - ``a_s``: what one microbatch keeps from its forward for its backward (the memory account's
-  ``saved_bytes``: forward values live when the backward starts);
+  ``saved_bytes``, forward values live when the backward starts, over the microbatches held);
 - ``c_s``: the send of its boundary activation's local shard to stage ``s + 1`` over ``axis``
   (one rank to one other, priced as the ``all_to_all`` of two ranks each sending those bytes,
   as the ring attention's passes are).
 
-The step is :func:`autoshard.planning.schedule.simulate` of the schedule with those times. The
-memory of pipeline rank ``r`` is its stages' plans' peaks with one microbatch each, plus what
-the schedule keeps in flight beyond it:
+The step is :func:`autoshard.planning.schedule.simulate` of the schedule with those times.
 
-    M_r = sum_(s on r) (peak_s - a_s) + max_t sum_(s on r) a_s n_s(t)  <= budget
+Memory: under its schedule stage ``s`` holds ``n_s`` microbatches in flight at most (1F1B:
+``p - s``; GPipe: ``m``), known from the schedule's order alone. Each stage is solved with its
+memory rows charging what a microbatch keeps for its backward ``n_s`` times over
+(``PlanOptions(in_flight=n_s)``, :func:`autoshard.planning.problem.held_in_flight`; stages
+alike take the largest ``n_s`` among them), so the solver itself weighs recomputation and
+sharding against the in-flight microbatches, and its plan's peak is the stage's. Pipeline rank
+``r`` then holds
 
-(1F1B, ``v = 1``: ``peak_s + (p - s - 1) a_s``), plus ``g_s``, the unreduced gradients it
-accumulates (each gradient move's buffer). Where a stage breaks it, the stage is solved
-again with its budget lowered by the excess, or to ``budget / (max in flight + 1)`` where that
-leaves less (:data:`BUDGET_ROUNDS` times at most), so that the solver trades placements or
-recomputation for the in-flight microbatches (recomputing shrinks ``a_s``: each round measures
-it again).
+    M_r = sum_(s on r) (peak_s + g_s)  <= budget
+
+with ``g_s`` the unreduced gradients the stage accumulates (each gradient move's buffer). Where
+a rank breaks it (the gradients, or several stages on one rank), its stages are solved again
+with their budget lowered by the excess (:data:`BUDGET_ROUNDS` times at most).
 
 The partition is balanced by cost, not by count: the first solve cuts the layers evenly; with
 ``t`` a middle layer's time (``f + b`` per layer of a middle stage) and ``e_0``, ``e_last`` the
@@ -336,9 +339,19 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
         raise ConfigError(f"layers_per_stage: expected {n_stages} counts >= 1 summing to {len(group)} layers, "
                           f"found {counts}")
     limit = float(opts.time_limit)
+    # What each stage holds in flight depends on the schedule's order only (1F1B: p - s).
+    flight = simulate(schedule, p, microbatches, [1.0] * n_stages, [2.0] * n_stages,
+                      stages_per_rank=stages_per_rank).in_flight
     solved: dict[tuple, tuple] = {}
 
-    def stage_plans(counts):
+    def key_of(k: int, counts) -> tuple:
+        return _role(k, n_stages), counts[k]
+
+    def held(key, counts) -> int:
+        # Stages alike are one problem, solved for the most microbatches any of them holds.
+        return max(flight[j] for j in range(n_stages) if key_of(j, counts) == key)
+
+    def stage_plans(counts, budgets=None):
         modules = split_stages(model, mb, group, counts)
         inputs, boundaries = [mb], []
         with torch.no_grad():
@@ -352,13 +365,13 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                 inputs.append((torch.empty_like(out[0]),))
         plans = []
         for k, mod in enumerate(modules):
-            role = _role(k, n_stages)
-            key = (role, counts[k])
+            key = key_of(k, counts)
             if key not in solved:
-                kinds = len({(_role(j, n_stages), counts[j]) for j in range(n_stages)} - set(solved))
+                kinds = len({key_of(j, counts) for j in range(n_stages)} - set(solved))
                 seconds = max(5.0, (limit - (time.perf_counter() - t0)) / max(1, kinds))
-                solved[key] = _solve_stage(Planner, mod, inputs[k], sub, overrides, role, seconds,
-                                           loss_fn, budget) + (sum(counts[:k]),)
+                stage_budget = (budgets or {}).get(key, budget)
+                solved[key] = _solve_stage(Planner, mod, inputs[k], sub, overrides, key[0], seconds, loss_fn,
+                                           stage_budget, held(key, counts)) + (sum(counts[:k]),)
             plans.append(solved[key])
         return plans, boundaries
 
@@ -375,45 +388,43 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
             counts = better
             plans, boundaries = stage_plans(counts)
 
-    run, memory = None, []
-    for _round in range(BUDGET_ROUNDS + 1):
-        sends = [_send_us(plans[k + 1][0], boundaries[k], profile, tuple(mesh.shape), axis_index)
-                 for k in range(n_stages - 1)] + [0.0]
-        run = simulate(schedule, p, microbatches, [x[1] for x in plans], [x[2] for x in plans], sends,
-                       [x[3] for x in plans], stages_per_rank)
-        memory = [sum(plans[s][0].summary["peak_mem_bytes"] - plans[s][3] + plans[s][5] for s in range(r, n_stages, p))
-                  + run.peak_activation_bytes[r] for r in range(p)]
-        over = {s: memory[s % p] - budget for s in range(n_stages) if budget is not None and memory[s % p] > budget}
+    def rank_memory(plans) -> list[float]:
+        # Each plan's peak holds its stage's microbatches in flight (PlanOptions.in_flight) and
+        # one microbatch's gradients; the unreduced sum of them all stays to the step's end.
+        return [sum(plans[s][0].summary["peak_mem_bytes"] + plans[s][5] for s in range(r, n_stages, p))
+                for r in range(p)]
+
+    memory = rank_memory(plans)
+    for _round in range(BUDGET_ROUNDS):
+        over = {key_of(s, counts): memory[s % p] - budget for s in range(n_stages)
+                if budget is not None and memory[s % p] > budget}
         if not over:
             break
-        worst = max(memory)
-        # The excess off the stage's budget; where that leaves little, a budget that makes the
-        # solver recompute (what a microbatch keeps shrinks with it: the next round measures it).
-        floor = budget / (max(run.in_flight) + 1)
-        lowered = {s: max(floor, solved[(_role(s, n_stages), counts[s])][0].summary["memory_budget_bytes"]
-                          - excess / stages_per_rank) for s, excess in over.items()}
-        def too_big(rounds: int) -> MemoryBudgetError:
-            return MemoryBudgetError(
-                f"pipeline: rank {memory.index(worst)} needs {human_bytes(worst)} with {microbatches} microbatches "
-                f"in {schedule}, above the budget {human_bytes(budget)} (after {rounds} solves with the "
-                "in-flight microbatches taken off the stage budgets): more stages, fewer microbatches in flight "
-                "(1f1b) or recomputation", budget, worst)
+        budgets = {key: solved[key][0].summary["memory_budget_bytes"] - excess / stages_per_rank
+                   for key, excess in over.items()}
+        if min(budgets.values()) <= 0:
+            break
+        for key in over:
+            log.info(f"pipeline: {key[0]} stages of {key[1]} layers over the budget by {human_bytes(over[key])}; "
+                     f"solving them again under {human_bytes(budgets[key])}")
+            solved.pop(key)
+        try:
+            plans, boundaries = stage_plans(counts, budgets)
+        except MemoryBudgetError:
+            break
+        memory = rank_memory(plans)
+    worst = max(memory)
+    if budget is not None and worst > budget:
+        raise MemoryBudgetError(
+            f"pipeline: rank {memory.index(worst)} needs {human_bytes(worst)} with {microbatches} microbatches "
+            f"in {schedule} (stage {memory.index(worst)} holding {flight[memory.index(worst)]} in flight), above the "
+            f"budget {human_bytes(budget)}: more stages, fewer microbatches in flight (1f1b) or more ranks per "
+            "stage", budget, worst)
 
-        if _round == BUDGET_ROUNDS:
-            raise too_big(_round + 1)
-        for s, excess in over.items():
-            key = (_role(s, n_stages), counts[s])
-            log.info(f"pipeline: stage {s} over the budget by {human_bytes(excess)}; solving it again "
-                     f"under {human_bytes(lowered[s])}")
-            modules = split_stages(model, mb, group, counts)
-            inputs = mb if s == 0 else (torch.empty_like(boundaries[s - 1]),)
-            try:
-                solved[key] = _solve_stage(Planner, modules[s], inputs, sub, overrides, key[0],
-                                           max(5.0, limit / 4), loss_fn, lowered[s]) + (sum(counts[:s]),)
-            except MemoryBudgetError:
-                raise too_big(_round + 2) from None
-        plans = [solved[(_role(k, n_stages), counts[k])] for k in range(n_stages)]
-
+    sends = [_send_us(plans[k + 1][0], boundaries[k], profile, tuple(mesh.shape), axis_index)
+             for k in range(n_stages - 1)] + [0.0]
+    run = simulate(schedule, p, microbatches, [x[1] for x in plans], [x[2] for x in plans], sends,
+                   [x[3] for x in plans], stages_per_rank)
     stages, start = [], 0
     for k in range(n_stages):
         pl, f, b, a, red, grads, at = plans[k]
@@ -454,10 +465,11 @@ def stage_plan(pplan: PipelinePlan, stage: Stage) -> Plan:
 
 
 def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds: float, loss_fn,
-                 budget) -> tuple[Plan, float, float, float, float, float]:
-    """(plan, forward us, backward us, activation bytes, reduction us, unreduced gradient bytes) of
-    one stage on the sub-mesh."""
+                 budget, in_flight: int) -> tuple[Plan, float, float, float, float, float]:
+    """(plan, forward us, backward us, activation bytes of one microbatch, reduction us, unreduced
+    gradient bytes) of one stage on the sub-mesh, ``in_flight`` microbatches held."""
     kw = dict(overrides)
+    kw["in_flight"] = int(in_flight)
     kw["time_limit"] = seconds
     # A split stage's layers are called one by one from its graph: no shallower trace to unroll.
     kw["unroll_layers"] = False
@@ -476,7 +488,7 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
     except MemoryBudgetError as exc:
         raise MemoryBudgetError(f"pipeline stage ({role}): {exc}", exc.budget_bytes, exc.min_feasible_bytes) from None
     fwd, bwd, reduce = planner.pipeline_times(pl)
-    act = float(pl.summary["memory"]["saved_bytes"])
+    act = float(pl.summary["memory"]["saved_bytes"]) / in_flight
     grads = float(sum(max(r.get("step_bytes") or [0]) for r in pl.redistributes if r.get("arg") == "grad"))
     return pl, fwd, bwd, act, reduce, grads
 

@@ -40,7 +40,7 @@ from autoshard.planning.baselines import (
 )
 from autoshard.planning.overlap import additive_solve, follow, relaxed
 from autoshard.planning.pins import resolve_pins, to_spec
-from autoshard.planning.problem import GraphProblem, build_problem, pin_indices, with_recompute
+from autoshard.planning.problem import GraphProblem, build_problem, held_in_flight, pin_indices, with_recompute
 from autoshard.planning.simulate import simulate_plan, step_floor
 from autoshard.planning.windows import overlap_windows
 from autoshard.units import human_bytes
@@ -155,8 +155,9 @@ class Planner:
                     if tg.layer_groups else ""))
         t1 = time.perf_counter()
         # The budget only sets the problem's usage limit: each solve replaces it.
-        self.built = gp = build_problem(tg, mesh, self.profile, self._budget(opts), tie_layers=opts.tie_layers,
-                                            load_imbalance=float(opts.load_imbalance), bucket_mb=opts.bucket_mb)
+        self._single = build_problem(tg, mesh, self.profile, self._budget(opts), tie_layers=opts.tie_layers,
+                                     load_imbalance=float(opts.load_imbalance), bucket_mb=opts.bucket_mb)
+        self.built = gp = held_in_flight(self._single, opts.in_flight)
         self.phases["build_s"] = time.perf_counter() - t1
         st = gp.problem.stats()
         log.info(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
@@ -213,7 +214,9 @@ class Planner:
                                   "traced with tie_layers=True)")
             t0 = time.perf_counter()
             rc = self._choice(mode)
-            self._variants[mode] = (rc, with_recompute(self.built, self.traced, rc))
+            # From the problem as built (usages one microbatch's), then charged for the in-flight ones.
+            self._variants[mode] = (rc, held_in_flight(with_recompute(self._single, self.traced, rc),
+                                                       self.options.in_flight))
             log.info(f"recompute {mode}: {rc.count} nodes recomputed in {len(rc.nodes)} layers "
                      f"({time.perf_counter() - t0:.2f}s)")
         return self._variants[mode]

@@ -43,7 +43,7 @@ from autoshard.graph.layers import layer_ties
 from autoshard.graph.pricing import is_view, matmul_operands, matmul_side, memory_pattern, node_flops, op_pricing
 from autoshard.graph.recompute import Recompute, recomputed
 from autoshard.graph.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
-from autoshard.graph.tracing import TracedGraph
+from autoshard.graph.tracing import TracedGraph, node_phase
 from autoshard.planning.imbalance import expert_matmuls, imbalance_scale, move_scale, token_dims
 from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
 from costmodel.ops import host_kind
@@ -615,6 +615,24 @@ def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,
             )
         problem_pins[v] = hit[0]
     return problem_pins
+
+
+def held_in_flight(gp: GraphProblem, times: int) -> GraphProblem:
+    """``gp`` whose forward values live when the backward starts (what a microbatch keeps for
+    its backward) are charged ``times`` over in the memory rows: a pipeline stage holding
+    ``times`` microbatches in flight (:mod:`autoshard.planning.pipeline`), so the solver weighs
+    recomputation and sharding against all of them. ``times <= 1``: ``gp``."""
+    if times <= 1:
+        return gp
+    p = gp.problem
+    lo, hi = p.intervals[:, 0], p.intervals[:, 1]
+    starts = [lo[v] for v, n in enumerate(gp.nodes) if v not in gp.copy_of and node_phase(n) == "backward"]
+    if not starts:
+        return gp
+    t_b = min(starts)
+    usages = [u * times if v < gp.num_originals and lo[v] < t_b < hi[v] and node_phase(gp.nodes[v]) == "forward"
+              else u for v, u in enumerate(p.node_usages)]
+    return dataclasses.replace(gp, problem=p.with_usages(usages))
 
 
 def with_recompute(gp: GraphProblem, tg: TracedGraph, rc: Recompute) -> GraphProblem:
