@@ -1,15 +1,18 @@
-"""Pipelined plans against the best plan without a pipeline, predicted, LLaMA-3 shapes.
+"""Pipelined plans against the best plan without a pipeline and hand-written FSDP+TP+PP, predicted.
 
-    python benchmarks/pipeline.py [--cases 70b:8x8x8:32,405b:8x16x8:32] [--time-limit 60] [--schedule 1f1b]
+    python benchmarks/pipeline.py [--cases 70b:8x8x8:32,405b:8x16x8:64] [--time-limit 60] [--schedule 1f1b]
 
-A case ``MODEL:AxBxC:M`` plans the model (meta device, h100-sxm, bf16 pricing, the device's
-memory less its reserve as the budget) twice, each in a process of its own: without a
-pipeline on the mesh (A, B, C) (axes ``rep, dp, tp``), and pipelined over an axis of size A with
-the stages planned on (B, C) (axes ``pp, dp, tp``), ``M`` microbatches. Global batch as in
-``plan_time.py`` (70B: 512 x 2048, 405B: 1024 x 2048, 8B: 64 x 2048). Prints per case both
-predicted steps, the pipelined plan's stage table, both planning times and the ratio
-pipelined / without; the last line is the worst ratio (below 1: the pipeline pays in every case).
-A pipelined plan that cannot meet the budget counts as infinitely slow.
+A case ``MODEL:AxBxC:M`` plans LLaMA-3 shapes (meta device, h100-sxm, bf16 pricing, the
+device's memory less its reserve as the budget), each plan in a process of its own: without a
+pipeline on the mesh (A, B, C) (axes ``rep, dp, tp``, our solve); pipelined over an axis of size
+A with the stages on (B, C) (axes ``pp, dp, tp``), ``M`` microbatches, 1F1B: ours (every stage
+solved) and torchtitan's hand-written FSDP + TP + PP, with and without full activation
+checkpointing (``plan_pipeline(baseline="fsdp_tp" | "fsdp_tp_ac")``, our partition). Global batch as
+in ``plan_time.py`` (70B: 512 x 2048, 405B: 1024 x 2048, 8B: 64 x 2048). Prints per case every
+predicted step, the pipelined plan's stage table and the planning times; the last line is the
+worst over the cases of ours pipelined / the best of the others (below 1: our pipelined plan
+beats every alternative in every case). A plan that cannot meet the budget counts as
+infinitely slow.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BATCH = {"8b": 64, "70b": 512, "405b": 1024}
 
 
-def run_one(case: str, pipelined: bool, time_limit: float, schedule: str) -> dict:
+def run_one(case: str, kind: str, time_limit: float, schedule: str, layers=None) -> dict:
     import torch
 
     import autoshard
@@ -40,7 +43,7 @@ def run_one(case: str, pipelined: bool, time_limit: float, schedule: str) -> dic
         model = llama(name)
     tokens = torch.empty(BATCH[name], 2048, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
-    if not pipelined:
+    if kind == "flat":
         mesh = autoshard.fake_mesh(shape, ("rep", "dp", "tp"))
         plan = autoshard.plan(model, (tokens,), mesh, profile="h100-sxm", compute_dtype="bfloat16",
                               time_limit=time_limit)
@@ -49,40 +52,47 @@ def run_one(case: str, pipelined: bool, time_limit: float, schedule: str) -> dic
     mesh = autoshard.fake_mesh(shape, ("pp", "dp", "tp"))
     try:
         pp = plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches=int(m), schedule=schedule,
-                           profile="h100-sxm", compute_dtype="bfloat16", time_limit=time_limit)
+                           profile="h100-sxm", compute_dtype="bfloat16", time_limit=time_limit,
+                           baseline=None if kind == "pp" else kind, layers_per_stage=layers)
     except MemoryBudgetError as exc:
         return {"step_ms": float("inf"), "seconds": time.perf_counter() - t0, "error": str(exc).splitlines()[0]}
-    return {"step_ms": pp.step_us / 1e3, "seconds": time.perf_counter() - t0, "table": pp.describe()}
+    return {"step_ms": pp.step_us / 1e3, "seconds": time.perf_counter() - t0, "table": pp.describe(),
+            "layers": [s.layers[1] - s.layers[0] for s in pp.stages]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="70b:8x8x8:32,405b:8x16x8:32")
+    ap.add_argument("--cases", default="70b:8x8x8:32,405b:8x16x8:64")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--layers", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         case, kind = args.one.rsplit("@", 1)
-        print(json.dumps(run_one(case, kind == "pp", args.time_limit, args.schedule)))
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+        print(json.dumps(run_one(case, kind, args.time_limit, args.schedule, layers)))
         return
     worst = 0.0
     for case in args.cases.split(","):
         got = {}
-        for kind in ("flat", "pp"):
+        for kind in ("flat", "pp", "fsdp_tp", "fsdp_tp_ac"):
+            extra = ["--layers", ",".join(map(str, got["pp"]["layers"]))] if got.get("pp", {}).get("layers") else []
             out = subprocess.run([sys.executable, __file__, "--one", f"{case}@{kind}", "--time-limit",
-                                  str(args.time_limit), "--schedule", args.schedule],
+                                  str(args.time_limit), "--schedule", args.schedule, *extra],
                                  capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{case} ({kind}) failed:\n{out.stderr[-3000:]}")
             got[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-        ratio = got["pp"]["step_ms"] / got["flat"]["step_ms"]
+        best_other = min(got[k]["step_ms"] for k in ("flat", "fsdp_tp", "fsdp_tp_ac"))
+        ratio = got["pp"]["step_ms"] / best_other
         worst = max(worst, ratio)
         print(f"{case}: without a pipeline {got['flat']['step_ms']:.1f} ms (recompute {got['flat']['recompute']}, "
-              f"{got['flat']['seconds']:.1f} s); pipelined {got['pp']['step_ms']:.1f} ms "
-              f"({got['pp']['seconds']:.1f} s); ratio {ratio:.3f}")
+              f"{got['flat']['seconds']:.1f} s); pipelined: ours {got['pp']['step_ms']:.1f} ms "
+              f"({got['pp']['seconds']:.1f} s), FSDP+TP+PP {got['fsdp_tp']['step_ms']:.1f} ms, "
+              f"FSDP+TP+PP+AC {got['fsdp_tp_ac']['step_ms']:.1f} ms; ours pipelined / best other {ratio:.3f}")
         print(got["pp"].get("table") or got["pp"].get("error"))
-    print(f"worst ratio pipelined / without: {worst:.3f}")
+    print(f"worst ratio ours pipelined / best of (ours without, FSDP+TP+PP, FSDP+TP+PP+AC): {worst:.3f}")
 
 
 if __name__ == "__main__":

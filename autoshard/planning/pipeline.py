@@ -300,9 +300,12 @@ def _send_us(plan: Plan, boundary: torch.Tensor, profile: Profile, mesh_shape, a
 
 def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "pp", microbatches: int,
                   schedule: str = "1f1b", stages_per_rank: int = 1, layers_per_stage=None,
-                  loss_fn=None, **overrides) -> PipelinePlan:
+                  loss_fn=None, baseline: str | None = None, **overrides) -> PipelinePlan:
     """Plan ``model`` pipelined over mesh axis ``axis`` (module docstring). ``layers_per_stage``:
-    the partition (default: balanced by cost); other keywords are
+    the partition (default: balanced by cost); ``baseline``: every stage a hand-written plan
+    (:func:`autoshard.planning.baselines.baseline_pins`: ``"fsdp_tp"``, ``"fsdp_tp_ac"`` ... on the
+    sub-mesh, its recomputation; torchtitan's FSDP + TP + PP), the rest solved under its pins, for
+    comparison; other keywords are
     :class:`~autoshard.options.PlanOptions` fields for every stage's solve (``profile``,
     ``memory_budget``, ``time_limit`` ... shared by the distinct stages)."""
     from autoshard.options import resolve, resolve_budget
@@ -371,7 +374,7 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                 seconds = max(5.0, (limit - (time.perf_counter() - t0)) / max(1, kinds))
                 stage_budget = (budgets or {}).get(key, budget)
                 solved[key] = _solve_stage(Planner, mod, inputs[k], sub, overrides, key[0], seconds, loss_fn,
-                                           stage_budget, held(key, counts)) + (sum(counts[:k]),)
+                                           stage_budget, held(key, counts), baseline) + (sum(counts[:k]),)
             plans.append(solved[key])
         return plans, boundaries
 
@@ -465,10 +468,16 @@ def stage_plan(pplan: PipelinePlan, stage: Stage) -> Plan:
 
 
 def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds: float, loss_fn,
-                 budget, in_flight: int) -> tuple[Plan, float, float, float, float, float]:
+                 budget, in_flight: int, baseline: str | None = None) -> tuple[Plan, float, float, float, float, float]:
     """(plan, forward us, backward us, activation bytes of one microbatch, reduction us, unreduced
-    gradient bytes) of one stage on the sub-mesh, ``in_flight`` microbatches held."""
+    gradient bytes) of one stage on the sub-mesh, ``in_flight`` microbatches held; ``baseline``:
+    under that hand-written plan's pins, input spec and recomputation."""
     kw = dict(overrides)
+    if baseline is not None:
+        from autoshard.planning.baselines import baseline_pins, baseline_recompute
+
+        pins, in_specs = baseline_pins(baseline, module, sub.ndim, tuple(sub.shape))
+        kw.update(pins=pins, input_specs=in_specs, recompute=baseline_recompute(baseline), seed_baselines=False)
     kw["in_flight"] = int(in_flight)
     kw["time_limit"] = seconds
     # A split stage's layers are called one by one from its graph: no shallower trace to unroll.
