@@ -13,7 +13,7 @@ from solver import BACKENDS
 
 #: Fields fixed once the model is traced and its problem built (a new Planner changes them).
 TRACE_FIELDS = ("profile", "compute_dtype", "loss_fn", "example_kwargs", "tie_layers", "unroll_layers",
-                "load_imbalance", "bucket_mb", "input_grads", "in_flight")
+                "load_imbalance", "bucket_mb", "input_grads", "in_flight", "microbatches")
 #: Fields each solve of a traced model may change (``Planner.solve(**overrides)``).
 SOLVE_FIELDS = ("memory_budget", "pins", "input_specs", "recompute", "time_limit", "backend", "seed_baselines",
                 "overlap_objective", "export_problem")
@@ -154,6 +154,12 @@ class PlanOptions:
     under its schedule, :mod:`autoshard.planning.pipeline`). The plan's reported memory stays one
     microbatch's."""
 
+    microbatches: int = 1
+    """Microbatches one step runs through the program, their gradients accumulated where the
+    backward leaves them and moved to their parameters' specs once: each gradient move is charged
+    ``1 / microbatches`` in the solve (a pipeline stage's; the plan's step is then one microbatch's
+    with its share of the reduction)."""
+
     export_problem: str | None = None
     """Also write the solver's problem (pins applied) to this path in the IOPDDL contest format
     (``.json`` or ``.json.gz``; ties and pins as extra keys)."""
@@ -170,8 +176,10 @@ class PlanOptions:
             raise ConfigError(f"time_limit: expected seconds > 0, found {self.time_limit!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {BACKENDS}, found {self.backend!r}")
-        if not (isinstance(self.in_flight, int) and not isinstance(self.in_flight, bool) and self.in_flight >= 1):
-            raise ConfigError(f"in_flight: expected an int >= 1, found {self.in_flight!r}")
+        for name in ("in_flight", "microbatches"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ConfigError(f"{name}: expected an int >= 1, found {v!r}")
         for name in ("tie_layers", "unroll_layers", "overlap_objective", "seed_baselines", "input_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")

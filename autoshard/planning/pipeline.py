@@ -14,7 +14,10 @@ for the last stage, a loss whose gradient is the one the next stage sends back (
 and but for the first, its input's gradient computed and returned (``input_grads``: what it
 sends back).
 Stages with the same role (first, middle, last) and layer count are the same problem and are
-solved once. From stage ``s``'s plan:
+solved once, each gradient move charged ``1 / m`` (``PlanOptions(microbatches=m)``,
+:func:`autoshard.planning.problem.amortized_gradients`: the stage accumulates its microbatches'
+gradients where its backward leaves them and moves them once), so the solver prefers reducing
+on those moves over reducing inside every microbatch's backward. From stage ``s``'s plan:
 
 - ``f_s``, ``b_s``: its simulated step (compute and exposed communication of one microbatch)
   without the gradients' moves to their parameters' specs, cut in the ratio of its forward's and
@@ -374,7 +377,8 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                 seconds = max(5.0, (limit - (time.perf_counter() - t0)) / max(1, kinds))
                 stage_budget = (budgets or {}).get(key, budget)
                 solved[key] = _solve_stage(Planner, mod, inputs[k], sub, overrides, key[0], seconds, loss_fn,
-                                           stage_budget, held(key, counts), baseline) + (sum(counts[:k]),)
+                                           stage_budget, held(key, counts), microbatches,
+                                           baseline) + (sum(counts[:k]),)
             plans.append(solved[key])
         return plans, boundaries
 
@@ -468,7 +472,8 @@ def stage_plan(pplan: PipelinePlan, stage: Stage) -> Plan:
 
 
 def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds: float, loss_fn,
-                 budget, in_flight: int, baseline: str | None = None) -> tuple[Plan, float, float, float, float, float]:
+                 budget, in_flight: int, microbatches: int,
+                 baseline: str | None = None) -> tuple[Plan, float, float, float, float, float]:
     """(plan, forward us, backward us, activation bytes of one microbatch, reduction us, unreduced
     gradient bytes) of one stage on the sub-mesh, ``in_flight`` microbatches held; ``baseline``:
     under that hand-written plan's pins, input spec and recomputation."""
@@ -479,6 +484,7 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
         pins, in_specs = baseline_pins(baseline, module, sub.ndim, tuple(sub.shape))
         kw.update(pins=pins, input_specs=in_specs, recompute=baseline_recompute(baseline), seed_baselines=False)
     kw["in_flight"] = int(in_flight)
+    kw["microbatches"] = int(microbatches)
     kw["time_limit"] = seconds
     # A split stage's layers are called one by one from its graph: no shallower trace to unroll.
     kw["unroll_layers"] = False

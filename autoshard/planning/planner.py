@@ -40,7 +40,14 @@ from autoshard.planning.baselines import (
 )
 from autoshard.planning.overlap import additive_solve, follow, relaxed
 from autoshard.planning.pins import resolve_pins, to_spec
-from autoshard.planning.problem import GraphProblem, build_problem, held_in_flight, pin_indices, with_recompute
+from autoshard.planning.problem import (
+    GraphProblem,
+    amortized_gradients,
+    build_problem,
+    held_in_flight,
+    pin_indices,
+    with_recompute,
+)
 from autoshard.planning.simulate import simulate_plan, step_floor
 from autoshard.planning.windows import overlap_windows
 from autoshard.units import human_bytes
@@ -157,7 +164,7 @@ class Planner:
         # The budget only sets the problem's usage limit: each solve replaces it.
         self._single = build_problem(tg, mesh, self.profile, self._budget(opts), tie_layers=opts.tie_layers,
                                      load_imbalance=float(opts.load_imbalance), bucket_mb=opts.bucket_mb)
-        self.built = gp = held_in_flight(self._single, opts.in_flight)
+        self.built = gp = self._staged(self._single)
         self.phases["build_s"] = time.perf_counter() - t1
         st = gp.problem.stats()
         log.info(f"built problem: {st['nodes']} nodes ({sum(len(t) for t in gp.problem.ties)} in "
@@ -181,6 +188,11 @@ class Planner:
         self._seeds: dict[str, tuple[HandWritten | str, float, bool]] = {}
         """Hand-written plans by options: (the plan or why it failed, the seconds it was given,
         whether more time cannot change it: proved optimal, or not writable for this model)."""
+
+    def _staged(self, gp: GraphProblem) -> GraphProblem:
+        """``gp`` as a pipeline stage's microbatch costs it: the microbatches in flight held, the
+        gradients moved once per step (``in_flight``, ``microbatches``; 1 and 1: ``gp``)."""
+        return amortized_gradients(held_in_flight(gp, self.options.in_flight), self.options.microbatches)
 
     def _budget(self, opts: PlanOptions) -> float | None:
         return resolve_budget(opts.memory_budget, self.profile.memory_bytes)
@@ -215,8 +227,7 @@ class Planner:
             t0 = time.perf_counter()
             rc = self._choice(mode)
             # From the problem as built (usages one microbatch's), then charged for the in-flight ones.
-            self._variants[mode] = (rc, held_in_flight(with_recompute(self._single, self.traced, rc),
-                                                       self.options.in_flight))
+            self._variants[mode] = (rc, self._staged(with_recompute(self._single, self.traced, rc)))
             log.info(f"recompute {mode}: {rc.count} nodes recomputed in {len(rc.nodes)} layers "
                      f"({time.perf_counter() - t0:.2f}s)")
         return self._variants[mode]
@@ -490,10 +501,13 @@ class Planner:
                 forward += us
             else:
                 backward += us
-        costs = [np.zeros_like(m) if e.arg < 0 else m for e, m in zip(gp.edges, gp.problem.edge_costs)]
-        without = dc.replace(gp, problem=gp.problem.with_edge_costs(costs))
-        bare = simulate_plan(without, choice, self.profile.overlap).step_us
-        whole = float(plan.summary["step_us"])
+        def moves(scale: float) -> float:
+            costs = [m * scale if e.arg < 0 else m for e, m in zip(gp.edges, gp.problem.edge_costs)]
+            return simulate_plan(dc.replace(gp, problem=gp.problem.with_edge_costs(costs)), choice,
+                                 self.profile.overlap).step_us
+
+        # The problem charges each move 1 / microbatches: the step with them whole, and without.
+        bare, whole = moves(0.0), moves(float(self.options.microbatches))
         share = forward / (forward + backward) if forward + backward > 0 else 1 / 3
         return bare * share, bare * (1 - share), max(0.0, whole - bare)
 

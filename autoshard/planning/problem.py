@@ -635,6 +635,16 @@ def held_in_flight(gp: GraphProblem, times: int) -> GraphProblem:
     return dataclasses.replace(gp, problem=p.with_usages(usages))
 
 
+def amortized_gradients(gp: GraphProblem, microbatches: int) -> GraphProblem:
+    """``gp`` whose gradients' moves to their parameters' specs (the edges into parameters) cost
+    ``1 / microbatches`` each: a step of that many microbatches accumulates its gradients where
+    its backward leaves them and moves them once (a pipeline stage). ``microbatches <= 1``: ``gp``."""
+    if microbatches <= 1:
+        return gp
+    costs = [m / microbatches if e.arg < 0 else m for e, m in zip(gp.edges, gp.problem.edge_costs)]
+    return dataclasses.replace(gp, problem=gp.problem.with_edge_costs(costs))
+
+
 def with_recompute(gp: GraphProblem, tg: TracedGraph, rc: Recompute) -> GraphProblem:
     """``gp`` with ``rc``'s recomputation: a tied copy per recomputed node (its compute and its
     input redistributes charged again, its memory live in the backward only) and every
