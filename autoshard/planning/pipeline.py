@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autoshard.errors import ConfigError, MemoryBudgetError
+from autoshard.errors import ConfigError, MemoryBudgetError, first_line
 from autoshard.graph.layers import layer_groups
 from autoshard.mesh import axis_names_of
 from autoshard.planfile import Plan
@@ -501,7 +501,17 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
     try:
         pl = planner.solve()
     except MemoryBudgetError as exc:
-        raise MemoryBudgetError(f"pipeline stage ({role}): {exc}", exc.budget_bytes, exc.min_feasible_bytes) from None
+        if microbatches <= 1:
+            raise MemoryBudgetError(f"pipeline stage ({role}): {exc}", exc.budget_bytes,
+                                    exc.min_feasible_bytes) from None
+        # Cheap gradient moves draw the solve to replicated parameters, whose optimizer step
+        # (AdamW's temporaries: the plan's account, not the solver's rows) can break the budget
+        # the rows met: solved again pricing every microbatch's moves whole (the stage still
+        # accumulates and moves them once).
+        log.info(f"pipeline stage ({role}): {first_line(str(exc))}; solving it again with the gradient moves "
+                 "priced per microbatch")
+        return _solve_stage(planner_cls, module, inputs, sub, overrides, role, seconds, loss_fn, budget, in_flight,
+                            1, baseline)
     fwd, bwd, reduce = planner.pipeline_times(pl)
     act = float(pl.summary["memory"]["saved_bytes"]) / in_flight
     grads = float(sum(max(r.get("step_bytes") or [0]) for r in pl.redistributes if r.get("arg") == "grad"))
