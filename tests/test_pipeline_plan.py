@@ -180,3 +180,29 @@ def test_hand_written_stages_are_the_baselines_pins(world):
         pins, _ = baseline_pins("fsdp_tp", mod, 2, (4, 4))
         assert all(plan.param_spec(f) == spec for f, spec in pins.items())
     assert ours.step_us <= hand.step_us * 1.0001
+
+
+def test_microbatches_charge_each_gradient_move_once_per_step(world):
+    """PlanOptions(microbatches=m): the edges moving gradients to their parameters' specs cost
+    1/m (the stage moves them once per step); no other edge changes. pipeline_times prices the
+    reduction whole, once."""
+    world(64)
+    mesh = autoshard.fake_mesh((4, 16), ("dp", "tp"))
+    model, tokens = _model(2), _tokens(64)
+    one = autoshard.Planner(model, (tokens,), mesh, profile="h100-sxm", loss_fn=_loss)
+    four = autoshard.Planner(model, (tokens,), mesh, profile="h100-sxm", loss_fn=_loss, microbatches=4)
+    moved = 0
+    for e, a, b in zip(one.built.edges, one.built.problem.edge_costs, four.built.problem.edge_costs):
+        if e.arg < 0:
+            assert b == pytest.approx(a / 4)
+            moved += int((a > 0).any())
+        else:
+            assert (a == b).all()
+    assert moved > 0
+    ddp = {"pins": {"*": "RR"}, "seed_baselines": False}
+    p1, p4 = one.solve(**ddp), four.solve(**ddp)
+    (f1, b1, r1), (f4, b4, r4) = one.pipeline_times(p1), four.pipeline_times(p4)
+    # The same parameters' gradients moved whole in both (the activations' splits may differ).
+    assert r1 > 0 and r4 == pytest.approx(r1, rel=0.2)
+    # The amortized plan's own step carries a quarter of its moves at most.
+    assert p4.summary["step_us"] - (f4 + b4) <= r4 / 4 * 1.01
