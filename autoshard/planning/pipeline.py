@@ -382,6 +382,13 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
             plans.append(solved[key])
         return plans, boundaries
 
+    def step_of(plans, boundaries) -> float:
+        sends = [_send_us(plans[k + 1][0], boundaries[k], profile, tuple(mesh.shape), axis_index)
+                 for k in range(n_stages - 1)] + [0.0]
+        run = simulate(schedule, p, microbatches, [x[1] for x in plans], [x[2] for x in plans], sends,
+                       stages_per_rank=stages_per_rank)
+        return max(run.rank_end_us[r] + sum(plans[s][4] for s in range(r, n_stages, p)) for r in range(p))
+
     plans, boundaries = stage_plans(counts)
     if layers_per_stage is None and n_stages > 2:
         per_layer = {k: (x[1] + x[2]) / counts[k] for k, x in enumerate(plans)
@@ -391,9 +398,14 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
         last_extra = plans[-1][1] + plans[-1][2] - counts[-1] * t
         better = balanced_partition(len(group), n_stages, t, first_extra, last_extra)
         if better != counts:
-            log.info(f"pipeline: layers per stage {counts} -> {better} (balanced by cost)")
-            counts = better
-            plans, boundaries = stage_plans(counts)
+            # A stage's time is not linear in its layers (another count can take another plan):
+            # the new cut is kept only where its stages, solved, make the step shorter.
+            again, at = stage_plans(better)
+            before, after = step_of(plans, boundaries), step_of(again, at)
+            log.info(f"pipeline: layers per stage {counts} -> {better} (balanced by cost): step "
+                     f"{before / 1e3:.1f} -> {after / 1e3:.1f} ms" + ("" if after < before else ", kept the first"))
+            if after < before:
+                counts, plans, boundaries = better, again, at
 
     def rank_memory(plans) -> list[float]:
         # Each plan's peak holds its stage's microbatches in flight (PlanOptions.in_flight) and
