@@ -166,3 +166,22 @@ def test_ranks_chooses_the_mesh(world, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "m:make"]) == 2
     assert "expected --mesh name=size,... (e.g. dp=8,tp=8) or --ranks N" in capsys.readouterr().err
+
+
+def test_demo_pipelined_writes_a_pipeline_plan(world, tmp_path, capsys):
+    """--pipeline AXIS: the stages planned on the other axes, 4 microbatches per pipeline rank by
+    default; the file is a pipelined plan that `show` prints stage by stage."""
+    world(64)
+    out = tmp_path / "pp.json"
+    rc = main(["demo", "--model", "gpt", "--layers", "4", "--dim", "64", "--heads", "4", "--vocab", "128",
+               "--batch", "64", "--seq", "16", "--mesh", "pp=4,dp=4,tp=4", "--pipeline", "pp", "--time-limit", "20",
+               "-o", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "pipeline over 'pp' (4 ranks, 4 stages), 1f1b, 16 microbatches" in text
+    assert json.loads(out.read_text())["kind"] == "pipeline"
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "pipeline over 'pp'" in shown and "stage 0 (first" in shown and "on mesh {'dp': 4, 'tp': 4}" in shown
+    assert main(["demo", "--model", "gpt", "--layers", "4", "--mesh", "pp=4,dp=4,tp=4", "--pipeline", "pp",
+                 "--compare"]) == 2
