@@ -77,7 +77,7 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict) -> None:
                 t.copy_(src)
 
 
-def _in_spec(a: DTensor, mesh, spec: Spec) -> DTensor:
+def in_planned_spec(a: DTensor, mesh, spec: Spec) -> DTensor:
     """A DTensor input in its planned spec (a pipeline stage's input arrives in the spec the stage
     before handed it over in)."""
     from autoshard._torch_compat import placements_for
@@ -153,7 +153,7 @@ class _PlannedForward:
             raise PlanError(f"forward got tensor keyword inputs {sorted(tensor_kw)}, the plan was made for "
                             f"{sorted(names)}")
         inputs = list(args) + [tensor_kw[k] for k in names]
-        dist_inputs = [_in_spec(a, self.mesh, spec) if isinstance(a, DTensor)
+        dist_inputs = [in_planned_spec(a, self.mesh, spec) if isinstance(a, DTensor)
                        else distribute(a, self.mesh, spec, src_data_rank=None)
                        for a, spec in zip(inputs, self.input_specs)]
         program = self.program(dist_inputs, constants)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from autoshard._torch_compat import pipeline_stage_class
 from autoshard.errors import ConfigError, PlanError
 from autoshard.graph.layers import layer_groups
 from autoshard.mesh import axis_names_of, several_processes
@@ -38,36 +39,20 @@ class _Boundary(nn.Module):
         self.stage, self.mesh, self.out_spec = stage, mesh, out_spec
 
     def forward(self, *args):
-        from autoshard._torch_compat import placements_for
+        from autoshard.apply import in_planned_spec
 
         out = self.stage(*args)
         if self.out_spec is not None and isinstance(out, DTensor):
-            want = placements_for(self.out_spec, self.mesh)
-            if tuple(out.placements) != tuple(want):
-                out = out.redistribute(self.mesh, want)
+            out = in_planned_spec(out, self.mesh, self.out_spec)
         return out
 
 
-def _PlannedStage(*args, **kwargs):
-    """torch's stage whose stage module's gradients, accumulated unreduced over the
-    microbatches, are reduced once where torch has FSDP reduce them (before the schedule scales
-    them), and which discards what torch's metadata inference's backward (on its first step, on
-    made-up inputs) accumulated."""
-    from autoshard._torch_compat import pipeline_stage_class
-
-    def reduce(stage):
-        stage.submod.stage.forward.reduce_gradients()
-
-    def inferred(stage):
-        stage.submod.stage.forward.discard_gradients()
-
-    return pipeline_stage_class(reduce, inferred)(*args, **kwargs)
+def _reduce(stage) -> None:
+    stage.submod.stage.forward.reduce_gradients()
 
 
-def _stage_mesh(mesh, names):
-    """The sub-mesh a received DTensor lives on: ``mesh`` sliced to its axis names (this rank's)."""
-    names = tuple(names)
-    return mesh[names] if len(names) > 1 else mesh[names[0]]
+def _discard(stage) -> None:
+    stage.submod.stage.forward.discard_gradients()
 
 
 def pipeline_schedule(model: nn.Module, pplan, mesh, example_inputs, *, loss_fn, bucket_mb: float = 25.0,
@@ -102,6 +87,10 @@ def pipeline_schedule(model: nn.Module, pplan, mesh, example_inputs, *, loss_fn,
     box = [int(torch.initial_seed())]
     if several_processes():
         dist.broadcast_object_list(box, src=0)
+    # torch's stage whose module's gradients, accumulated unreduced over the microbatches, are
+    # reduced once where torch has FSDP reduce them (before the schedule scales them), and which
+    # discards what torch's metadata inference's backward (first step, made-up inputs) added.
+    stage_cls = pipeline_stage_class(_reduce, _discard)
     stages, mods = [], []
     for st in pplan.stages:
         if st.rank != pp_rank:
@@ -112,8 +101,9 @@ def pipeline_schedule(model: nn.Module, pplan, mesh, example_inputs, *, loss_fn,
         out_spec = Spec.parse(pplan.stages[nxt].plan.inputs[0]) if nxt < len(pplan.stages) else None
         wrapped = _Boundary(mod, sub, out_spec)
         mods.append(wrapped)
-        stages.append(_PlannedStage(wrapped, st.index, len(pplan.stages), device, group=group,
-                                    get_mesh=lambda names, layout: _stage_mesh(mesh, names)))
+        # Every boundary DTensor lives on the sub-mesh.
+        stages.append(stage_cls(wrapped, st.index, len(pplan.stages), device, group=group,
+                                get_mesh=lambda names, layout: sub))
     if not stages:
         raise ConfigError(f"pipeline rank {pp_rank} holds no stage of the plan")
     if pplan.schedule == "interleaved_1f1b":

@@ -1,5 +1,7 @@
 """Shared pieces of the tests: a profile where sharding pays, and numerics checks."""
 
+import math
+
 import torch
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
@@ -42,7 +44,24 @@ def reference_step(model, inputs, loss_fn):
     return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
 
-__all__ = ["SHARDING_PROFILE", "LocalTensorMode", "full", "local_mesh", "reference_step"]
+def assert_plan_matches_single_device(model, inputs, plan, shape, names, loss_fn):
+    """``plan`` on a LocalTensorMode mesh of ``shape``: the single-device loss and gradients."""
+    import copy
+
+    import autoshard
+
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), inputs, loss_fn)
+    with LocalTensorMode(math.prod(shape)):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh(shape, names))
+        loss = loss_fn(sharded(*inputs))
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+
+
+__all__ = ["SHARDING_PROFILE", "LocalTensorMode", "assert_plan_matches_single_device", "full", "local_mesh",
+           "reference_step"]
 
 
 def lift_replicated_locals(model, mode):

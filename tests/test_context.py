@@ -1,11 +1,10 @@
 """Context parallelism (all-gather form): causal attention split on the sequence is planned,
 priced at its busiest rank and runs to the single-device loss and gradients."""
 
-import copy
 
 import pytest
 import torch
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, reference_step
+from helpers import SHARDING_PROFILE, assert_plan_matches_single_device
 
 import autoshard
 from autoshard.graph import attention
@@ -62,14 +61,7 @@ def test_sequence_kernels_compute_the_causal_result(parts):
 
 def _matches_single_device(model, x, plan, loss_fn):
     """The plan on CP 2 x DP 2 under LocalTensorMode: the single-device loss and gradients."""
-    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), loss_fn)
-    with LocalTensorMode(4):
-        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "cp")))
-        loss = loss_fn(sharded(x))
-        loss.backward()
-        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
-        for fqn, p in sharded.named_parameters():
-            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "cp"), loss_fn)
 
 
 def _cp_plan(world, shape, names, batch, seq, input_spec, **kw):
