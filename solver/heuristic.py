@@ -8,6 +8,7 @@ returns anything worse, so a stalled MILP still yields a usable plan.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -29,11 +30,11 @@ def initial_choice(problem: Problem) -> np.ndarray:
 
 
 def local_search(problem: Problem, choice: np.ndarray, max_rounds: int = 20,
-                 deadline: float | None = None) -> np.ndarray:
+                 deadline: float | None = None, now: Callable[[], float] = time.perf_counter) -> np.ndarray:
     """Move one tie group at a time to its cheapest strategy that keeps memory within the limit.
 
     Stops after a sweep without improvement, ``max_rounds`` sweeps, or at ``deadline``
-    (a ``time.perf_counter()`` value).
+    (a value of ``now``: the wall clock, or a :class:`solver.clock.WorkClock`).
     """
     adj = Adjacency(problem)
     groups = tie_groups(problem)
@@ -42,7 +43,7 @@ def local_search(problem: Problem, choice: np.ndarray, max_rounds: int = 20,
     for _ in range(max_rounds):
         improved = False
         for g in groups:
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and now() > deadline:
                 return choice
             gain = sum(local_cost(problem, adj, choice, v) for v in g)
             old = int(choice[g[0]])
@@ -63,7 +64,7 @@ def local_search(problem: Problem, choice: np.ndarray, max_rounds: int = 20,
 
 
 def repair_pairs(problem: Problem, choice: np.ndarray, deadline: float | None = None,
-                 max_rounds: int = 5) -> np.ndarray:
+                 max_rounds: int = 5, now: Callable[[], float] = time.perf_counter) -> np.ndarray:
     """Move both ends of each edge whose chosen pair is forbidden (or costly) at once.
 
     Single-node moves cannot leave a forbidden pair when every other strategy of
@@ -77,7 +78,7 @@ def repair_pairs(problem: Problem, choice: np.ndarray, deadline: float | None = 
     for _ in range(max_rounds):
         changed = False
         for e, (u, v) in enumerate(problem.edges.tolist()):
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and now() > deadline:
                 return choice
             m = problem.edge_costs[e]
             if m[choice[u], choice[v]] < FORBIDDEN or u == v or len(groups[u]) > 1 or len(groups[v]) > 1:
@@ -105,7 +106,8 @@ def repair_pairs(problem: Problem, choice: np.ndarray, deadline: float | None = 
     return choice
 
 
-def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.ndarray | None:
+def repair_memory(problem: Problem, choice: np.ndarray, deadline: float,
+                  now: Callable[[], float] = time.perf_counter) -> np.ndarray | None:
     """From a choice that breaks the memory limit (the memory-free optimum), move one tie group
     at a time to a strategy of less usage at the fullest segment, the one that costs least per
     byte it frees there, until every segment fits; None when no move frees anything or at
@@ -122,7 +124,7 @@ def repair_memory(problem: Problem, choice: np.ndarray, deadline: float) -> np.n
         group_of[g] = k
     allowed = [np.logical_and.reduce([problem.allowed(v) for v in g]) for g in groups]
     limit = problem.usage_limit
-    while time.perf_counter() < deadline:
+    while now() < deadline:
         k = int(np.argmax(mem.total))
         if mem.total[k] <= limit:
             return choice

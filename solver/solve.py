@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from solver import cfn, heuristic, highs_model, ilp, lns, weights
+from solver.clock import WorkClock
 from solver.evaluate import evaluate, memory_profile
 from solver.exact import build_exact
 from solver.exact import finish as exact_answer
@@ -736,18 +737,25 @@ def _milp_or_weights(run: _Run) -> Solution:
     except highs_model.ModelTooLarge as exc:
         log.info(f"milp skipped: {exc}; per-node weight search, then windowed MILPs, for the remaining time")
         run.stats["milp_skipped"] = str(exc)
-        lower = _weights_and_windows(run.problem, inc, run.t0, run.time_limit, run.bound, run.sched)
+        lower, cut = _weights_and_windows(run.problem, inc, run.t0, run.time_limit, run.bound, run.sched)
+        if cut:
+            run.stats["clock_cut"] = ["weights"]
     except ProvedInfeasible as exc:
         log.info(f"milp: {exc}")
         return run.finish(status, lower)
-    if status != "optimal":  # both end at their share of the time limit unless proved
-        run.stats["clock_cut"] = ["weights" if "milp_skipped" in run.stats else "milp"]
+    if status != "optimal" and "milp_skipped" not in run.stats:  # HiGHS ends at its wall-clock share
+        run.stats["clock_cut"] = ["milp"]
     return run.finish(status, lower)
 
 
 def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
     """Models too large for the MILP: the per-node weight search, windowed MILPs (:mod:`solver.lns`)
-    and a last polish improve ``inc``; returns the best lower bound known.
+    and a last polish improve ``inc``; returns (the best lower bound known, whether the wall clock
+    cut them short).
+
+    Their shares of the time limit are counted in this process's CPU seconds
+    (:class:`solver.clock.WorkClock`), from when they begin, so a busy machine does not change
+    where they go; the wall clock at ``sched.polish`` of the limit is the guard.
 
     With cores to spare (:func:`spare_cores`), windows run the whole time in child processes
     (:mod:`solver.lns_child`, one per spare core, each with its own random windows), on every
@@ -756,12 +764,13 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
     between windows. On one core the two run one after the other.
     """
     end = sched.deadline("windows", t0, time_limit)
+    clock = WorkClock(guard=sched.deadline("polish", t0, time_limit))
     children: list[LnsChild] = []
 
     def share(choice, cost):
-        if not children and end - time.perf_counter() > 10:
+        if not children and clock.seconds_until(end) > 10:
             spare = min(spare_cores(), MAX_LNS_CHILDREN)
-            children.extend(LnsChild(problem, choice, end - time.perf_counter(), seed=1 + i) for i in range(spare))
+            children.extend(LnsChild(problem, choice, clock.seconds_until(end), seed=1 + i) for i in range(spare))
             if children:
                 log.info(f"lns runs beside the weight search in {len(children)} child process(es) ({cores()} cores)")
         for child in children:
@@ -773,29 +782,33 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
             found, bound = weights.weight_search(problem, inc.choice if inc.feasible else None,
                                                  deadline=sched.deadline("weights", t0, time_limit),
-                                                 on_best=share)
+                                                 on_best=share, clock=clock)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
             inc.offer(found, "weights")
         if inc.feasible:
-            _windows(problem, inc, children, end)
+            _windows(problem, inc, children, end, clock)
     finally:
         for child in children:
             child.close()
+    cut = clock.cut
+    # The polish's own guard is the time limit's end, less the evaluations after it.
+    clock = WorkClock(guard=sched.deadline("polish", t0, time_limit) + 0.02 * time_limit, origin=clock())
     more, until = inc.choice, sched.deadline("polish", t0, time_limit)
     for _ in range(100):
         before = evaluate(problem, more).cost
-        more = heuristic.repair_pairs(problem, more, deadline=until)
-        more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=until)
-        if evaluate(problem, more).cost >= before or time.perf_counter() > until:
+        more = heuristic.repair_pairs(problem, more, deadline=until, now=clock)
+        more = heuristic.local_search(problem, more, max_rounds=10_000, deadline=until, now=clock)
+        if evaluate(problem, more).cost >= before or clock() > until:
             break
     if not np.array_equal(more, inc.choice):
         inc.offer(more, "polish")
-    return lower
+    return lower, cut or clock.cut
 
 
-def _windows(problem, inc, children, deadline):
-    """Windowed MILPs here until ``deadline``, trading answers with the ``children`` between windows."""
+def _windows(problem, inc, children, deadline, clock):
+    """Windowed MILPs here until ``deadline`` on ``clock``, trading answers with the ``children``
+    between windows."""
     t0 = time.perf_counter()
     search = lns.WindowSearch(problem, inc.choice)
 
@@ -807,11 +820,11 @@ def _windows(problem, inc, children, deadline):
         answers = [a for a in (child.best() for child in children) if a is not None]
         return min(answers, key=lambda a: a[1]) if answers else None
 
-    while deadline - time.perf_counter() > 0.5:
+    while clock.seconds_until(deadline) > 0.5:
         best = theirs()
         if best is not None and best[1] < search.cost:
             search.restart(best[0])
-        if search.step(deadline):
+        if search.step(deadline, clock):
             for child in children:
                 child.offer(search.current, search.cost)
             if search.improved % 10 == 1:

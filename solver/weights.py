@@ -48,6 +48,7 @@ import time
 import numpy as np
 
 from solver import cfn, heuristic, local, recombine
+from solver.clock import WorkClock
 from solver.core import CoreSolver, cost_scale, descend
 from solver.eliminate import Eliminator
 from solver.evaluate import evaluate
@@ -129,7 +130,8 @@ def _chosen_usage(problem: Problem, choice: np.ndarray) -> np.ndarray:
     return np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
 
 
-def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadline, tries: int = 6):
+def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadline, tries: int = 6,
+             now=time.perf_counter):
     """Make a round's answer fit by raising the weights ``w`` (already the next round's, so
     broken nodes start raised) of its broken nodes only (x2 a try, x8 while the peak
     stalls) and re-solving with descent on the core from the round's core answer: a core
@@ -143,7 +145,7 @@ def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadl
     for _ in range(tries):
         peak = evaluate(problem, current).peak_usage
         stalls = stalls + 1 if peak >= last_peak - 1e-3 * limit else 0
-        if peak <= limit or stalls >= 2 or time.perf_counter() > deadline:
+        if peak <= limit or stalls >= 2 or now() > deadline:
             break  # fits, or descent cannot move the peak (on A: forbidden pairs all round)
         factor = 8.0 if stalls else 2.0
         last_peak = peak
@@ -161,9 +163,12 @@ def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadl
 
 
 def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
-                  core_seconds: float = 5.0, on_best=None) -> tuple[np.ndarray | None, float | None]:
+                  core_seconds: float = 5.0, on_best=None, clock: WorkClock | None = None
+                  ) -> tuple[np.ndarray | None, float | None]:
     """(best feasible choice or None, proven lower bound or None) found before ``deadline``,
-    or sooner when the search stalls (``STALL_ROUNDS``, ``STALL_SHARE``).
+    or sooner when the search stalls (``STALL_ROUNDS``, ``STALL_SHARE``). Deadlines and the
+    stall rule read ``clock`` (:class:`solver.clock.WorkClock`: the rounds a run makes do not
+    depend on how busy the machine is), else the wall clock.
 
     ``on_best(choice, cost)`` is called with each answer cheaper than ``start`` and every
     earlier one. Ties are not eliminated (their nodes stay in the core, where toulbar2
@@ -171,15 +176,15 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
     """
     if not cfn.available() or problem.usage_limit is None:
         return None, None
-    return _WeightSearch(problem, start, deadline, core_seconds, on_best).run()
+    return _WeightSearch(problem, start, deadline, core_seconds, on_best, clock or time.perf_counter).run()
 
 
 class _WeightSearch:
     """The rounds of :func:`weight_search`, its state as attributes."""
 
-    def __init__(self, problem: Problem, start, deadline: float, core_seconds: float, on_best):
-        self.problem, self.deadline, self.on_best = problem, deadline, on_best
-        self.t_begin = time.perf_counter()
+    def __init__(self, problem: Problem, start, deadline: float, core_seconds: float, on_best, now):
+        self.problem, self.deadline, self.on_best, self.now = problem, deadline, on_best, now
+        self.t_begin = now()
         n = problem.num_nodes
         self.elim = Eliminator(problem)
         self.mem = local.Memory(problem, np.zeros(n, dtype=np.int64))
@@ -224,7 +229,7 @@ class _WeightSearch:
         problem, core, deadline = self.problem, self.core, self.deadline
         last, retried = 0.0, False
         while True:
-            now = time.perf_counter()
+            now = self.now()
             if deadline - now < max(0.5, 1.2 * last) or self._stalled(now):
                 break
             # toulbar2's limit adapts round to round (CoreSolver.adapt), up to a fifth of what is left.
@@ -238,7 +243,7 @@ class _WeightSearch:
                 retried = True
                 log.info(f"weights: toulbar2 found nothing on the memory-free core in its limit; "
                          f"again with {core.seconds:.0f}s")
-                last = time.perf_counter() - now
+                last = self.now() - now
                 continue
             raw = evaluate(problem, choice)
             broken = self.broken_of(choice)
@@ -260,8 +265,8 @@ class _WeightSearch:
                      f"{raw.peak_usage / self.limit:.4f}x limit, {int(broken.sum())} nodes broken, repaired "
                      f"{'-' if repaired is None else f'{repaired:.6g}'}, merged "
                      f"{'-' if merged is None else f'{merged:.6g}'}, best {self.upper:.6g} "
-                     f"({time.perf_counter() - self.t_begin:.1f}s)")
-            last = time.perf_counter() - now
+                     f"({self.now() - self.t_begin:.1f}s)")
+            last = self.now() - now
         return self.best, self.lower
 
     def _repair(self, choice, raw, broken) -> float | None:
@@ -271,18 +276,19 @@ class _WeightSearch:
                                     raw.peak_usage <= 1.5 * self.limit):
             return None
         self.seen.add(key)
-        until = min(deadline, time.perf_counter() + max(2.0, 0.1 * (deadline - time.perf_counter())))
+        now = self.now()
+        until = min(deadline, now + max(2.0, 0.1 * (deadline - now)))
         fixed = _reweigh(problem, self.elim, self.core.previous, self.w, self.low, broken, choice, self.broken_of,
-                         until)
-        fixed = heuristic.repair_memory(problem, fixed, until)
+                         until, now=self.now)
+        fixed = heuristic.repair_memory(problem, fixed, until, now=self.now)
         if fixed is None:
             return None
-        fixed = heuristic.local_search(problem, fixed, deadline=until)
+        fixed = heuristic.local_search(problem, fixed, deadline=until, now=self.now)
         ev = evaluate(problem, fixed)
         if not ev.feasible:
             return None
         if ev.cost < self.own:
-            self.own, self.last_gain, self.gain_round = ev.cost, time.perf_counter(), self.rounds
+            self.own, self.last_gain, self.gain_round = ev.cost, self.now(), self.rounds
         if ev.cost < self.upper:
             self.best, self.upper = fixed, ev.cost
             if self.on_best is not None:
@@ -302,15 +308,17 @@ class _WeightSearch:
         # for their time), and below the overflow of a merge that gained nothing unless the round
         # costs less than the best.
         self.merged_with.add(key)
-        until = min(deadline, time.perf_counter() + max(5.0, MERGE_SHARE * (deadline - time.perf_counter())))
-        found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj)
+        now = self.now()
+        until = min(deadline, now + max(5.0, MERGE_SHARE * (deadline - now)))
+        found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj,
+                                clock=self.now if isinstance(self.now, WorkClock) else None)
         self.partner = [choice]
         if found is None:
             self.no_gain_at = raw.peak_usage
             return None
         merged = evaluate(problem, found).cost
         if merged < self.own:
-            self.own, self.last_gain, self.gain_round = merged, time.perf_counter(), self.rounds
+            self.own, self.last_gain, self.gain_round = merged, self.now(), self.rounds
         self.best, self.upper = found, merged
         if self.on_best is not None:
             self.on_best(self.best, self.upper)

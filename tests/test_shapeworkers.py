@@ -114,3 +114,32 @@ def test_runs_on_shapes_kept_by_different_workers_run_at_once_and_can_be_stopped
     finally:
         pool.close()
     assert all(not p.is_alive() for p in pool.procs)
+
+
+def _slow_build(shape, seconds):
+    import time
+
+    time.sleep(seconds)
+    return shape, {"shape": shape}
+
+
+def _slow_run(kept, seconds):
+    import time
+
+    time.sleep(seconds)
+    return kept["shape"]
+
+
+def test_answers_come_in_the_order_their_requests_were_sent_not_the_order_they_finish():
+    """What a search decides from its answers then does not hang on which worker ran faster."""
+    pool = ShapeWorkers(2, _slow_build, hold=2)
+    try:
+        pool.submit((1,), 0.6)  # finishes last
+        pool.submit((2,), 0.0)
+        assert [pool.next(), pool.next()] == [(1,), (2,)]
+        assert pool.start((1,), _slow_run, 0.6) and pool.start((2,), _slow_run, 0.0)
+        assert [pool.next_run(), pool.next_run()] == [((1,), (1,)), ((2,), (2,))]
+        assert pool.start((2,), _slow_run, 0.6) and pool.start((1,), _slow_run, 0.0)
+        assert [pool.next_run(), pool.next_run()] == [((2,), (2,)), ((1,), (1,))]
+    finally:
+        pool.close()

@@ -207,7 +207,40 @@ def test_large_models_fall_back_to_heuristics_within_the_limit():
     sol = solve(p, time_limit=5, max_nonzeros=10, pairwise=False, exact=False)  # any MILP is "too large"
     assert evaluate(p, sol.choice).feasible and sol.status == "heuristic"
     assert "milp_skipped" in sol.stats and sol.seconds < 5
-    assert sol.stats["cut_by_clock"] == ["weights"]  # its searches end at their shares of the limit
+
+
+def test_the_weight_path_cut_by_the_wall_clock_returns_its_best_and_says_so(monkeypatch):
+    """Its stages end by this process's CPU seconds; where the wall clock's guard ends them first
+    (a machine too busy to give them their time) the answer is the best so far, marked."""
+    import importlib
+
+    from solver.clock import WorkClock
+
+    solve_module = importlib.import_module("solver.solve")
+    monkeypatch.setattr(solve_module, "WorkClock", lambda guard, origin=None: WorkClock(0.0, origin))
+    p = random_problem(np.random.default_rng(11), n=30, kmax=4, density=0.3)
+    sol = solve(p, time_limit=5, max_nonzeros=10, pairwise=False, exact=False)
+    assert evaluate(p, sol.choice).feasible and sol.source == "heuristic"  # the start: nothing ran after it
+    assert sol.stats["cut_by_clock"] == ["weights"]
+
+
+def test_the_work_clock_counts_this_process_cpu_seconds_and_stops_at_its_guard():
+    import time
+
+    from solver.clock import WorkClock
+
+    clock = WorkClock(guard=time.perf_counter() + 60)
+    a = clock()
+    time.sleep(0.3)  # waiting is not work
+    b = clock()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:  # work is
+        pass
+    c = clock()
+    assert b - a < 0.1 and c - b > 0.1 and not clock.cut
+    assert clock.seconds_until(c + 100) <= 60
+    late = WorkClock(guard=time.perf_counter() - 1)
+    assert late() == float("inf") and late.cut and late.seconds_until(1e9) < 0
 
 
 def test_a_search_ended_by_the_wall_clock_is_said_and_one_ended_by_its_work_is_not():

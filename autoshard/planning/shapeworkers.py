@@ -9,10 +9,10 @@ in the worker that holds it:
 
     pool = ShapeWorkers(workers=2, build=bound_fn, hold=3)
     pool.submit(shape, *args)           # build(shape, *args) -> (reply, kept) in an idle worker
-    reply = pool.next()                 # the next reply of a submitted build
+    reply = pool.next()                 # the reply of the build submitted first, of those running
     out = pool.run(shape, fn, *args)    # fn(kept, *args) where ``shape`` is held; HELD_NOT if not
     pool.start(shape, fn, *args)        # the same without waiting (False where not held) ...
-    shape, out = pool.next_run()        # ... and its answer, the next of those started
+    shape, out = pool.next_run()        # ... and its answer, the first started of those running
     pool.abandon([shape])               # stop a run: its worker ends, what it kept is lost
     pool.keep(ranked)                   # each worker keeps at most ``hold`` of these, the first first
 
@@ -21,12 +21,16 @@ the pool (nothing of theirs is pickled); replies and arguments are pickled. An e
 worker is raised here as itself (or, where it does not pickle, as a ``RuntimeError`` with its
 traceback). Requests run one at a time per worker; :meth:`run` waits for its answer, while
 :meth:`start` lets shapes held by different workers run at once (a search's solves, one per core).
+
+Answers come back in the order their requests were sent, not the order they finish: what the
+caller decides from them (which shape to prune, which to solve next, when its stall rule
+ends the search) then does not depend on which worker the machine ran faster, and the same
+inputs give the same search (issue "reproducible solves").
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection
 import pickle
 import traceback
 from collections.abc import Callable, Sequence
@@ -94,6 +98,9 @@ class ShapeWorkers:
         """Workers ended by :meth:`abandon`: they take no more work."""
         self.holder: dict[tuple, int] = {}
         """Shape -> the worker that keeps it."""
+        self.sent: dict[int, int] = {}
+        """Worker index -> when its running request was sent (a counter): answers go oldest first."""
+        self._sent = 0
 
     @property
     def running(self) -> set[tuple]:
@@ -107,13 +114,17 @@ class ShapeWorkers:
         k = next(k for k in range(len(self.conns)) if self.idle(k))
         self.conns[k].send(("build", shape, args))
         self.busy[k] = shape
+        self._stamp(k)
+
+    def _stamp(self, k: int) -> None:
+        self._sent += 1
+        self.sent[k] = self._sent
 
     def next(self):
-        """The reply of the next build to finish (waits for one)."""
+        """The reply of the build submitted first of those running (waits for it)."""
         if not self.busy:
             raise RuntimeError("no build is running")
-        ready = multiprocessing.connection.wait([self.conns[k] for k in self.busy])
-        k = next(k for k in sorted(self.busy) if self.conns[k] in ready)
+        k = min(self.busy, key=self.sent.__getitem__)
         shape = self.busy.pop(k)
         status, reply, kept = self._recv(k)
         if kept:
@@ -139,16 +150,16 @@ class ShapeWorkers:
                                f"start({shape}) must wait for its answer")
         self.conns[k].send(("run", shape, (fn, args)))
         self.running_fn[k] = shape
+        self._stamp(k)
         return True
 
     def next_run(self, k: int | None = None):
-        """(shape, answer) of the next run started to finish (of worker ``k``'s where given), the
-        answer :data:`HELD_NOT` where the worker had dropped the shape."""
+        """(shape, answer) of the run started first of those running (worker ``k``'s where
+        given), the answer :data:`HELD_NOT` where the worker had dropped the shape."""
         if not self.running_fn:
             raise RuntimeError("no run is running")
         if k is None:
-            ready = multiprocessing.connection.wait([self.conns[k] for k in self.running_fn])
-            k = next(k for k in sorted(self.running_fn) if self.conns[k] in ready)
+            k = min(self.running_fn, key=self.sent.__getitem__)
         shape = self.running_fn.pop(k)
         status, reply, _ = self._recv(k)
         if status == "missing":

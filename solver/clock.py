@@ -1,0 +1,46 @@
+"""The clock the weight-search path reads: this process's CPU seconds, the wall clock as a guard.
+
+The weight search, its repairs and merges, the windowed MILPs and the last polish end at
+shares of the time limit. Read off the wall clock, those shares shrink on a busy machine:
+fewer rounds, other answers, another basin (issue "reproducible solves": the same instance at
+0.935 of the strongest known cost in one run and 1.024 in the next). Read off
+:class:`WorkClock`, a stage ends after the same CPU seconds of this process, which a busy
+machine does not stretch, so its rounds follow the same path in every run where the machine
+gives it the time; toulbar2's own limits count CPU seconds too. The wall clock stays the outer
+guard: past ``guard`` every deadline has passed (:attr:`WorkClock.cut` says so) and the search
+returns its best so far.
+
+CPU seconds are work up to the machine's own jitter (a few per cent a stage), so a run whose
+stage ends on the edge of one more round may still part from another; the stages' searches
+(toulbar2's backtracks, HiGHS's nodes) are the next to count work exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+class WorkClock:
+    """``clock()``: ``origin`` plus the CPU seconds this process has used since the clock was
+    made, on the ``time.perf_counter()`` scale deadlines are written in; ``inf`` once the wall
+    clock passes ``guard``."""
+
+    def __init__(self, guard: float, origin: float | None = None):
+        self.origin = time.perf_counter() if origin is None else origin
+        self.cpu0 = time.process_time()
+        self.guard = guard
+        """The ``time.perf_counter()`` value past which every deadline has passed."""
+        self.cut = False
+        """Whether the guard has ended a search (its work did not fit in the wall time)."""
+
+    def __call__(self) -> float:
+        if time.perf_counter() >= self.guard:
+            self.cut = True
+            return math.inf
+        return self.origin + time.process_time() - self.cpu0
+
+    def seconds_until(self, deadline: float) -> float:
+        """Seconds a wall-clock-limited search (HiGHS) may take to end by ``deadline``: the work
+        left, and no more than the wall clock left to the guard."""
+        return min(deadline - self(), self.guard - time.perf_counter())
