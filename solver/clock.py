@@ -29,6 +29,7 @@ class WorkClock:
     def __init__(self, guard: float, origin: float | None = None):
         self.origin = time.perf_counter() if origin is None else origin
         self.cpu0 = time.process_time()
+        self.wall0 = time.perf_counter()
         self.guard = guard
         """The ``time.perf_counter()`` value past which every deadline has passed."""
         self.cut = False
@@ -39,6 +40,14 @@ class WorkClock:
             self.cut = True
             return math.inf
         return self.origin + time.process_time() - self.cpu0
+
+    def cpu_until_guard(self) -> float:
+        """CPU seconds this process may still use before the guard at the rate it has had them so
+        far: the ceiling for a search whose own limit counts CPU seconds (toulbar2), which on a
+        busy machine would otherwise run past the guard by the share of the core it lacks."""
+        wall = time.perf_counter() - self.wall0
+        rate = min(1.0, (time.process_time() - self.cpu0) / wall) if wall > 1.0 else 1.0
+        return (self.guard - time.perf_counter()) * rate
 
     def seconds_until(self, deadline: float) -> float:
         """Seconds a wall-clock-limited search (HiGHS) may take to end by ``deadline``: the work

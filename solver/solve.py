@@ -757,8 +757,8 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
     (:class:`solver.clock.WorkClock`), from when they begin, so a busy machine does not change
     where they go; the wall clock at ``sched.polish`` of the limit is the guard.
 
-    With cores to spare (:func:`spare_cores`), windows run the whole time in child processes
-    (:mod:`solver.lns_child`, one per spare core, each with its own random windows), on every
+    With more than one core, windows run the whole time in child processes
+    (:mod:`solver.lns_child`, one per core beside this one, each with its own random windows), on every
     cheaper answer the weight search finds; once the weight search ends (its share of the
     time, or stalled) this process runs windows too, each side taking up the cheapest answer
     between windows. On one core the two run one after the other.
@@ -769,7 +769,12 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
 
     def share(choice, cost):
         if not children and clock.seconds_until(end) > 10:
-            spare = min(spare_cores(), MAX_LNS_CHILDREN)
+            # One per core beside this one, however busy the machine looks: the load average
+            # (what spare_cores reads) still holds the last solve's children a minute later, so
+            # of two runs in a row one searched windows beside the weights and the next did not
+            # (IOPDDL L after D). This process's stages count CPU seconds: a busy machine
+            # stretches their wall time instead.
+            spare = min(cores() - 1, MAX_LNS_CHILDREN)
             children.extend(LnsChild(problem, choice, clock.seconds_until(end), seed=1 + i) for i in range(spare))
             if children:
                 log.info(f"lns runs beside the weight search in {len(children)} child process(es) ({cores()} cores)")

@@ -235,6 +235,8 @@ class _WeightSearch:
             # toulbar2's limit adapts round to round (CoreSolver.adapt), up to a fifth of what is left.
             share = ROUND_SHARE if self.brackets is not None else FREE_ROUND_SHARE
             core.cap = max(1.0, min(deadline - now - 1.0, share * (deadline - now)))
+            if isinstance(self.now, WorkClock):
+                core.cap = max(1.0, min(core.cap, self.now.cpu_until_guard() - 1.0))
             choice = self.elim.solve(_weighted(problem, self.w, self.low), core)
             self.rounds += 1
             if self.brackets is None and not core.found and not retried:

@@ -520,7 +520,7 @@ def test_weight_path_with_windows_in_a_child(monkeypatch, caplog):
     import importlib
 
     # The module, not the function of the same name that ``solver`` exports.
-    monkeypatch.setattr(importlib.import_module("solver.solve"), "spare_cores", lambda: 2)
+    monkeypatch.setattr(importlib.import_module("solver.solve"), "cores", lambda: 3)
     rng = np.random.default_rng(403)
     p = random_problem(rng, n=9, kmax=3, density=0.3, limit=True)
     with caplog.at_level("INFO", logger="solver"):
