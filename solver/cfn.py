@@ -37,8 +37,7 @@ def available() -> bool:
 
 def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], seconds: float,
                  scale: float, upper: float | None = None, rows: Sequence[KnapsackRow] = (),
-                 method: str = "hbfs", progress: bool = False, backtracks: int | None = None
-                 ) -> tuple[list[int] | None, bool, float]:
+                 method: str = "hbfs", progress: bool = False) -> tuple[list[int] | None, bool, float]:
     """Minimize sum_i costs[i][x_i] + sum_(a,b) edges[a,b][x_a, x_b]: (choice, proved, gap).
 
     Costs are multiplied by ``scale`` and rounded (toulbar2's costs are integers);
@@ -74,8 +73,6 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     pytoulbar2.pytb2.init()
     net = pytoulbar2.CFN(ub, resolution=0, verbose=0 if progress else -1, seed=1,
                          vns=-4 if method == "vns" else None)
-    if backtracks is not None:
-        pytoulbar2.pytb2.option.backtrackLimit = max(1, int(backtracks))
     try:
         for i, c in enumerate(costs):
             net.AddVariable(f"x{i}", list(range(c.size)))
