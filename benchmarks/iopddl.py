@@ -145,5 +145,6 @@ def main() -> None:
               f"max {scores[-1]:.4f}, spread (max / min cost - 1) {spread:.2%}", flush=True)
     print(f"mean of the per-instance least score over {args.repeat} runs: {sum(worst) / len(worst):.4f}")
 
+
 if __name__ == "__main__":
     main()

@@ -21,6 +21,26 @@ import math
 import time
 
 
+class WallClock:
+    """The wall clock with :class:`WorkClock`'s interface, no guard: what a search reads when it
+    is given no work clock (a caller outside the weight path, a test)."""
+
+    cut = False
+
+    def __call__(self) -> float:
+        return time.perf_counter()
+
+    def cpu_until_guard(self) -> float:
+        return math.inf
+
+    def seconds_until(self, deadline: float) -> float:
+        return deadline - time.perf_counter()
+
+
+#: The clock of searches given none.
+WALL = WallClock()
+
+
 class WorkClock:
     """``clock()``: ``origin`` plus the CPU seconds this process has used since the clock was
     made, on the ``time.perf_counter()`` scale deadlines are written in; ``inf`` once the wall

@@ -69,7 +69,7 @@ class CoreSolver:
         upper = net.cost(np.asarray(start))
         limit = max(1.0, min(self.seconds, self.cap))
         # toulbar2's limit counts this process's CPU seconds: so does the time its search took
-        # (on the wall clock a busy machine made searches look cut off, and doubled the next).
+        # (a search a busy machine slowed would look cut off on the wall clock, and double the next).
         t0 = time.process_time()
         picked, _, self.gap = cfn.solve_tables(costs, edges, limit, self.scale,
                                                upper if upper < FORBIDDEN else None)

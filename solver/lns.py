@@ -34,7 +34,7 @@ from collections import deque
 import numpy as np
 
 from solver import highs_model, local
-from solver.clock import WorkClock
+from solver.clock import WALL, WallClock, WorkClock
 from solver.evaluate import evaluate
 from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 
@@ -229,7 +229,7 @@ class WindowSearch:
         self.mem = local.Memory(self.problem, self.current)
         self.fullest = _fullest(self.mem)
 
-    def step(self, deadline: float, clock: WorkClock | None = None) -> bool:
+    def step(self, deadline: float, clock: WorkClock | WallClock = WALL) -> bool:
         """Solve one window (if time allows before ``deadline``, on ``clock``, else the wall
         clock); returns whether the answer improved."""
         problem, current = self.problem, self.current
@@ -246,8 +246,7 @@ class WindowSearch:
         fillers = sub.num_nodes - free.size
         start = np.concatenate([current[free], np.zeros(fillers, dtype=np.int64)])
         before = evaluate(sub, start)
-        left = clock.seconds_until(deadline) if clock is not None else deadline - time.perf_counter()
-        seconds = min(self.window_seconds, left - 0.2)
+        seconds = min(self.window_seconds, clock.seconds_until(deadline) - 0.2)
         if seconds < 0.2:
             return False
         try:

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from solver import highs_model, lns, local
-from solver.clock import WorkClock
+from solver.clock import WALL, WallClock, WorkClock
 from solver.evaluate import evaluate
 from solver.problem import Problem, ProvedInfeasible
 
@@ -57,7 +57,7 @@ def merge_problem(problem: Problem, adj: local.Adjacency, mem: local.Memory, bas
 
 
 def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline: float,
-          adj: local.Adjacency | None = None, clock: WorkClock | None = None) -> np.ndarray | None:
+          adj: local.Adjacency | None = None, clock: WorkClock | WallClock = WALL) -> np.ndarray | None:
     """The merge's answer (see the module doc) found by HiGHS before ``deadline`` (on ``clock``,
     else the wall clock), started from ``base`` (feasible): a cheaper feasible answer, or None
     (nothing cheaper, no time, or a model over :data:`MAX_NONZEROS`)."""
@@ -74,7 +74,7 @@ def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline
     except (highs_model.ModelTooLarge, ProvedInfeasible) as exc:
         log.info(f"merge of {len(others) + 1} answers on {free.size} nodes skipped: {exc}")
         return None
-    seconds = clock.seconds_until(deadline) if clock is not None else deadline - time.perf_counter()
+    seconds = clock.seconds_until(deadline)
     if seconds < 0.5:
         return None
     start = np.concatenate([base[free], np.zeros(sub.num_nodes - free.size, dtype=np.int64)])

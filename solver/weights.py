@@ -43,12 +43,11 @@ on the whole graph); here one chain of rounds runs on exact elimination's core.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
 from solver import cfn, heuristic, local, recombine
-from solver.clock import WorkClock
+from solver.clock import WALL, WallClock, WorkClock
 from solver.core import CoreSolver, cost_scale, descend
 from solver.eliminate import Eliminator
 from solver.evaluate import evaluate
@@ -130,8 +129,7 @@ def _chosen_usage(problem: Problem, choice: np.ndarray) -> np.ndarray:
     return np.array([problem.node_usages[v][choice[v]] for v in range(problem.num_nodes)])
 
 
-def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadline, tries: int = 6,
-             now=time.perf_counter):
+def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadline, now, tries: int = 6):
     """Make a round's answer fit by raising the weights ``w`` (already the next round's, so
     broken nodes start raised) of its broken nodes only (x2 a try, x8 while the peak
     stalls) and re-solving with descent on the core from the round's core answer: a core
@@ -163,12 +161,12 @@ def _reweigh(problem, elim, core_start, w, low, broken, choice, broken_of, deadl
 
 
 def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
-                  core_seconds: float = 5.0, on_best=None, clock: WorkClock | None = None
+                  core_seconds: float = 5.0, on_best=None, clock: WorkClock | WallClock = WALL
                   ) -> tuple[np.ndarray | None, float | None]:
     """(best feasible choice or None, proven lower bound or None) found before ``deadline``,
     or sooner when the search stalls (``STALL_ROUNDS``, ``STALL_SHARE``). Deadlines and the
     stall rule read ``clock`` (:class:`solver.clock.WorkClock`: the rounds a run makes do not
-    depend on how busy the machine is), else the wall clock.
+    depend on how busy the machine is; by default the wall clock).
 
     ``on_best(choice, cost)`` is called with each answer cheaper than ``start`` and every
     earlier one. Ties are not eliminated (their nodes stay in the core, where toulbar2
@@ -176,7 +174,7 @@ def weight_search(problem: Problem, start: np.ndarray | None, deadline: float,
     """
     if not cfn.available() or problem.usage_limit is None:
         return None, None
-    return _WeightSearch(problem, start, deadline, core_seconds, on_best, clock or time.perf_counter).run()
+    return _WeightSearch(problem, start, deadline, core_seconds, on_best, clock).run()
 
 
 class _WeightSearch:
@@ -234,9 +232,7 @@ class _WeightSearch:
                 break
             # toulbar2's limit adapts round to round (CoreSolver.adapt), up to a fifth of what is left.
             share = ROUND_SHARE if self.brackets is not None else FREE_ROUND_SHARE
-            core.cap = max(1.0, min(deadline - now - 1.0, share * (deadline - now)))
-            if isinstance(self.now, WorkClock):
-                core.cap = max(1.0, min(core.cap, self.now.cpu_until_guard() - 1.0))
+            core.cap = max(1.0, min(deadline - now - 1.0, share * (deadline - now), self.now.cpu_until_guard() - 1.0))
             choice = self.elim.solve(_weighted(problem, self.w, self.low), core)
             self.rounds += 1
             if self.brackets is None and not core.found and not retried:
@@ -312,8 +308,7 @@ class _WeightSearch:
         self.merged_with.add(key)
         now = self.now()
         until = min(deadline, now + max(5.0, MERGE_SHARE * (deadline - now)))
-        found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj,
-                                clock=self.now if isinstance(self.now, WorkClock) else None)
+        found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj, clock=self.now)
         self.partner = [choice]
         if found is None:
             self.no_gain_at = raw.peak_usage
