@@ -25,6 +25,18 @@ PLAN_VERSION = 1
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
+def without_timings(value):
+    """A plan's JSON (or any part of it) without the wall-clock figures it records (seconds of
+    phases and solves): what two runs from the same inputs must agree on (issue "reproducible
+    solves")."""
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items()
+                if not (k == "seconds" or k.endswith("_s") or k == "plan_seconds")}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
 def layer_of(fqn: str) -> str:
     """``layers.3.attn.wq.weight`` -> ``layers.3``; ``embed.weight`` -> ``embed``."""
     m = re.match(r"^(.*?\.\d+)\.", fqn)

@@ -1,6 +1,6 @@
 """The mesh shape chosen with the plan, against every shape planned alone.
 
-    python benchmarks/mesh_search.py [--cases 8b:64,8b:512] [--time-limit 60]
+    python benchmarks/mesh_search.py [--cases 8b:64,8b:512] [--time-limit 60] [--save DIR]
 
 Per case (a LLaMA-3 preset and a rank count; global batch = ranks sequences of 2048,
 h100-sxm profile, its 80 GB as the budget, each case in a process of its own):
@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run_case(case: str, time_limit: float) -> dict:
+def run_case(case: str, time_limit: float, save: str | None = None) -> dict:
     import torch
 
     import autoshard
@@ -50,6 +50,9 @@ def run_case(case: str, time_limit: float) -> dict:
     chosen = autoshard.plan(model, (tokens,), "auto", ranks=ranks, profile="h100-sxm", time_limit=time_limit,
                             compute_dtype="bfloat16")
     search_s = time.perf_counter() - t0
+    if save:
+        Path(save).mkdir(parents=True, exist_ok=True)
+        chosen.save(Path(save) / f"{case.replace(':', '_')}.json")
     alone = []
     for shape in mesh_shapes(ranks, load_profile("h100-sxm").devices_per_node):
         clear_shared_cache()  # as in a process of its own: no strategies enumerated for other meshes
@@ -69,15 +72,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="8b:64,8b:512", help="PRESET:RANKS list (70b:512 takes ~20 min)")
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--save", metavar="DIR", help="write each case's chosen plan to DIR/CASE.json (compare runs "
+                    "with benchmarks/same_plans.py)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_case(args.one, args.time_limit)))
+        print(json.dumps(run_case(args.one, args.time_limit, args.save)))
         return
     last = None
     for case in args.cases.split(","):
-        out = subprocess.run([sys.executable, __file__, "--one", case, "--time-limit", str(args.time_limit)],
-                             capture_output=True, text=True)
+        out = subprocess.run([sys.executable, __file__, "--one", case, "--time-limit", str(args.time_limit)]
+                             + (["--save", args.save] if args.save else []), capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{case}: failed\n{out.stderr[-2000:]}", flush=True)
             continue

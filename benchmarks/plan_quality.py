@@ -1,7 +1,7 @@
 """Predicted step time of our plan against hand-written plans, same profile and budget.
 
     python benchmarks/plan_quality.py [--models gpt2-small,llama-1b,llama-8b] [--meshes 8,8x8,2x4x8]
-                                      [--no-scale]
+                                      [--no-scale] [--save DIR]
 
 For GPT-2-small, a LLaMA-1B-like and a LLaMA-8B-like model (meta device, global
 batch 64, sequence 1024 for GPT-2 and 2048 for LLaMA) on fake meshes (8,), (8, 8)
@@ -90,6 +90,8 @@ def main() -> None:
                          "compute); 'traced' for each op's own")
     ap.add_argument("--additive-objective", dest="overlap_objective", action="store_false",
                     help="solve for the additive step (overlap_objective=False)")
+    ap.add_argument("--save", metavar="DIR", help="write each case's plan and its solve alone to DIR "
+                    "(compare runs with benchmarks/same_plans.py)")
     ap.add_argument("--load-imbalance", type=float, default=1.0,
                     help="busiest expert-parallel rank's load over the mean (autoshard.planning.imbalance)")
     args = ap.parse_args()
@@ -126,6 +128,7 @@ def main() -> None:
         for k in [k for k in res if k != "autoshard"]:
             v = res[k]
             cells.append(f"{k}=" + ("infeasible" if isinstance(v, str) else f"{v.summary['step_us'] / 1e3:.1f}"))
+        _save(args.save, ours, name, shape, batch, seq, "")
         s = ours.summary
         rc = ours.recompute["mode"]
         line = (f"{name:15s} mesh={shape!s:10s} batch={batch}x{seq} ours={s['step_us'] / 1e3:.1f}ms "
@@ -147,6 +150,7 @@ def main() -> None:
         if alone is None:
             print("    solve alone: infeasible", flush=True)
             continue
+        _save(args.save, alone, name, shape, batch, seq, "_alone")
         a = alone.summary
         alone_ratio = a.step_us / best.summary.step_us if best is not None else float("nan")
         if best is not None:
@@ -160,6 +164,13 @@ def main() -> None:
         if (name, shape, batch, seq) == SCALE_CASES[0]:
             _same_plan_again(model, tokens, mesh, args, alone)
     print(f"worst ratio of the solve alone / best baseline: {worst:.4f}")
+
+
+def _save(folder, plan, name, shape, batch, seq, suffix) -> None:
+    """``plan`` to ``folder/NAME_MESH_BATCHxSEQ{suffix}.json`` when ``--save`` names a folder."""
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        plan.save(Path(folder) / f"{name}_{'x'.join(map(str, shape))}_{batch}x{seq}{suffix}.json")
 
 
 def _objective(plan) -> tuple[float, str]:

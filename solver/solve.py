@@ -679,12 +679,14 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
     """DGVNS in one child and, from its first answer on, branch and bound under that answer (or
     the incumbent, where cheaper) in another (how much its preprocessing prunes, and so its
     bound, follows the upper bound it is given); DGVNS's answer is offered to ``run``'s
-    incumbent. Returns branch and bound's
+    incumbent (:func:`_offer_dgvns`). Returns branch and bound's
     :class:`~solver.exact_child.ExactAnswer` (DGVNS's when it never started), both phases listed."""
     bnb: list[ExactChild] = []
+    under_dgvns = []  # whether branch and bound's bound is DGVNS's answer (not the incumbent's)
 
     def under(cost: float) -> None:
         if not bnb and deadline - time.perf_counter() >= 1:
+            under_dgvns.append(cost < run.inc.cost)
             cost = min(cost, run.inc.cost)
             log.info(f"exact: branch and bound beside DGVNS, under {cost:.6g}")
             bnb.append(ExactChild(model, cost, deadline - time.perf_counter(), phases=("hbfs",)))
@@ -693,9 +695,9 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
     try:
         first = child.run(deadline, rule, True, log.info, beside=lambda: bnb[0] if bnb else None, on_answer=under)
         found = exact_answer(run.problem, model, first.picked, False, math.inf)
-        _offer_others(run, model, first)
-        run.inc.offer(found.choice, "exact", found.evaluation)
         if not bnb:
+            _offer_others(run, model, first)
+            run.inc.offer(found.choice, "exact", found.evaluation)
             return first
         known = found.evaluation.cost if found.choice is not None else math.inf
         # Its lines queued while DGVNS was watched: their times are when they came.
@@ -708,12 +710,25 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
             log.info(f"exact: branch and bound again, under DGVNS's best {known:.6g}")
             bnb.append(ExactChild(model, known, deadline - time.perf_counter(), phases=("hbfs",)))
             ans = combine(ans, bnb[-1].run(deadline, rule, True, log.info, known=known))
+        _offer_dgvns(run, model, first, found, ans, under_dgvns[0])
     finally:
         child.close()
         for c in bnb:
             c.close()
     ans.phases = first.phases + ans.phases
     return ans
+
+
+def _offer_dgvns(run: _Run, model, first, found, bnb, under_dgvns: bool) -> None:
+    """DGVNS's answers (``first``, evaluated as ``found``) offered to ``run``'s incumbent, unless
+    branch and bound beside it proved: then DGVNS was stopped when the proof came, so how far it
+    had got hung on the two children's speeds (the same inputs gave a different equal-cost plan
+    in a second run). Its answer is offered then only where the proof was under it
+    (``under_dgvns``) and found nothing cheaper: DGVNS's first answer of that cost is its last."""
+    if bnb.proved and not (bnb.picked is None and under_dgvns and found.choice is not None):
+        return
+    _offer_others(run, model, first)
+    run.inc.offer(found.choice, "exact", found.evaluation)
 
 
 def _milp_fits(model, max_nonzeros: float) -> bool:

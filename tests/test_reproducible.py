@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from autoshard.planfile import without_timings
+
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = """import torch
 from autoshard.models import llama
@@ -19,16 +21,6 @@ def make():
                       max_seq_len=1024)
     return model, torch.empty(64, 1024, dtype=torch.long, device="meta")
 """
-
-
-def _timeless(value):
-    """``value`` without the wall-clock figures a plan records (seconds of phases and solves)."""
-    if isinstance(value, dict):
-        return {k: _timeless(v) for k, v in value.items()
-                if not (k == "seconds" or k.endswith("_s") or k == "plan_seconds")}
-    if isinstance(value, list):
-        return [_timeless(v) for v in value]
-    return value
 
 
 def test_a_plan_made_twice_in_two_processes_is_the_same(tmp_path):
@@ -49,5 +41,5 @@ def test_a_plan_made_twice_in_two_processes_is_the_same(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         assert "exact (toulbar2" in run.stderr, run.stderr[-3000:]  # the searches the wall clock once steered
         plans.append(json.loads(out.read_text()))
-    first, second = (_timeless(p) for p in plans)
+    first, second = (without_timings(p) for p in plans)
     assert first == second

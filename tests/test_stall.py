@@ -431,3 +431,28 @@ def test_a_watched_child_s_work_clock_counts_its_cpu_not_the_wall():
     (w_up, c_up, _), (w_slept, c_slept, _), (_, c_spun, _) = got["up"], got["slept"], got["spun"]
     assert w_slept - w_up >= 0.9 and c_slept - c_up < 0.3  # asleep: the wall ran, the work did not
     assert c_spun - c_slept >= 0.8  # computing: the work ran
+
+
+def test_dgvns_answers_are_dropped_where_branch_and_bound_beside_it_proved(monkeypatch):
+    """DGVNS is stopped when branch and bound beside it proves, so its answer then depends on how
+    far it had got: it is offered only where the proof was under it and found nothing cheaper
+    (then it is DGVNS's first answer of that cost), or where nothing was proved."""
+    import importlib
+    from types import SimpleNamespace
+
+    solve_module = importlib.import_module("solver.solve")
+    offered = []
+    monkeypatch.setattr(solve_module, "_offer_others", lambda run, model, first: None)
+    run = SimpleNamespace(inc=SimpleNamespace(offer=lambda choice, source, ev=None: offered.append(choice)))
+    found = SimpleNamespace(choice=np.array([1, 2]), evaluation=None)
+    cases = [  # (proved, branch and bound's answer, its bound was DGVNS's), offered?
+        (True, [0, 0], True, False),
+        (True, None, False, False),
+        (True, None, True, True),
+        (False, [0, 0], True, True),
+        (False, None, False, True),
+    ]
+    for proved, picked, under_dgvns, expect in cases:
+        offered.clear()
+        solve_module._offer_dgvns(run, None, None, found, SimpleNamespace(proved=proved, picked=picked), under_dgvns)
+        assert bool(offered) == expect, (proved, picked, under_dgvns)
