@@ -104,6 +104,25 @@ def test_infeasible_budget_names_the_floor(mesh64):
     assert err.value.budget_bytes == 1024 and err.value.min_feasible_bytes > 1024
 
 
+def test_a_budget_no_search_met_in_time_is_not_called_infeasible(mesh64, monkeypatch):
+    """Where the solver found nothing within its time but proved nothing either (its floor is
+    below the budget), the error says so, with the time limit, instead of calling the budget
+    infeasible; such a budget is not remembered as infeasible."""
+    import solver
+
+    model, inputs = MLP(dim=256, hidden=1024), (torch.randn(64, 256),)
+    free = autoshard.plan(model, inputs, mesh64, memory_budget=None)
+    budget = free.summary["peak_mem_bytes"] * 0.6
+
+    def out_of_time(problem, time_limit, **kwargs):
+        raise solver.InfeasibleError("found no feasible assignment", 0.5 * problem.usage_limit, [])
+
+    monkeypatch.setattr(solver, "solve", out_of_time)
+    with pytest.raises(autoshard.MemoryBudgetError, match=r"was found in the [\d.]+ s its solve had .* none "
+                                                          r"was proved impossible .* a longer time_limit may find one"):
+        autoshard.plan(model, inputs, mesh64, memory_budget=budget, time_limit=7, recompute="none")
+
+
 def test_planner_traces_once_and_solves_many_times(mesh64, monkeypatch):
     """One trace and one problem; each solve may change pins, budget and limits; compare()
     honours the pins and its "autoshard" row is the plan solve() returns."""

@@ -714,15 +714,26 @@ class Planner:
                 sol = solver.solve(problem, time_limit=time_limit, backend=opts.backend, starts=starts + hints,
                                    late_starts=None if late_starts is None else late)
         except solver.InfeasibleError as exc:
-            err = MemoryBudgetError(
-                f"memory budget {human_bytes(budget)} per device is infeasible for this model"
-                f"{recomputing} on mesh {tuple(self.mesh.shape)}: "
-                f"the smallest feasible budget is at least {human_bytes(exc.min_feasible_limit_bound)} "
-                f"({int(exc.min_feasible_limit_bound)} bytes)",
-                budget_bytes=budget, min_feasible_bytes=exc.min_feasible_limit_bound,
-            )
-            if problem.usage_limit is not None and exc.min_feasible_limit_bound > problem.usage_limit:
+            proved = problem.usage_limit is not None and exc.min_feasible_limit_bound > problem.usage_limit
+            if proved:
+                err = MemoryBudgetError(
+                    f"memory budget {human_bytes(budget)} per device is infeasible for this model"
+                    f"{recomputing} on mesh {tuple(self.mesh.shape)}: "
+                    f"the smallest feasible budget is at least {human_bytes(exc.min_feasible_limit_bound)} "
+                    f"({int(exc.min_feasible_limit_bound)} bytes)",
+                    budget_bytes=budget, min_feasible_bytes=exc.min_feasible_limit_bound,
+                )
                 self._infeasible[_problem_key(opts)] = err  # proved: even the least-usage plan breaks it
+            else:
+                # Not proved: the searches ran out of time first (a busy machine gives them less of
+                # it: LLaMA-70B on (8, 8, 8), planned beside two other jobs on two cores).
+                err = MemoryBudgetError(
+                    f"no plan within the memory budget {human_bytes(budget)} per device was found in the "
+                    f"{time_limit:.3g} s its solve had for this model{recomputing} on mesh {tuple(self.mesh.shape)}, "
+                    f"and none was proved impossible (the least-usage plan's memory rows peak at "
+                    f"{human_bytes(exc.min_feasible_limit_bound)}): a longer time_limit may find one",
+                    budget_bytes=budget, min_feasible_bytes=exc.min_feasible_limit_bound,
+                )
             raise err from exc
 
         # Where memory bound the additive solve, its memory-free stage (the optimum without memory,
