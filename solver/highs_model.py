@@ -432,25 +432,16 @@ def _sparse_memory_rows(model: ArrayModel, problem: Problem, allowed, max_entrie
     model.stats["memory_segments"] = int(lm.rhs.size)
 
 
-def _interrupt_after(h, deadline: float, stop=None, checks: int | None = None) -> None:
+def _interrupt_after(h, deadline: float, stop=None) -> None:
     """Stop HiGHS at ``deadline`` (or once ``stop()`` says so): its own time limit overran by a
     third (44.7 s of 40) on LLaMA-70B's 1.7M columns. Interrupt callbacks come only between
-    phases, so this bounds the overrun, it does not remove it. ``checks``: stop the MIP search
-    at its ``checks``-th limit check (see :func:`to_highs`)."""
-    seen = [0]
+    phases, so this bounds the overrun, it does not remove it."""
 
     def check(event):
         if time.perf_counter() > deadline or (stop is not None and stop()):
             event.interrupt()
 
-    def mip_check(event):
-        seen[0] += 1
-        if checks is not None and seen[0] >= checks:
-            event.interrupt()
-        else:
-            check(event)
-
-    h.cbMipInterrupt += mip_check
+    h.cbMipInterrupt += check
     h.cbSimplexInterrupt += check
     h.cbIpmInterrupt += check
 
@@ -483,17 +474,11 @@ def row_matrix(model: ArrayModel):
 
 
 def to_highs(model: ArrayModel, time_limit: float, mip_gap: float, threads: int = 1, log: bool = False,
-             stop=None, checks: int | None = None):
-    """HiGHS holding ``model``, stopped at ``time_limit`` seconds (or once ``stop()`` says so) and,
-    with ``checks``, at the ``checks``-th time its MIP search checks its limits. HiGHS checks them
-    at fixed points of its search (each node, each round of cuts, inside its heuristics) and,
-    on one thread, takes the same path in every run: a count of those checks is work, so a
-    search ended by it ends with the same answer however busy the machine is (a time limit
-    gave IOPDDL T's first merge a different answer in two runs, 25.3 and 26.2 s)."""
+             stop=None):
     import highspy
 
     h = highspy.Highs()
-    _interrupt_after(h, time.perf_counter() + max(0.1, time_limit) + 0.5, stop, checks)
+    _interrupt_after(h, time.perf_counter() + max(0.1, time_limit) + 0.5, stop)
     h.setOptionValue("output_flag", bool(log))
     h.setOptionValue("time_limit", float(max(0.1, time_limit)))
     h.setOptionValue("mip_rel_gap", float(mip_gap))

@@ -181,16 +181,15 @@ def _trading_seeds(problem, adj, choice, live: np.ndarray, rng, count: int = 6) 
 
 
 def solve_window(sub: Problem, start: np.ndarray, seconds: float,
-                 model: highs_model.ArrayModel | None = None, checks: int | None = None) -> np.ndarray | None:
-    """HiGHS on ``sub`` (its MILP ``model``, built here when not given) for ``seconds`` (and at
-    most ``checks`` limit checks: :func:`solver.highs_model.to_highs`) from ``start``: its
-    answer, or None when it found none."""
+                 model: highs_model.ArrayModel | None = None) -> np.ndarray | None:
+    """HiGHS on ``sub`` (its MILP ``model``, built here when not given) for ``seconds`` from
+    ``start``: its answer, or None when it found none."""
     import highspy
 
     model = model if model is not None else highs_model.build(sub)
     if model.cost.size == 0:
         return highs_model.extract(model, np.zeros(0), sub.num_nodes)
-    h = highs_model.to_highs(model, seconds, 1e-9, checks=checks)
+    h = highs_model.to_highs(model, seconds, 1e-9)
     sol = highspy.HighsSolution()
     sol.col_value = highs_model.start_vector(model, start).tolist()
     sol.value_valid = True

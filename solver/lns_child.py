@@ -2,15 +2,10 @@
 
 On IOPDDL T the windows improve nearly every answer they are given (10 windows took a
 weight-search answer from 9.56e11 to 8.60e11 in 39 s) but, run after the weight search,
-they got only its last 15% of the time. Here they run on the second core, as jobs: the caller
-:meth:`LnsChild.post` s an answer and a number of windows; the child takes the jobs in the
-order they were posted, moves to a job's answer where it is cheaper than its own, runs exactly
-that many windows and writes its answer after each job; the caller reads job k's answer
-(:meth:`LnsChild.result`, which waits for it) only at fixed points of its own work. What the
-child searches and when the caller sees it therefore hang on work, not on which process ran
-faster: taking offers between windows as they came and reading the child's best whenever the
-caller looked made IOPDDL T's answers 3% apart from run to run (issue "reproducible solves").
-Both directions go through files (:mod:`solver.child`).
+they got only its last 15% of the time. Here they run the whole time on the second core:
+the caller :meth:`LnsChild.offer` s each cheaper answer it finds, the child moves to it
+when it is cheaper than its own (between two windows), and :meth:`LnsChild.best` reads
+the child's best so far. Both directions go through files (:mod:`solver.child`).
 """
 
 from __future__ import annotations
@@ -26,38 +21,24 @@ from solver.evaluate import evaluate
 from solver.lns import WindowSearch
 from solver.problem import Problem
 
-#: How often (seconds) the child looks for its next job, and the caller for an answer.
-POLL = 0.005
-
 
 class LnsChild:
-    """Window search in a child process, job by job, for at most ``seconds`` (the wall-clock guard)."""
+    """Window search in a child process from ``start`` for ``seconds``."""
 
-    def __init__(self, problem: Problem, seconds: float, seed: int = 1):
-        self.child = Child("lns_child", (problem, seconds, seed), prefix="autoshard-lns-")
-        self.posted = 0
-        """Jobs posted so far; they are numbered from 1."""
+    def __init__(self, problem: Problem, start: np.ndarray, seconds: float, seed: int = 1):
+        self.child = Child("lns_child", (problem, np.asarray(start, dtype=np.int64), seconds, seed),
+                           prefix="autoshard-lns-")
+        self.offers = 0
 
-    def post(self, choice: np.ndarray, cost: float, windows: int) -> int:
-        """Give the child a job: move to ``choice`` (feasible, of ``cost``) where it is cheaper than
-        its own answer, then run ``windows`` windows. Returns the job's number."""
-        self.posted += 1
-        write(self.child.folder / f"job-{self.posted}.pkl", (np.asarray(choice, dtype=np.int64), float(cost),
-                                                             int(windows)))
-        return self.posted
+    def offer(self, choice: np.ndarray, cost: float) -> None:
+        """Hand the child a feasible answer; it moves there if it is cheaper than its own."""
+        self.offers += 1
+        write(self.child.folder / "offer.pkl", (self.offers, np.asarray(choice, dtype=np.int64), float(cost)))
 
-    def result(self, job: int, until: float) -> tuple[np.ndarray, float, dict] | None:
-        """(choice, cost, counters) of the child's answer after ``job``, waiting for it until the
-        wall clock reaches ``until``; None where it did not come by then (the guard) or the child
-        has ended without it."""
-        path = self.child.folder / f"done-{job}.pkl"
-        while True:
-            got = read(path)
-            if got is not None:
-                return got
-            if self.child.wait(0) or time.perf_counter() >= until:  # raises if the child failed
-                return read(path)
-            time.sleep(POLL)
+    def best(self) -> tuple[np.ndarray, float, dict] | None:
+        """(choice, cost, counters) of the child's best answer so far, or None before its first."""
+        self.child.wait(0)  # raises if the child failed
+        return read(self.child.folder / "best.pkl")
 
     def close(self) -> None:
         self.child.close()
@@ -65,26 +46,27 @@ class LnsChild:
 
 def _main(folder: str) -> None:
     folder = Path(folder)
-    problem, seconds, seed = read(folder / "in.pkl")
+    problem, start, seconds, seed = read(folder / "in.pkl")
     deadline = time.perf_counter() + seconds
-    search, done, restarts = None, 0, 0
-    while time.perf_counter() < deadline:
-        job = read(folder / f"job-{done + 1}.pkl")
-        if job is None:
-            time.sleep(POLL)
-            continue
-        choice, cost, windows = job
-        if search is None:
-            search = WindowSearch(problem, choice, seed=seed)
-        elif cost < search.cost and evaluate(problem, choice).feasible:
-            search.restart(choice)
-            restarts += 1
-        for _ in range(windows):
-            search.step(deadline)
-        done += 1
-        write(folder / f"done-{done}.pkl", (search.current, search.cost,
-                                            {"windows": search.windows, "improved": search.improved,
-                                             "restarts": restarts, "jobs": done}))
+    search = WindowSearch(problem, start, seed=seed)
+    seen, restarts = 0, 0
+
+    def publish():
+        write(folder / "best.pkl", (search.current, search.cost,
+                                    {"windows": search.windows, "improved": search.improved, "restarts": restarts}))
+
+    publish()
+    while deadline - time.perf_counter() > 0.5:
+        offer = read(folder / "offer.pkl")
+        if offer is not None and offer[0] > seen:
+            seen = offer[0]
+            if offer[2] < search.cost and evaluate(problem, offer[1]).feasible:
+                search.restart(offer[1])
+                restarts += 1
+                publish()
+        if search.step(deadline):
+            publish()
+    publish()
 
 
 if __name__ == "__main__":

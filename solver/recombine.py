@@ -40,13 +40,6 @@ log = logging.getLogger(__name__)
 #: Largest model (nonzeros, memory rows included) a merge builds; past it the merge is skipped.
 MAX_NONZEROS = 2e7
 
-#: A merge's work: HiGHS stops at its ``max(MIN_CHECKS, variables / VARIABLES_PER_CHECK)``-th
-#: limit check (:func:`solver.highs_model.to_highs`), whatever the machine's speed; its time
-#: limit is only the guard. IOPDDL T's first merge (67.5k variables) checks its limits about 8
-#: times a second and found its answer after 17-20 s: 225 checks.
-VARIABLES_PER_CHECK = 300
-MIN_CHECKS = 64
-
 
 def merge_problem(problem: Problem, adj: local.Adjacency, mem: local.Memory, base: np.ndarray,
                   others: list[np.ndarray]) -> tuple[Problem, np.ndarray]:
@@ -65,9 +58,8 @@ def merge_problem(problem: Problem, adj: local.Adjacency, mem: local.Memory, bas
 
 def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline: float,
           adj: local.Adjacency | None = None, clock: WorkClock | WallClock = WALL) -> np.ndarray | None:
-    """The merge's answer (see the module doc) found by HiGHS in its work budget
-    (:data:`VARIABLES_PER_CHECK`), or by ``deadline`` (on ``clock``, else the wall clock) where
-    that comes first, started from ``base`` (feasible): a cheaper feasible answer, or None
+    """The merge's answer (see the module doc) found by HiGHS before ``deadline`` (on ``clock``,
+    else the wall clock), started from ``base`` (feasible): a cheaper feasible answer, or None
     (nothing cheaper, no time, or a model over :data:`MAX_NONZEROS`)."""
     base = np.asarray(base, dtype=np.int64)
     others = [np.asarray(o, dtype=np.int64) for o in others if not np.array_equal(o, base)]
@@ -86,16 +78,14 @@ def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline
     if seconds < 0.5:
         return None
     start = np.concatenate([base[free], np.zeros(sub.num_nodes - free.size, dtype=np.int64)])
-    checks = max(MIN_CHECKS, model.stats["variables"] // VARIABLES_PER_CHECK)
-    found = lns.solve_window(sub, start, seconds, model, checks=checks)
+    found = lns.solve_window(sub, start, seconds, model)
     if found is None:
         return None
     trial = base.copy()
     trial[free] = found[: free.size]
     ev = evaluate(problem, trial)
     log.info(f"merge of {len(others) + 1} answers on {free.size} nodes ({model.stats['variables']} variables, "
-             f"{model.n_rows} rows, {checks} checks): {before.cost:.6g} -> {ev.cost:.6g} in "
-             f"{time.perf_counter() - t0:.1f}s")
+             f"{model.n_rows} rows): {before.cost:.6g} -> {ev.cost:.6g} in {time.perf_counter() - t0:.1f}s")
     if not ev.feasible or ev.cost >= before.cost:
         return None
     return trial

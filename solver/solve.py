@@ -267,12 +267,6 @@ def second_core_free() -> bool:
     return spare_cores() >= 1
 
 
-#: Windows a child runs on each answer the weight search finds (:func:`_weights_and_windows`).
-JOB_WINDOWS = 10
-
-#: Windows each process runs in one epoch of the window phase, between two exchanges.
-EPOCH_WINDOWS = 5
-
 #: At most this many window searches in child processes (each holds a copy of the problem:
 #: ~60 MB pickled for IOPDDL T, a few hundred MB once loaded).
 MAX_LNS_CHILDREN = 7
@@ -778,13 +772,11 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
     (:class:`solver.clock.WorkClock`), from when they begin, so a busy machine does not change
     where they go; the wall clock at ``sched.polish`` of the limit is the guard.
 
-    With more than one core, windows run in child processes (:mod:`solver.lns_child`, one per
-    core beside this one, each with its own random windows) as jobs: during the weight search,
-    ``JOB_WINDOWS`` windows on every cheaper answer it finds; once it ends (its share of the
-    time, or stalled), this process takes the children's answers to those jobs and runs windows
-    in epochs: each epoch the children and this process run ``EPOCH_WINDOWS`` windows from the
-    same answer, and the cheapest of their answers (this process's on a tie, then the first
-    child's) starts the next. On one core the two run one after the other.
+    With more than one core, windows run the whole time in child processes
+    (:mod:`solver.lns_child`, one per core beside this one, each with its own random windows), on every
+    cheaper answer the weight search finds; once the weight search ends (its share of the
+    time, or stalled) this process runs windows too, each side taking up the cheapest answer
+    between windows. On one core the two run one after the other.
     """
     end = sched.deadline("windows", t0, time_limit)
     clock = WorkClock(guard=sched.deadline("polish", t0, time_limit))
@@ -798,11 +790,11 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
             # (IOPDDL L after D). This process's stages count CPU seconds: a busy machine
             # stretches their wall time instead.
             spare = min(cores() - 1, MAX_LNS_CHILDREN)
-            children.extend(LnsChild(problem, clock.guard - time.perf_counter(), seed=1 + i) for i in range(spare))
+            children.extend(LnsChild(problem, choice, clock.seconds_until(end), seed=1 + i) for i in range(spare))
             if children:
                 log.info(f"lns runs beside the weight search in {len(children)} child process(es) ({cores()} cores)")
         for child in children:
-            child.post(choice, cost, JOB_WINDOWS)
+            child.offer(choice, cost)
 
     try:
         if inc.feasible:
@@ -835,43 +827,33 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
 
 
 def _windows(problem, inc, children, deadline, clock):
-    """Windowed MILPs here until ``deadline`` on ``clock``, in epochs with the ``children``
-    (see :func:`_weights_and_windows`): an epoch starts only where the last one's work fits
-    before the deadline, so where this phase ends is the one place the clock decides."""
+    """Windowed MILPs here until ``deadline`` on ``clock``, trading answers with the ``children``
+    between windows."""
     t0 = time.perf_counter()
     search = lns.WindowSearch(problem, inc.choice)
-    last = counters = None
-    # The first epoch reads the children's answers to the weight search's last jobs (they may
-    # still be running them): each later one posts a job of its own.
-    jobs = [child.posted for child in children]
 
     def said():
         log.info(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
             f"({time.perf_counter() - t0:.1f}s)")
 
-    epochs = 0
-    while clock.seconds_until(deadline) > max(0.5, last or 0.0):
-        began = clock()
-        jobs = jobs or [child.post(search.current, search.cost, EPOCH_WINDOWS) for child in children]
-        for _ in range(EPOCH_WINDOWS):
-            search.step(deadline, clock)
-        answers = [child.result(job, until=clock.guard) for child, job in zip(children, jobs)]
-        jobs = []
-        counters = [a[2] if a is not None else None for a in answers]
-        best = min((a for a in answers if a is not None), key=lambda a: a[1], default=None)
+    def theirs():
+        answers = [a for a in (child.best() for child in children) if a is not None]
+        return min(answers, key=lambda a: a[1]) if answers else None
+
+    while clock.seconds_until(deadline) > 0.5:
+        best = theirs()
         if best is not None and best[1] < search.cost:
             search.restart(best[0])
-        last = clock() - began
-        epochs += 1
-        if epochs % 10 == 1:
-            said()
-    if jobs:  # no time for an epoch: the weight search's jobs still count
-        for got in (child.result(job, until=clock.guard) for child, job in zip(children, jobs)):
-            if got is not None:
-                inc.offer(got[0], "lns")
+        if search.step(deadline, clock):
+            for child in children:
+                child.offer(search.current, search.cost)
+            if search.improved % 10 == 1:
+                said()
     said()
     inc.offer(search.current, "lns")
-    for i, c in enumerate(counters or []):
-        if c is not None:
-            log.info(f"lns (child {i}): {c['jobs']} jobs, {c['windows']} windows, {c['improved']} improved, "
-                     f"{c['restarts']} restarts")
+    for i, child in enumerate(children):
+        best = child.best()
+        if best is not None:
+            log.info(f"lns (child {i}): {best[2]['windows']} windows, {best[2]['improved']} improved, "
+                f"{best[2]['restarts']} restarts, cost {best[1]:.6g}")
+            inc.offer(best[0], "lns")

@@ -77,6 +77,9 @@ FREE_ROUND_SHARE = 0.5
 STALL_ROUNDS = 5
 STALL_SHARE = 1 / 2
 
+#: Share of the remaining time one merge (:func:`solver.recombine.merge`) may take at most.
+MERGE_SHARE = 0.25
+
 
 class Brackets:
     """Per-node weight brackets; :meth:`update` takes a round's broken nodes, returns the next weights."""
@@ -303,11 +306,9 @@ class _WeightSearch:
         # for their time), and below the overflow of a merge that gained nothing unless the round
         # costs less than the best.
         self.merged_with.add(key)
-        # Its work budget ends it (:data:`solver.recombine.VARIABLES_PER_CHECK`), the same in every
-        # run; the search's own deadline only where that comes first. (A share of the time left
-        # ended IOPDDL T's first merge at 25.3 s in one run and 26.2 s in the next, with
-        # different answers, and the runs parted there.)
-        found = recombine.merge(problem, self.best, [choice] + self.partner, deadline, self.adj, clock=self.now)
+        now = self.now()
+        until = min(deadline, now + max(5.0, MERGE_SHARE * (deadline - now)))
+        found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj, clock=self.now)
         self.partner = [choice]
         if found is None:
             self.no_gain_at = raw.peak_usage

@@ -126,23 +126,3 @@ def test_sparse_memory_rows_solve_the_same_milp(seed, monkeypatch):
         choice, _, optimal = highs_model.solve_model(models[-1], p.num_nodes, 10, 1e-9)
         assert optimal and evaluate(p, choice).cost == pytest.approx(exact)
     assert models[0].stats["memory_rows"] >= models[1].stats["memory_rows"]
-
-
-def test_highs_ended_by_its_limit_checks_answers_the_same_however_slow():
-    """A MIP search ended at its n-th limit check (the merges' work budget) ends at the same point
-    of its search in every run: the same answer when each check is slowed down (a busy machine),
-    where a time limit would have cut it elsewhere."""
-    import highspy
-
-    from solver import highs_model
-
-    p = random_problem(np.random.default_rng(1), n=120, kmax=6, density=0.08, limit=True)
-    model = build(p)
-    answers = []
-    for pause in (0.0, 0.3):
-        h = highs_model.to_highs(model, 60, 1e-9, checks=3)
-        h.cbMipInterrupt += lambda event, pause=pause: time.sleep(pause)
-        h.run()
-        assert h.getModelStatus() == highspy.HighsModelStatus.kInterrupt  # ended by the checks, unproved
-        answers.append(np.round(np.asarray(h.getSolution().col_value)).tolist())
-    assert answers[0] == answers[1]
