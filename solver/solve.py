@@ -710,7 +710,8 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
             log.info(f"exact: branch and bound again, under DGVNS's best {known:.6g}")
             bnb.append(ExactChild(model, known, deadline - time.perf_counter(), phases=("hbfs",)))
             ans = combine(ans, bnb[-1].run(deadline, rule, True, log.info, known=known))
-        _offer_dgvns(run, model, first, found, ans, under_dgvns[0])
+        # A second search ran under DGVNS's best answer: a proof there is under DGVNS's answer.
+        _offer_dgvns(run, model, first, found, ans, under_dgvns[0] or len(bnb) > 1)
     finally:
         child.close()
         for c in bnb:
