@@ -75,7 +75,7 @@ def main() -> None:
                 print(f"    {line}")
         else:
             equal += 1
-            print(f"{f.name}: equal in {len(args.folders)} runs (predicted step {shown.split(',')[0]} ms)")
+            print(f"{f.name}: equal in {len(args.folders)} runs (predicted step {steps[0] / 1e3:.1f} ms)")
     print(f"plans equal in every run: {equal} of {len(files)}")
 
 

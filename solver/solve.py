@@ -696,8 +696,7 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
         first = child.run(deadline, rule, True, log.info, beside=lambda: bnb[0] if bnb else None, on_answer=under)
         found = exact_answer(run.problem, model, first.picked, False, math.inf)
         if not bnb:
-            _offer_others(run, model, first)
-            run.inc.offer(found.choice, "exact", found.evaluation)
+            _offer_dgvns(run, model, first, found, None, False)
             return first
         known = found.evaluation.cost if found.choice is not None else math.inf
         # Its lines queued while DGVNS was watched: their times are when they came.
@@ -722,11 +721,12 @@ def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: 
 
 def _offer_dgvns(run: _Run, model, first, found, bnb, under_dgvns: bool) -> None:
     """DGVNS's answers (``first``, evaluated as ``found``) offered to ``run``'s incumbent, unless
-    branch and bound beside it proved: then DGVNS was stopped when the proof came, so how far it
-    had got hung on the two children's speeds (the same inputs gave a different equal-cost plan
-    in a second run). Its answer is offered then only where the proof was under it
-    (``under_dgvns``) and found nothing cheaper: DGVNS's first answer of that cost is its last."""
-    if bnb.proved and not (bnb.picked is None and under_dgvns and found.choice is not None):
+    branch and bound beside it (``bnb``'s answer; None where it never started) proved: then DGVNS
+    was stopped when the proof came, so how far it had got hung on the two children's speeds
+    (the same inputs gave a different equal-cost plan in a second run). Its answer is offered
+    then only where the proof was under it (``under_dgvns``) and found nothing cheaper: DGVNS's
+    first answer of that cost is its last."""
+    if bnb is not None and bnb.proved and not (bnb.picked is None and under_dgvns and found.choice is not None):
         return
     _offer_others(run, model, first)
     run.inc.offer(found.choice, "exact", found.evaluation)

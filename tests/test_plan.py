@@ -106,8 +106,8 @@ def test_infeasible_budget_names_the_floor(mesh64):
 
 def test_a_budget_no_search_met_in_time_is_not_called_infeasible(mesh64, monkeypatch):
     """Where the solver found nothing within its time but proved nothing either (its floor is
-    below the budget), the error says so, with the time limit, instead of calling the budget
-    infeasible; such a budget is not remembered as infeasible."""
+    below the budget), the error says so, with the solve's time, instead of calling the budget
+    infeasible."""
     import solver
 
     model, inputs = MLP(dim=256, hidden=1024), (torch.randn(64, 256),)
