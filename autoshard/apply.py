@@ -134,11 +134,13 @@ class _PlannedForward:
                 moved = g.redistribute(self.mesh, placements_for(self.plan.param_spec(fqn), self.mesh))
                 p.grad = moved if p.grad is None else p.grad + moved
             program.pending = {}
+            program.end_step()
 
     def discard_gradients(self) -> None:
         """Drop what the backwards accumulated (a pipeline stage's metadata inference runs one)."""
         for program in self.programs.values():
             program.pending = {}
+            program.end_step()
 
     def __call__(self, *args, **kwargs):
         names = self.plan.keyword_inputs

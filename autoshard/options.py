@@ -156,9 +156,11 @@ class PlanOptions:
 
     microbatches: int = 1
     """Microbatches one step runs through the program, their gradients accumulated where the
-    backward leaves them and moved to their parameters' specs once: each gradient move is charged
-    ``1 / microbatches`` in the solve (a pipeline stage's; the plan's step is then one microbatch's
-    with its share of the reduction)."""
+    backward leaves them and moved to their parameters' specs once, and the weights the forward
+    keeps for the backward (a matmul's transposed weight) gathered once, on the first, and kept
+    for the others: each of those moves is charged ``1 / microbatches`` in the solve and such a
+    gathered weight lives the whole step (a pipeline stage's; the plan's step is then one
+    microbatch's with its share of those moves, ``Plan.held`` names the weights held)."""
 
     export_problem: str | None = None
     """Also write the solver's problem (pins applied) to this path in the IOPDDL contest format

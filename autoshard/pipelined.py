@@ -10,7 +10,10 @@ every rank runs one training step, the loss on the last stage.
 
 Between stages the boundary activation is a DTensor on the sub-mesh; a stage whose output spec
 differs from the next stage's planned input spec hands it over in that spec (DTensor's
-redistribution, before the send). Each microbatch's backward adds its gradients, unreduced
+redistribution, before the send). A stage gathers the weights its plan holds (``Plan.held``) in
+its step's first forward and its later microbatches' forwards reuse them (the lowered program of
+:meth:`~autoshard.runtime.program.PlannedProgram.forward_held_program`), until the step's
+gradients are reduced. Each microbatch's backward adds its gradients, unreduced
 (its plan's spec before the move to the parameter's), to a buffer; after the last one the
 stage moves them to their parameters' specs once (torch calls ``perform_reduce_grad`` there,
 where it has FSDP reduce), then the schedule divides them by the microbatch count

@@ -104,6 +104,10 @@ class Plan:
     input_names: list[str] = field(default_factory=list)
     """Name of each input: ``input{k}`` for positional input k, else the keyword (empty in plans
     written before keyword inputs: all positional)."""
+    held: list[str] = field(default_factory=list)
+    """Views of parameters (their nodes' names) whose gather a step of several microbatches makes
+    once, on its first microbatch, and keeps for the others to the step's end (a pipeline
+    stage's plan: :func:`~autoshard.planning.problem.amortized_moves`)."""
     version: int = PLAN_VERSION
 
     def __post_init__(self):
@@ -138,6 +142,7 @@ class Plan:
             "summary": self.summary.to_json(),
             "solver": self.solver,
             "recompute": self.recompute,
+            **({"held": list(self.held)} if self.held else {}),
         }
 
     @staticmethod
@@ -167,6 +172,7 @@ class Plan:
                 profile=data.get("profile", {}),
                 model=data.get("model", {}),
                 recompute=_recompute_entry(data.get("recompute")),
+                held=[str(h) for h in data.get("held", [])],
             )
         except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
             raise PlanError(f"plan: missing or malformed field {exc}") from None

@@ -80,7 +80,8 @@ def train_pipelined(model, mesh, data, args) -> None:
     if dist.get_rank() == 0:
         pplan = plan_pipeline(model, (data[0],), mesh, axis=args.pipeline, microbatches=args.microbatches,
                               schedule=args.schedule, stages_per_rank=args.stages_per_rank, profile=args.profile,
-                              loss_fn=loss_fn, time_limit=60)
+                              loss_fn=loss_fn, time_limit=60,
+                              pins=dict(p.split("=", 1) for p in args.pin) or None)
         print(pplan.describe(), flush=True)
         box[0] = pplan.to_json()
         if args.save_plan:

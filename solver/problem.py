@@ -149,6 +149,19 @@ class Problem:
         new.node_usages = arrays
         return new
 
+    def with_intervals(self, intervals) -> Problem:
+        """This problem with other liveness intervals, one ``[lo, hi)`` per node, ``lo <= hi``."""
+        iv = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
+        if iv.shape != self.intervals.shape:
+            raise ProblemError(f"with_intervals: expected shape {self.intervals.shape}, found {iv.shape}")
+        bad = np.nonzero(iv[:, 0] > iv[:, 1])[0]
+        if bad.size:
+            v = int(bad[0])
+            raise ProblemError(f"with_intervals: node {self._label(v)}: interval [{iv[v, 0]}, {iv[v, 1]}) has lo > hi")
+        new = copy.copy(self)
+        new.intervals = iv
+        return new
+
     def with_costs(self, node_costs: list[np.ndarray] | None = None,
                    edge_costs: list[np.ndarray] | None = None) -> Problem:
         """This problem with other node cost vectors and/or edge cost matrices, each of the shape

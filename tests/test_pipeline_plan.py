@@ -182,23 +182,34 @@ def test_hand_written_stages_are_the_baselines_pins(world):
     assert ours.step_us <= hand.step_us * 1.0001
 
 
-def test_microbatches_charge_each_gradient_move_once_per_step(world):
-    """PlanOptions(microbatches=m): the edges moving gradients to their parameters' specs cost
-    1/m (the stage moves them once per step); no other edge changes. pipeline_times prices the
-    reduction whole, once."""
+def test_microbatches_charge_each_gradient_move_and_held_gather_once_per_step(world):
+    """PlanOptions(microbatches=m): the edges moving gradients to their parameters' specs and
+    the parameters into the views that keep them for the backward (the gathered weights) cost
+    1/m (the stage makes those moves once per step), and those views live the whole step; no
+    other edge or interval changes. pipeline_times prices the reduction whole, once."""
+    from autoshard.planning.problem import gathered_once
+
     world(64)
     mesh = autoshard.fake_mesh((4, 16), ("dp", "tp"))
     model, tokens = _model(2), _tokens(64)
     one = autoshard.Planner(model, (tokens,), mesh, profile="h100-sxm", loss_fn=_loss)
     four = autoshard.Planner(model, (tokens,), mesh, profile="h100-sxm", loss_fn=_loss, microbatches=4)
-    moved = 0
+    held = set(gathered_once(four.built, four.traced))
+    # Each layer's seven matmul weights, and the head's (the rotary tables' views besides).
+    assert sum(four.built.nodes[v].name.startswith("t") for v in held) >= 2 * 7 + 1
+    moved = gathers = 0
     for e, a, b in zip(one.built.edges, one.built.problem.edge_costs, four.built.problem.edge_costs):
-        if e.arg < 0:
+        if e.arg < 0 or (e.arg == 0 and e.consumer in held):
             assert b == pytest.approx(a / 4)
-            moved += int((a > 0).any())
+            moved += int(e.arg < 0 and (a > 0).any())
+            gathers += int(e.arg == 0 and (a > 0).any())
         else:
             assert (a == b).all()
-    assert moved > 0
+    assert moved > 0 and gathers > 0
+    iv1, iv4 = one.built.problem.intervals, four.built.problem.intervals
+    end = iv4[:, 1].max()
+    assert all(tuple(iv4[v]) == (0, end) for v in held)
+    assert all((iv1[v] == iv4[v]).all() for v in range(len(iv1)) if v not in held)
     ddp = {"pins": {"*": "RR"}, "seed_baselines": False}
     p1, p4 = one.solve(**ddp), four.solve(**ddp)
     (_, _, r1), (f4, b4, r4) = one.pipeline_times(p1), four.pipeline_times(p4)

@@ -170,15 +170,18 @@ def test_died_by_signal_reads_only_the_root_cause():
 def test_torchrun_pipeline_matches_single_process(tmp_path):
     """A reference LLaMA of 4 layers pipelined in 2 stages x DP 2 on 4 gloo ranks (1F1B, 4
     microbatches, torch's PipelineStage and schedule; each stage's plan lowered, the second
-    stage's input gradient sent back): the single process's losses over 3 AdamW steps."""
+    stage's input gradient sent back), its parameters pinned to FSDP's shards: the weights
+    gathered on each step's first microbatch and kept for the other three, the single process's
+    losses over 3 AdamW steps."""
     from autoshard.planning.pipeline import PipelinePlan
 
     plan_file = tmp_path / "pipeline.json"
     _against_single_process(4, "--mesh", "pp=2,dp=2", "--pipeline", "pp", "--microbatches", "4",
-                            "--save-plan", str(plan_file), model="llama")
+                            "--pin", "*=S(0)", "--save-plan", str(plan_file), model="llama")
     pplan = PipelinePlan.load(plan_file)
     assert (pplan.schedule, pplan.microbatches, len(pplan.stages)) == ("1f1b", 4, 2)
     assert pplan.stages[1].plan.model.get("input_grads") == [0]
+    assert all(s.plan.held for s in pplan.stages), [s.plan.held for s in pplan.stages]
 
 
 @pytest.mark.slow

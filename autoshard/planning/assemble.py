@@ -15,7 +15,10 @@ from autoshard.plansummary import PlanSummary
 from costmodel import MeshTopology, Profile, plan_steps
 
 
-def assemble_plan(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profile, budget, overlap: dict) -> Plan:
+def assemble_plan(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: Profile, budget, overlap: dict,
+                  once=()) -> Plan:
+    """The plan file of ``sol`` on ``gp``; ``once``: the views whose parameter a step of several
+    microbatches gathers once (:func:`~autoshard.planning.problem.gathered_once`)."""
     names = axis_names_of(mesh)
     mesh_shape = tuple(mesh.shape)
     topo = MeshTopology(mesh_shape, prof.devices_per_node)
@@ -78,7 +81,8 @@ def assemble_plan(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: P
     shapes = {fqn: list(p.shape) for fqn, p in list(model.named_parameters()) + list(model.named_buffers())}
     buckets = problem_buckets(gp, choice)
     tl = simulate_plan(gp, choice, prof.overlap, buckets)
-    memory = account(gp, tg, choice)
+    held = [v for v in once if chosen[v].moved]
+    memory = account(gp, tg, choice, held=held)
     summary = PlanSummary(
         step_us=round(tl.step_us, 3),
         additive_us=round(total, 3),
@@ -127,6 +131,7 @@ def assemble_plan(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: P
         model={"class": type(model).__name__, "fingerprint": Plan.fingerprint(shapes),
                **({"input_grads": sorted(tg.input_grad_of)} if tg.input_grad_of else {})},
         recompute=rc.to_json(),
+        held=[gp.nodes[v].name for v in held],
     )
 
 

@@ -109,10 +109,12 @@ def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None, until: dict[int, in
     return end
 
 
-def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> MemoryAccount:
+def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) -> MemoryAccount:
     """The memory account of ``choice`` (a strategy per node of ``gp``, built from ``tg``).
     ``foreach``: whether the optimizer steps every parameter at once (default: where the device
-    allocates through torch's caching allocator, a GPU, whose rounding every buffer gets too)."""
+    allocates through torch's caching allocator, a GPU, whose rounding every buffer gets too).
+    ``held``: views whose gathered weight is kept for every microbatch of the step
+    (:func:`~autoshard.planning.problem.amortized_moves`), released before the optimizer step."""
     p = gp.problem
     choice = np.asarray(choice, dtype=np.int64)
     n = len(gp.nodes)
@@ -205,6 +207,8 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None) -> Memory
     for v, node in enumerate(gp.nodes):
         if chosen[v].moved and node in grads:
             release(gp.index.get(live_root(node)[0].name, v))
+    # The weights gathered once per step are dropped with the gradients' reductions.
+    whole_until_step.update(event_of[v] for v in held if chosen[v].moved and v in event_of)
 
     # The executor's buckets (:mod:`autoshard.runtime.buckets`): a bucket's collective hands back
     # one flat buffer, which every member's view keeps alive (a layer's gathered weights live as

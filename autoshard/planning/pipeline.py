@@ -14,17 +14,21 @@ for the last stage, a loss whose gradient is the one the next stage sends back (
 and but for the first, its input's gradient computed and returned (``input_grads``: what it
 sends back).
 Stages with the same role (first, middle, last) and layer count are the same problem and are
-solved once, each gradient move charged ``1 / m`` (``PlanOptions(microbatches=m)``,
-:func:`autoshard.planning.problem.amortized_gradients`: the stage accumulates its microbatches'
-gradients where its backward leaves them and moves them once), so the solver prefers reducing
-on those moves over reducing inside every microbatch's backward. From stage ``s``'s plan:
+solved once, each gradient move and each gather of a weight its matmuls keep for the backward
+charged ``1 / m`` (``PlanOptions(microbatches=m)``, :func:`autoshard.planning.problem.amortized_moves`:
+the stage accumulates its microbatches' gradients where its backward leaves them and moves them
+once; it gathers such a weight on its first microbatch and keeps it, a buffer live the whole
+step, for the others, as FSDP does under torch's pipeline schedules with
+``reshard_after_forward=False``), so the solver weighs sharding the parameters against holding
+their gathered copies, and prefers reducing on the gradients' moves over reducing inside every
+microbatch's backward. From stage ``s``'s plan:
 
 - ``f_s``, ``b_s``: its simulated step (compute and exposed communication of one microbatch)
-  without the gradients' moves to their parameters' specs, cut in the ratio of its forward's and
-  backward's compute, and ``r_s`` what those moves add to its step (:meth:`Planner.pipeline_times`):
-  a stage accumulates its microbatches' gradients unreduced and reduces them once, after its
-  last backward (as torch's ``PipelineStage`` has FSDP do), so each rank's step ends at its last
-  action's end plus ``sum_(s on r) r_s``;
+  without those once-per-step moves, cut in the ratio of its forward's and backward's compute,
+  and ``r_s`` what those moves add to one microbatch's step (:meth:`Planner.pipeline_times`):
+  a stage gathers its held weights in its first forward, accumulates its microbatches' gradients
+  unreduced and reduces them once, after its last backward (as torch's ``PipelineStage`` has
+  FSDP do), so each rank's step ends at its last action's end plus ``sum_(s on r) r_s``;
 - ``a_s``: what one microbatch keeps from its forward for its backward (the memory account's
   ``saved_bytes``, forward values live when the backward starts, over the microbatches held);
 - ``c_s``: the send of its boundary activation's local shard to stage ``s + 1`` over ``axis``
@@ -53,8 +57,9 @@ first and last stages' time beyond their layers, the layers are cut again to min
 ``max_s (n_s t + [s = 0] e_0 + [s = S-1] e_last)`` (:func:`balanced_partition`) and the new
 stages solved, once.
 
-What is not modelled yet: the optimizer step, zero-bubble schedules, and parameters gathered
-once per step (a stage's plan gathers what it shards for every microbatch, as it runs).
+What is not modelled yet: the optimizer step, zero-bubble schedules, and the choice of gathering
+a weight per microbatch where its buffer would not fit for the whole step (a weight its view
+takes aliased is gathered by its readers, per microbatch; one taken moved is held all step).
 """
 
 from __future__ import annotations

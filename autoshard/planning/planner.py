@@ -42,9 +42,11 @@ from autoshard.planning.overlap import additive_solve, follow, relaxed
 from autoshard.planning.pins import resolve_pins, to_spec
 from autoshard.planning.problem import (
     GraphProblem,
-    amortized_gradients,
+    amortized_moves,
     build_problem,
+    gathered_once,
     held_in_flight,
+    once_per_step,
     pin_indices,
     with_recompute,
 )
@@ -191,8 +193,14 @@ class Planner:
 
     def _staged(self, gp: GraphProblem) -> GraphProblem:
         """``gp`` as a pipeline stage's microbatch costs it: the microbatches in flight held, the
-        gradients moved once per step (``in_flight``, ``microbatches``; 1 and 1: ``gp``)."""
-        return amortized_gradients(held_in_flight(gp, self.options.in_flight), self.options.microbatches)
+        gradients moved once per step and the weights its views keep for the backward gathered
+        once per step (``in_flight``, ``microbatches``; 1 and 1: ``gp``)."""
+        once = self._gathered_once(gp)
+        return amortized_moves(held_in_flight(gp, self.options.in_flight, once), self.options.microbatches, once)
+
+    def _gathered_once(self, gp: GraphProblem) -> list[int]:
+        """:func:`~autoshard.planning.problem.gathered_once` where a step runs several microbatches."""
+        return gathered_once(gp, self.traced) if self.options.microbatches > 1 else []
 
     def _budget(self, opts: PlanOptions) -> float | None:
         return resolve_budget(opts.memory_budget, self.profile.memory_bytes)
@@ -483,10 +491,12 @@ class Planner:
 
     def pipeline_times(self, plan: Plan) -> tuple[float, float, float]:
         """``plan``'s step as a pipeline stage runs it, microseconds: (forward, backward) of one
-        microbatch, the simulated step without the gradients' moves to their parameters' specs cut
-        in the ratio of the forward's and the backward's compute (the model's and the loss's
-        nodes, then the backward's, recomputed copies with the backward), and the exposed
-        reduction: what those moves add to the step, paid once per step (a stage accumulates its
+        microbatch, the simulated step without the moves made once per step (the gradients' moves
+        to their parameters' specs, the held weights' gathers:
+        :func:`~autoshard.planning.problem.once_per_step`) cut in the ratio of the forward's and
+        the backward's compute (the model's and the loss's nodes, then the backward's, recomputed
+        copies with the backward), and what those moves add to one microbatch's step, paid once
+        per step (a stage gathers its held weights in its first forward and accumulates its
         microbatches' gradients unreduced). ``plan``: one this planner made."""
         import dataclasses as dc
 
@@ -501,8 +511,10 @@ class Planner:
                 forward += us
             else:
                 backward += us
+        once = set(once_per_step(gp, self._gathered_once(gp)))
+
         def moves(scale: float) -> float:
-            costs = [m * scale if e.arg < 0 else m for e, m in zip(gp.edges, gp.problem.edge_costs)]
+            costs = [m * scale if k in once else m for k, m in enumerate(gp.problem.edge_costs)]
             return simulate_plan(dc.replace(gp, problem=gp.problem.with_edge_costs(costs)), choice,
                                  self.profile.overlap).step_us
 
@@ -768,7 +780,8 @@ class Planner:
 
         def assemble() -> Plan:
             t1 = time.perf_counter()
-            result = assemble_plan(self.model, self.traced, gp, rc, sol, self.mesh, self.profile, budget, overlap)
+            result = assemble_plan(self.model, self.traced, gp, rc, sol, self.mesh, self.profile, budget, overlap,
+                                   self._gathered_once(gp))
             phases["assemble_s"] = time.perf_counter() - t1
             result.summary.plan_seconds = round(sum(phases.values()), 3)
             result.summary.phases = {k: round(v, 3) for k, v in phases.items()}

@@ -617,11 +617,12 @@ def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,
     return problem_pins
 
 
-def held_in_flight(gp: GraphProblem, times: int) -> GraphProblem:
+def held_in_flight(gp: GraphProblem, times: int, shared=()) -> GraphProblem:
     """``gp`` whose forward values live when the backward starts (what a microbatch keeps for
     its backward) are charged ``times`` over in the memory rows: a pipeline stage holding
     ``times`` microbatches in flight (:mod:`autoshard.planning.pipeline`), so the solver weighs
-    recomputation and sharding against all of them. ``times <= 1``: ``gp``."""
+    recomputation and sharding against all of them. ``shared``: nodes held once for every
+    microbatch (:func:`gathered_once`), charged once. ``times <= 1``: ``gp``."""
     if times <= 1:
         return gp
     p = gp.problem
@@ -630,19 +631,60 @@ def held_in_flight(gp: GraphProblem, times: int) -> GraphProblem:
     if not starts:
         return gp
     t_b = min(starts)
-    usages = [u * times if v < gp.num_originals and lo[v] < t_b < hi[v] and node_phase(gp.nodes[v]) == "forward"
-              else u for v, u in enumerate(p.node_usages)]
+    shared = set(shared)
+    usages = [u * times if v < gp.num_originals and v not in shared and lo[v] < t_b < hi[v]
+              and node_phase(gp.nodes[v]) == "forward" else u for v, u in enumerate(p.node_usages)]
     return dataclasses.replace(gp, problem=p.with_usages(usages))
 
 
-def amortized_gradients(gp: GraphProblem, microbatches: int) -> GraphProblem:
-    """``gp`` whose gradients' moves to their parameters' specs (the edges into parameters) cost
-    ``1 / microbatches`` each: a step of that many microbatches accumulates its gradients where
-    its backward leaves them and moves them once (a pipeline stage). ``microbatches <= 1``: ``gp``."""
+def gathered_once(gp: GraphProblem, tg: TracedGraph) -> list[int]:
+    """The held views (:func:`held_views`: offered moved or aliasing) of a parameter or buffer,
+    recomputed copies aside: a layer's weight as its matmuls read it (transposed), which FSDP
+    gathers and keeps from the forward to the backward. A step of several microbatches can make
+    that gather once and keep its buffer for all of them (FSDP's ``reshard_after_forward=False``
+    under a pipeline schedule): :func:`amortized_moves`."""
+    out = []
+    for e in gp.edges:
+        v = e.consumer
+        if e.arg != 0 or v >= gp.num_originals or v in gp.copy_of:
+            continue
+        u = gp.nodes[e.producer]
+        if u.op == "placeholder" and tg.kinds.get(u.name) != "input" and any(s.moved for s in gp.strategies[v]):
+            out.append(v)
+    return sorted(set(out))
+
+
+def amortized_moves(gp: GraphProblem, microbatches: int, once=()) -> GraphProblem:
+    """``gp`` as a step of ``microbatches`` microbatches runs it (a pipeline stage), the moves it
+    makes once per step charged ``1 / microbatches`` each:
+
+    - the gradients' moves to their parameters' specs (the edges into parameters): the step
+      accumulates its gradients where its backward leaves them and moves them once;
+    - the moves of a parameter into the views ``once`` (:func:`gathered_once`) where the view
+      takes it moved: gathered on the step's first microbatch and kept to the step's end, so
+      that view's buffer is live over the whole step (its interval ``[0, end)``); aliasing, the
+      view costs nothing and its readers' moves stay per microbatch.
+
+    ``microbatches <= 1``: ``gp``."""
     if microbatches <= 1:
         return gp
-    costs = [m / microbatches if e.arg < 0 else m for e, m in zip(gp.edges, gp.problem.edge_costs)]
-    return dataclasses.replace(gp, problem=gp.problem.with_edge_costs(costs))
+    amortized = set(once_per_step(gp, once))
+    costs = [m / microbatches if k in amortized else m for k, m in enumerate(gp.problem.edge_costs)]
+    once = set(once)
+    problem = gp.problem.with_edge_costs(costs)
+    if once:
+        iv = problem.intervals.copy()
+        iv[sorted(once)] = (0, int(iv[:, 1].max()))
+        problem = problem.with_intervals(iv)
+    return dataclasses.replace(gp, problem=problem)
+
+
+def once_per_step(gp: GraphProblem, once=()) -> list[int]:
+    """The edges a step of several microbatches runs once (:func:`amortized_moves`): the
+    gradients' moves to their parameters' specs and the parameters' moves into the views
+    ``once``."""
+    once = set(once)
+    return [k for k, e in enumerate(gp.edges) if e.arg < 0 or (e.arg == 0 and e.consumer in once)]
 
 
 def with_recompute(gp: GraphProblem, tg: TracedGraph, rc: Recompute) -> GraphProblem:

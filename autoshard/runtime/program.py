@@ -84,7 +84,21 @@ class PlannedProgram:
         """(output leaf index, node) of each tensor the forward returns: the model's outputs, or the loss."""
         self.outputs = [v for _, v in self.leaves]
         self.trainable = [f for f in tg.param_fqns if f in self.split.grads]
+        by_name = {n.name: n for n in self.split.forward}
+        missing = [h for h in plan.held if h not in by_name]
+        if missing:
+            raise PlanError(f"plan holds views {missing[:4]} the traced forward does not have: a plan made for "
+                            "another model or another trace of it")
+        self.held = [by_name[h] for h in plan.held] if accumulate else []
+        """The views whose parameter the first microbatch of a step gathers and the others reuse
+        (``plan.held``, a step of several microbatches: ``accumulate``): the forward returns them
+        after the saved values, and :meth:`forward_held_program` takes them as inputs."""
+        self.held_values: list | None = None
+        """This step's gathered views (:attr:`held`), from its first forward to :meth:`end_step`."""
+        self.returned = self.outputs + self.split.saved + [h for h in self.held if h not in self.split.saved]
+        """What the forward programs return: the outputs, the saved values, the held views not among them."""
         self._forward: dict[int, RankProgram] = {}
+        self._forward_held: dict[int, RankProgram] = {}
         self._base_seed: int | None = None
         """Rank 0's initial seed, broadcast on the first forward; set beforehand where this
         program's mesh is a slice of the world's (a pipeline stage's ranks run their first
@@ -100,14 +114,35 @@ class PlannedProgram:
             out_specs = [Spec(("R",) * self.mesh.ndim)] if self.with_loss else [None] * len(self.outputs)
             self._forward[rank] = self.lowering.lower(
                 self.inputs, self.in_specs, [_meta(n) for n in self.inputs], s.forward,
-                self.outputs + s.saved, out_specs + [None] * len(s.saved), rank)
+                self.returned, out_specs + [None] * (len(self.returned) - len(self.outputs)), rank)
             self._optimize(self._forward[rank])
         return self._forward[rank]
+
+    def forward_held_program(self, rank: int) -> RankProgram:
+        """The forward of a step's later microbatches: the held views (:attr:`held`) are inputs,
+        after the parameters, buffers and inputs, in the specs and strides the first forward
+        returned them in; it runs none of their gathers."""
+        if rank not in self._forward_held:
+            fwd = self.forward_program(rank)
+            at = [self.returned.index(h) for h in self.held]
+            held = set(self.held)
+            self._forward_held[rank] = self.lowering.lower(
+                self.inputs + self.held, self.in_specs + [fwd.out_specs[k] for k in at],
+                [_meta(n) for n in self.inputs + self.held], [n for n in self.split.forward if n not in held],
+                self.returned, [None] * len(self.returned), rank,
+                in_strides=[None] * len(self.inputs) + [fwd.out_strides[k] for k in at])
+            self._optimize(self._forward_held[rank])
+        return self._forward_held[rank]
+
+    def end_step(self) -> None:
+        """Drop the step's held views (the parameters change in the optimizer step)."""
+        self.held_values = None
 
     def backward_program(self, rank: int) -> RankProgram:
         if rank not in self._backward:
             s, fwd = self.split, self.forward_program(rank)
-            saved_specs = fwd.out_specs[len(self.outputs):]
+            saved = slice(len(self.outputs), len(self.outputs) + len(s.saved))
+            saved_specs = fwd.out_specs[saved]
             tangent_specs = [self._tangent_spec(k, d, fwd) for k, d in s.tangents]
             grads = [s.grads[f] for f in self.trainable] + [s.input_grads[k] for k in sorted(s.input_grads)]
             # An input's gradient leaves in the spec its node is planned in (None).
@@ -116,7 +151,7 @@ class PlannedProgram:
                 [_meta(n) for n in s.saved] + [_meta(d) for _, d in s.tangents], s.backward, grads,
                 [None if self.accumulate else self.plan.param_spec(f) for f in self.trainable]
                 + [None] * len(s.input_grads), rank,
-                in_strides=fwd.out_strides[len(self.outputs):] + [None] * len(s.tangents), recomputed=s.recomputed)
+                in_strides=fwd.out_strides[saved] + [None] * len(s.tangents), recomputed=s.recomputed)
             self._optimize(self._backward[rank])
         return self._backward[rank]
 
@@ -221,8 +256,9 @@ class PlannedProgram:
     def run(self, which: str, locals_: list) -> list:
         """Run every local rank's ``forward`` or ``backward`` program on its shards. ``locals_`` is
         emptied: a backward frees each saved activation at its last use, as autograd does."""
-        get = self.forward_program if which == "forward" else self.backward_program
-        if which == "forward":
+        get = {"forward": self.forward_program, "forward_held": self.forward_held_program,
+               "backward": self.backward_program}[which]
+        if which != "backward":
             rng.next_run(self._next_seed())
         ranks = tc.local_tensor_ranks()
         if ranks is None:
@@ -256,9 +292,14 @@ class StepFunction(torch.autograd.Function):
         locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in flat]
         rank = program._any_rank()
         fwd = program.forward_program(rank)
-        results = program.run("forward", locals_)
+        if program.held_values is not None:
+            results = program.run("forward_held", locals_ + list(program.held_values))
+        else:
+            results = program.run("forward", locals_)
+            if program.held:
+                program.held_values = [results[program.returned.index(h)] for h in program.held]
         n = len(program.outputs)
-        ctx.saved = results[n:]
+        ctx.saved = results[n:n + len(program.split.saved)]
         outs = []
         for local, spec, meta in zip(results[:n], fwd.out_specs[:n], fwd.out_meta[:n]):
             if spec is None:
