@@ -217,3 +217,22 @@ def test_microbatches_charge_each_gradient_move_and_held_gather_once_per_step(wo
     assert r1 > 0 and r4 == pytest.approx(r1, rel=0.2)
     # The amortized plan's own step carries a quarter of its moves at most.
     assert p4.summary["step_us"] - (f4 + b4) <= r4 / 4 * 1.01
+
+
+def test_weights_held_for_the_step_are_not_recomputed(world):
+    """With several microbatches a parameter's view is held (gathered once) or aliases its
+    parameter: recomputing it in the backward would only gather again. One microbatch: full
+    recomputation replays the layers' weight views too (FSDP's gather again in the backward)."""
+    from autoshard.graph.recompute import parameter_views
+
+    world(64)
+    mesh = autoshard.fake_mesh((4, 16), ("dp", "tp"))
+    model, tokens = _model(2), _tokens(64)
+    recomputed = {}
+    for m in (1, 4):
+        planner = autoshard.Planner(model, (tokens,), mesh, profile="h100-sxm", loss_fn=_loss, microbatches=m)
+        rc = planner.variant("full")[0]
+        recomputed[m] = {x for names in rc.nodes.values() for x in names}
+        views = {n.name for n in parameter_views(planner.traced)}
+    assert len(views) >= 2 * 7 and recomputed[4]
+    assert views & recomputed[1] and not views & recomputed[4]

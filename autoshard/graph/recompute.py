@@ -84,8 +84,20 @@ def _kept_by(mode: str, n: fx.Node) -> bool:
     return _always_kept(n) or (mode == "selective" and n.target in EXPENSIVE)
 
 
-def choose(tg: TracedGraph, mode: str) -> Recompute:
-    """The nodes each tagged layer of ``tg`` recomputes under ``mode`` (see the module doc)."""
+def parameter_views(tg: TracedGraph) -> list[fx.Node]:
+    """The views of a parameter or buffer (a linear layer's transposed weight), in graph order:
+    what FSDP gathers and a step of several microbatches can gather once and keep
+    (:func:`autoshard.planning.problem.gathered_once`)."""
+    from autoshard.graph.pricing import is_view
+
+    return [n for n in tg.gm.graph.nodes
+            if n.op == "call_function" and is_view(n) and n.args and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "placeholder" and tg.kinds.get(n.args[0].name) in ("param", "buffer")]
+
+
+def choose(tg: TracedGraph, mode: str, keep=()) -> Recompute:
+    """The nodes each tagged layer of ``tg`` recomputes under ``mode`` (see the module doc);
+    never those of ``keep`` (values held anyway: a weight gathered once per step)."""
     if mode == "none":
         return NONE
     if mode not in MODES:
@@ -102,7 +114,7 @@ def choose(tg: TracedGraph, mode: str) -> Recompute:
             layer[n] = tag[0]
     # A layer's outputs (read by a forward op outside it) are kept: they are the next one's input.
     kept = {n for n, fqn in layer.items()
-            if _kept_by(mode, n) or any(not _is_backward(u) and layer.get(u) != fqn for u in n.users)}
+            if _kept_by(mode, n) or any(not _is_backward(u) and layer.get(u) != fqn for u in n.users)} | set(keep)
     while True:
         chosen: dict[str, set[fx.Node]] = {}
         for n, fqn in layer.items():

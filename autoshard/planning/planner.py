@@ -24,7 +24,7 @@ import solver
 import solver.overlap
 from autoshard.errors import AutoshardError, ConfigError, MemoryBudgetError, first_line
 from autoshard.gcpause import fewer_gc_passes
-from autoshard.graph.recompute import NONE, Recompute, choose, recomputed
+from autoshard.graph.recompute import NONE, Recompute, choose, parameter_views, recomputed
 from autoshard.graph.tracing import node_phase, trace
 from autoshard.graph.unroll import trace_unrolled
 from autoshard.mesh import axis_names_of, check_mesh
@@ -242,7 +242,9 @@ class Planner:
 
     def _choice(self, mode: str) -> Recompute:
         if mode not in self._choices:
-            self._choices[mode] = choose(self.traced, mode)
+            # A weight gathered once per step is held anyway: recomputing its view would gather again.
+            keep = parameter_views(self.traced) if self.options.microbatches > 1 else ()
+            self._choices[mode] = choose(self.traced, mode, keep)
         return self._choices[mode]
 
     def cheapest_bound(self, **overrides) -> float:

@@ -41,7 +41,7 @@ from autoshard.errors import AutoshardError
 from autoshard.graph.attention import KERNEL_BACKWARD, kernel_messages, kernel_of, work_factor
 from autoshard.graph.layers import layer_ties
 from autoshard.graph.pricing import is_view, matmul_operands, matmul_side, memory_pattern, node_flops, op_pricing
-from autoshard.graph.recompute import Recompute, recomputed
+from autoshard.graph.recompute import Recompute, parameter_views, recomputed
 from autoshard.graph.strategies import NodeStrategies, Strategy, StrategyEnumerator, is_getitem, is_tensor
 from autoshard.graph.tracing import TracedGraph, node_phase
 from autoshard.planning.imbalance import expert_matmuls, imbalance_scale, move_scale, token_dims
@@ -643,15 +643,8 @@ def gathered_once(gp: GraphProblem, tg: TracedGraph) -> list[int]:
     gathers and keeps from the forward to the backward. A step of several microbatches can make
     that gather once and keep its buffer for all of them (FSDP's ``reshard_after_forward=False``
     under a pipeline schedule): :func:`amortized_moves`."""
-    out = []
-    for e in gp.edges:
-        v = e.consumer
-        if e.arg != 0 or v >= gp.num_originals or v in gp.copy_of:
-            continue
-        u = gp.nodes[e.producer]
-        if u.op == "placeholder" and tg.kinds.get(u.name) != "input" and any(s.moved for s in gp.strategies[v]):
-            out.append(v)
-    return sorted(set(out))
+    views = [gp.index[n.name] for n in parameter_views(tg) if n.name in gp.index]
+    return sorted(v for v in views if any(s.moved for s in gp.strategies[v]))
 
 
 def amortized_moves(gp: GraphProblem, microbatches: int, once=()) -> GraphProblem:
