@@ -38,7 +38,15 @@ import torch
 from autoshard.graph.pricing import is_view
 from autoshard.graph.strategies import is_getitem
 from autoshard.graph.tracing import node_phase
-from autoshard.planning.problem import GraphProblem, block_bytes, caching_allocator, grad_views, live_root, local_bytes
+from autoshard.planning.problem import (
+    GraphProblem,
+    backward_start,
+    block_bytes,
+    caching_allocator,
+    grad_views,
+    live_root,
+    local_bytes,
+)
 from autoshard.planning.simulate import problem_buckets
 from costmodel.spec import on_mesh, shard_dim
 from solver.evaluate import interval_profile
@@ -272,10 +280,9 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
     for k in np.flatnonzero(live):
         at_peak[events[k][3]] += int(e_b[k])
     peak_at = _node_at(gp, lo, at)
-    backward_lo = [lo[v] for v in range(n) if v not in gp.copy_of and node_phase(gp.nodes[v]) == "backward"]
+    t_b = backward_start(gp)
     saved = 0
-    if backward_lo:
-        t_b = min(backward_lo)
+    if t_b is not None:
         saved = int(sum(e_b[k] for k in np.flatnonzero((e_lo < t_b) & (t_b < e_hi))
                         if events[k][3] == "activations"))
     largest = sorted(((int(e_b[k]), events[k][3], events[k][4]) for k in np.flatnonzero(live)), reverse=True)[:8]

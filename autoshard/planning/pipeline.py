@@ -47,7 +47,11 @@ sharding against the in-flight microbatches, and its plan's peak is the stage's.
 
     M_r = sum_(s on r) (peak_s + g_s)  <= budget
 
-with ``g_s`` the unreduced gradients the stage accumulates (each gradient move's buffer). Where
+with ``g_s`` the unreduced gradients the stage accumulates (each gradient move's buffer) where
+``peak_s`` does not hold them: a stage solved for ``m > 1`` microbatches has its gradients live
+over the whole step in its rows (:func:`autoshard.planning.problem.amortized_moves`), so the
+solver fits them, and ``g_s = 0``; one solved again pricing its moves per microbatch (below)
+does not. Where
 a rank breaks it (the gradients, or several stages on one rank), its stages are solved again
 with their budget lowered by the excess (:data:`BUDGET_ROUNDS` times at most).
 
@@ -116,7 +120,8 @@ class Stage:
     reduce_us: float = 0.0
     """Its gradients' reduction, once per step, exposed after its last backward."""
     gradient_bytes: float = 0.0
-    """The unreduced gradients it accumulates over the microbatches."""
+    """The unreduced gradients it accumulates over the microbatches where its plan's peak does not
+    hold them (0 where the plan was made for several microbatches: its rows hold them)."""
 
     def to_json(self, plan_index: int) -> dict:
         return {"index": self.index, "rank": self.rank, "layers": list(self.layers), "role": self.role,
@@ -441,7 +446,7 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
 
     def rank_memory(plans) -> list[float]:
         # Each plan's peak holds its stage's microbatches in flight (PlanOptions.in_flight) and
-        # one microbatch's gradients; the unreduced sum of them all stays to the step's end.
+        # the gradients it accumulates (g_s beside it where it was solved per microbatch).
         return [sum(plans[s][0].summary["peak_mem_bytes"] + plans[s][5] for s in range(r, n_stages, p))
                 for r in range(p)]
 
@@ -558,7 +563,9 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
                             1, baseline)
     fwd, bwd, reduce = planner.pipeline_times(pl)
     act = float(pl.summary["memory"]["saved_bytes"]) / in_flight
-    grads = float(sum(max(r.get("step_bytes") or [0]) for r in pl.redistributes if r.get("arg") == "grad"))
+    # Made for several microbatches, the plan's rows hold the gradients' accumulation buffers.
+    grads = 0.0 if microbatches > 1 else float(sum(max(r.get("step_bytes") or [0]) for r in pl.redistributes
+                                                   if r.get("arg") == "grad"))
     return pl, fwd, bwd, act, reduce, grads
 
 

@@ -42,6 +42,7 @@ from autoshard.planning.overlap import additive_solve, follow, relaxed
 from autoshard.planning.pins import resolve_pins, to_spec
 from autoshard.planning.problem import (
     GraphProblem,
+    accumulated,
     amortized_moves,
     build_problem,
     gathered_once,
@@ -193,10 +194,12 @@ class Planner:
 
     def _staged(self, gp: GraphProblem) -> GraphProblem:
         """``gp`` as a pipeline stage's microbatch costs it: the microbatches in flight held, the
-        gradients moved once per step and the weights its views keep for the backward gathered
-        once per step (``in_flight``, ``microbatches``; 1 and 1: ``gp``)."""
+        gradients accumulated over the step and moved once, and the weights its views keep for
+        the backward gathered once per step (``in_flight``, ``microbatches``; 1 and 1: ``gp``)."""
         once = self._gathered_once(gp)
-        return amortized_moves(held_in_flight(gp, self.options.in_flight, once), self.options.microbatches, once)
+        m = self.options.microbatches
+        buffers = accumulated(gp, self.traced) if m > 1 else []
+        return amortized_moves(held_in_flight(gp, self.options.in_flight, once), m, once, buffers)
 
     def _gathered_once(self, gp: GraphProblem) -> list[int]:
         """:func:`~autoshard.planning.problem.gathered_once` where a step runs several microbatches."""

@@ -617,6 +617,16 @@ def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,
     return problem_pins
 
 
+def backward_start(gp: GraphProblem) -> int | None:
+    """The time the backward starts (its first op's; None: no backward). Nodes live from time 0
+    are held over the whole step (:func:`amortized_moves`): their intervals say nothing of
+    where they run."""
+    lo = gp.problem.intervals[:, 0]
+    starts = [lo[v] for v, n in enumerate(gp.nodes)
+              if v not in gp.copy_of and lo[v] > 0 and node_phase(n) == "backward"]
+    return int(min(starts)) if starts else None
+
+
 def held_in_flight(gp: GraphProblem, times: int, shared=()) -> GraphProblem:
     """``gp`` whose forward values live when the backward starts (what a microbatch keeps for
     its backward) are charged ``times`` over in the memory rows: a pipeline stage holding
@@ -627,10 +637,9 @@ def held_in_flight(gp: GraphProblem, times: int, shared=()) -> GraphProblem:
         return gp
     p = gp.problem
     lo, hi = p.intervals[:, 0], p.intervals[:, 1]
-    starts = [lo[v] for v, n in enumerate(gp.nodes) if v not in gp.copy_of and node_phase(n) == "backward"]
-    if not starts:
+    t_b = backward_start(gp)
+    if t_b is None:
         return gp
-    t_b = min(starts)
     shared = set(shared)
     usages = [u * times if v < gp.num_originals and v not in shared and lo[v] < t_b < hi[v]
               and node_phase(gp.nodes[v]) == "forward" else u for v, u in enumerate(p.node_usages)]
@@ -647,7 +656,14 @@ def gathered_once(gp: GraphProblem, tg: TracedGraph) -> list[int]:
     return sorted(v for v in views if any(s.moved for s in gp.strategies[v]))
 
 
-def amortized_moves(gp: GraphProblem, microbatches: int, once=()) -> GraphProblem:
+def accumulated(gp: GraphProblem, tg: TracedGraph) -> list[int]:
+    """The nodes whose outputs hold the gradients (:func:`node_intervals`' held gradients): a
+    step of several microbatches adds each microbatch's to a buffer kept to the step's end."""
+    holders = {live_root(g)[0] for g in tg.grad_of.values()} | grad_views(tg)
+    return sorted(gp.index[n.name] for n in holders if n.name in gp.index)
+
+
+def amortized_moves(gp: GraphProblem, microbatches: int, once=(), buffers=()) -> GraphProblem:
     """``gp`` as a step of ``microbatches`` microbatches runs it (a pipeline stage), the moves it
     makes once per step charged ``1 / microbatches`` each:
 
@@ -658,16 +674,18 @@ def amortized_moves(gp: GraphProblem, microbatches: int, once=()) -> GraphProble
       that view's buffer is live over the whole step (its interval ``[0, end)``); aliasing, the
       view costs nothing and its readers' moves stay per microbatch.
 
+    ``buffers`` (:func:`accumulated`): the gradients, which the step accumulates unreduced over
+    its microbatches, live over the whole step too, so the rows hold the accumulation buffers.
     ``microbatches <= 1``: ``gp``."""
     if microbatches <= 1:
         return gp
     amortized = set(once_per_step(gp, once))
     costs = [m / microbatches if k in amortized else m for k, m in enumerate(gp.problem.edge_costs)]
-    once = set(once)
     problem = gp.problem.with_edge_costs(costs)
-    if once:
+    whole = sorted(set(once) | set(buffers))
+    if whole:
         iv = problem.intervals.copy()
-        iv[sorted(once)] = (0, int(iv[:, 1].max()))
+        iv[whole] = (0, int(iv[:, 1].max()))
         problem = problem.with_intervals(iv)
     return dataclasses.replace(gp, problem=problem)
 
