@@ -245,6 +245,9 @@ class Plan:
         if rc.get("mode", "none") != "none":
             lines.append(f"  activation checkpointing: {rc['mode']}, {rc.get('nodes', 0)} ops recomputed in "
                          f"{rc.get('layers', 0)} layers (+{rc.get('compute_us', 0) / 1e3:.3f} ms compute)")
+        if self.held:
+            lines.append(f"  weights gathered once per step and held for every microbatch: {len(self.held)} views "
+                         f"({', '.join(self.held[:3])}{', ...' if len(self.held) > 3 else ''})")
         if s.get("simulated"):
             sim = s["simulated"]
             lines.append(f"  simulated with overlap: {sim['step_us'] / 1e3:.3f} ms (communication "

@@ -104,6 +104,7 @@ def test_weights_gathered_once_per_step_match_single_device(world):
                           microbatches=4, pins={"*": "S(0)"}, seed_baselines=False)
     assert plan.held, plan.describe()
     assert Plan.from_json(plan.to_json()).held == plan.held
+    assert "weights gathered once per step and held for every microbatch: 6 views" in plan.describe()
     ref = copy.deepcopy(model)
     ref.zero_grad()
     ref_losses = []
