@@ -80,6 +80,7 @@ from autoshard.graph.layers import layer_groups
 from autoshard.mesh import axis_names_of
 from autoshard.planfile import Plan
 from autoshard.planning.schedule import ScheduleRun, check_schedule, simulate
+from autoshard.planning.shapebound import bounding_workers
 from autoshard.units import human_bytes
 from costmodel import load_profile
 from costmodel.collectives import MeshTopology
@@ -407,15 +408,19 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                                       "one boundary activation is supported")
                 boundaries.append(out[0])
                 inputs.append((torch.empty_like(out[0]),))
-        for j, (k, mod) in enumerate(zip(reps, modules)):
-            key = key_of(k, counts)
-            if key not in solved:
-                kinds = len({key_of(i, counts) for i in range(n_stages)} - set(solved))
-                seconds = max(5.0, (limit - (time.perf_counter() - t0)) / max(1, kinds))
-                stage_budget = (budgets or {}).get(key, budget)
-                solved[key] = _solve_stage(Planner, mod, inputs[j], sub, overrides, key[0], seconds, loss_fn,
-                                           stage_budget, held(key, counts), microbatches,
-                                           baseline) + (starts[j],)
+        todo = [(j, key_of(k, counts)) for j, k in enumerate(reps) if key_of(k, counts) not in solved]
+        # The distinct stages are independent problems: solved side by side where cores allow,
+        # each given its share of the time left as the solves run in rounds of `workers`.
+        workers = bounding_workers(len(todo)) if len(todo) > 1 else 1
+        rounds = -(-len(todo) // workers)
+        seconds = max(5.0, (limit - (time.perf_counter() - t0)) / max(1, rounds))
+
+        def solve(j: int, key) -> tuple:
+            return _solve_stage(Planner, modules[j], inputs[j], sub, overrides, key[0], seconds, loss_fn,
+                                (budgets or {}).get(key, budget), held(key, counts), microbatches, baseline)
+
+        for (j, key), got in zip(todo, _side_by_side(solve, todo, workers)):
+            solved[key] = got + (starts[j],)
         # Every boundary between two repeated layers has one shape.
         return [solved[key_of(k, counts)] for k in range(n_stages)], [boundaries[0]] * (n_stages - 1)
 
@@ -567,6 +572,26 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
     grads = 0.0 if microbatches > 1 else float(sum(max(r.get("step_bytes") or [0]) for r in pl.redistributes
                                                    if r.get("arg") == "grad"))
     return pl, fwd, bwd, act, reduce, grads
+
+
+def _side_by_side(solve, jobs: list[tuple], workers: int) -> list:
+    """``[solve(*job) for job in jobs]``, in ``workers`` forked processes where more than one (the
+    answers in the order of ``jobs``; an error raised in a worker is raised here)."""
+    if workers <= 1:
+        return [solve(*job) for job in jobs]
+    from autoshard.planning.shapeworkers import ShapeWorkers
+
+    pool = ShapeWorkers(workers, lambda k: (solve(*jobs[k]), None), hold=0)
+    out, sent = [], 0
+    try:
+        while len(out) < len(jobs):
+            while sent < len(jobs) and pool.has_room():
+                pool.submit(sent)
+                sent += 1
+            out.append(pool.next())
+    finally:
+        pool.close()
+    return out
 
 
 def _boundary_loss(out):
