@@ -389,40 +389,45 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
         # Stages alike are one problem, solved for the most microbatches any of them holds.
         return max(flight[j] for j in range(n_stages) if key_of(j, counts) == key)
 
+    boundary: list[torch.Tensor] = []  # what every boundary between two stages carries
+
     def stage_plans(counts, budgets=None):
         # One module per distinct stage (its first occurrence), split from the model cut to
-        # those stages' layers (LLaMA-405B: 51 of 126 layers, 4 s instead of 10 s); each plan
-        # names the layers it was made for (its start here), stage_plan renames them.
+        # those stages' layers (LLaMA-405B: 51 of 126 layers, 4 s instead of 10 s); once the
+        # boundary is known, the middle ones solved already are left out of the cut (the first
+        # and last stay: the split gives its first piece the embedding, its last the head).
+        # Each plan names the layers it was made for (its start here), stage_plan renames them.
         reps = []
         for k in range(n_stages):
             if all(key_of(j, counts) != key_of(k, counts) for j in reps):
                 reps.append(k)
-        modules, starts = _representatives(model, mb, group, counts, reps)
-        inputs, boundaries = [mb], []
-        with torch.no_grad():
-            for j, mod in enumerate(modules[:-1]):
-                out = mod(*inputs[-1])
-                out = out if isinstance(out, tuple) else (out,)
-                if len(out) != 1:
-                    raise ConfigError(f"pipeline: stage {reps[j]} hands {len(out)} tensors to the next; "
-                                      "one boundary activation is supported")
-                boundaries.append(out[0])
-                inputs.append((torch.empty_like(out[0]),))
-        todo = [(j, key_of(k, counts)) for j, k in enumerate(reps) if key_of(k, counts) not in solved]
+        todo = [k for k in reps if key_of(k, counts) not in solved]
+        split = reps if not boundary else [k for k in reps if k in todo or _role(k, n_stages) != "middle"]
+        modules, starts = _representatives(model, mb, group, counts, split) if todo else ([], [])
+        if not boundary and n_stages > 1:
+            with torch.no_grad():
+                out = modules[0](*mb)  # reps[0] is stage 0
+            out = out if isinstance(out, tuple) else (out,)
+            if len(out) != 1:
+                raise ConfigError(f"pipeline: stage 0 hands {len(out)} tensors to the next; one boundary "
+                                  "activation is supported")
+            boundary.append(out[0])
         # The distinct stages are independent problems: solved side by side where cores allow,
         # each given its share of the time left as the solves run in rounds of `workers`.
-        workers = bounding_workers(len(todo)) if len(todo) > 1 else 1
-        rounds = -(-len(todo) // workers)
+        jobs = [(split.index(k), key_of(k, counts)) for k in todo]
+        workers = bounding_workers(len(jobs)) if len(jobs) > 1 else 1
+        rounds = -(-len(jobs) // workers)
         seconds = max(5.0, (limit - (time.perf_counter() - t0)) / max(1, rounds))
 
         def solve(j: int, key) -> tuple:
-            return _solve_stage(Planner, modules[j], inputs[j], sub, overrides, key[0], seconds, loss_fn,
+            inputs = mb if key[0] in ("first", "only") else (torch.empty_like(boundary[0]),)
+            return _solve_stage(Planner, modules[j], inputs, sub, overrides, key[0], seconds, loss_fn,
                                 (budgets or {}).get(key, budget), held(key, counts), microbatches, baseline)
 
-        for (j, key), got in zip(todo, _side_by_side(solve, todo, workers)):
+        for (j, key), got in zip(jobs, _side_by_side(solve, jobs, workers)):
             solved[key] = got + (starts[j],)
         # Every boundary between two repeated layers has one shape.
-        return [solved[key_of(k, counts)] for k in range(n_stages)], [boundaries[0]] * (n_stages - 1)
+        return [solved[key_of(k, counts)] for k in range(n_stages)], boundary * (n_stages - 1)
 
     def step_of(plans, boundaries) -> float:
         sends = [_send_us(plans[k + 1][0], boundaries[k], profile, tuple(mesh.shape), axis_index)
