@@ -14,8 +14,9 @@ for the last stage, a loss whose gradient is the one the next stage sends back (
 and but for the first, its input's gradient computed and returned (``input_grads``: what it
 sends back).
 Stages with the same role (first, middle, last) and layer count are the same problem and are
-solved once, each gradient move and each gather of a weight its matmuls keep for the backward
-charged ``1 / m`` (``PlanOptions(microbatches=m)``, :func:`autoshard.planning.problem.amortized_moves`:
+solved once (the distinct ones side by side in forked workers where cores allow), each
+gradient move and each gather of a weight its matmuls keep for the backward charged ``1 / m``
+(``PlanOptions(microbatches=m)``, :func:`autoshard.planning.problem.amortized_moves`:
 the stage accumulates its microbatches' gradients where its backward leaves them and moves them
 once; it gathers such a weight on its first microbatch and keeps it, a buffer live the whole
 step, for the others, as FSDP does under torch's pipeline schedules with

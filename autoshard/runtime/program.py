@@ -254,8 +254,9 @@ class PlannedProgram:
         return sorted(f"{which}@{rank}" for which, rank in self._callables) if self.compile else []
 
     def run(self, which: str, locals_: list) -> list:
-        """Run every local rank's ``forward`` or ``backward`` program on its shards. ``locals_`` is
-        emptied: a backward frees each saved activation at its last use, as autograd does."""
+        """Run every local rank's ``forward``, ``forward_held`` (:meth:`forward_held_program`) or
+        ``backward`` program on its shards. ``locals_`` is emptied: a backward frees each saved
+        activation at its last use, as autograd does."""
         get = {"forward": self.forward_program, "forward_held": self.forward_held_program,
                "backward": self.backward_program}[which]
         if which != "backward":
