@@ -239,3 +239,25 @@ def test_weights_held_for_the_step_are_not_recomputed(world):
         views = {n.name for n in parameter_views(planner.traced)}
     assert len(views) >= 2 * 7 and recomputed[4]
     assert views & recomputed[1] and not views & recomputed[4]
+
+
+def test_a_recut_is_estimated_from_the_stages_solved():
+    """The cost-balanced re-cut is solved only where the stages solved estimate it shorter: a
+    stage solved is its own answer; a middle one of another count is the nearest middle scaled
+    per layer; a first or last one is its role's nearest plus or minus that many middle layers."""
+    import importlib
+
+    pipeline = importlib.import_module("autoshard.planning.pipeline")
+    n = 4
+
+    def key_of(k, counts):
+        return ("first" if k == 0 else "last" if k == n - 1 else "middle"), counts[k]
+
+    # (plan, forward, backward, activation bytes, reduction, gradient bytes, first layer)
+    solved = {("first", 3): ("p0", 40.0, 80.0, 1, 9.0, 0, 0), ("middle", 4): ("p1", 40.0, 80.0, 1, 8.0, 0, 0),
+              ("last", 3): ("p3", 50.0, 100.0, 1, 9.0, 0, 0)}
+    got = pipeline._estimated([2, 5, 4, 3], solved, key_of, n)
+    assert got[2] is solved[("middle", 4)] and got[3] is solved[("last", 3)]
+    assert got[0][1:3] == pytest.approx((40.0 - 10.0, 80.0 - 20.0)) and got[0][4] == pytest.approx(7.0)
+    assert got[1][1:3] == pytest.approx((50.0, 100.0)) and got[1][4] == pytest.approx(10.0)
+    assert got[1][0] == "p1"

@@ -445,7 +445,12 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
         first_extra = plans[0][1] + plans[0][2] - counts[0] * t
         last_extra = plans[-1][1] + plans[-1][2] - counts[-1] * t
         better = balanced_partition(len(group), n_stages, t, first_extra, last_extra)
-        if better != counts:
+        guess = _estimated(better, solved, key_of, n_stages)
+        if better != counts and step_of(guess, boundaries) >= step_of(plans, boundaries):
+            log.info(f"pipeline: layers per stage {counts} -> {better} (balanced by cost) not solved: its step "
+                     f"estimated from the stages solved is {step_of(guess, boundaries) / 1e3:.1f} ms, not below "
+                     f"{step_of(plans, boundaries) / 1e3:.1f} ms")
+        elif better != counts:
             # A stage's time is not linear in its layers (another count can take another plan):
             # the new cut is kept only where its stages, solved, make the step shorter.
             again, at = stage_plans(better)
@@ -578,6 +583,31 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
     grads = 0.0 if microbatches > 1 else float(sum(max(r.get("step_bytes") or [0]) for r in pl.redistributes
                                                    if r.get("arg") == "grad"))
     return pl, fwd, bwd, act, reduce, grads
+
+
+def _estimated(counts: list[int], solved: dict, key_of, n_stages: int) -> list[tuple]:
+    """Per stage of the cut ``counts``, ``solved``'s answer for its role and layer count where
+    there is one, else an estimate from the solved stage of its role nearest in layers: a middle
+    stage's times scaled per layer, a first or last stage's (its embedding or head besides its
+    layers) plus or minus the nearest middle stage's time per layer. The plan (for the send to
+    it) is the nearest stage's."""
+    middles = sorted(key[1] for key in solved if key[0] == "middle")
+    out = []
+    for k in range(n_stages):
+        key = key_of(k, counts)
+        if key in solved:
+            out.append(solved[key])
+            continue
+        near = min((s for s in solved if s[0] == key[0]), key=lambda s: (abs(s[1] - key[1]), s[1]))
+        pl, f, b, a, red, grads = solved[near][:6]
+        if key[0] == "middle" or not middles:
+            scale = key[1] / near[1]
+            out.append((pl, f * scale, b * scale, a, red * scale, grads))
+            continue
+        c = min(middles, key=lambda n: (abs(n - key[1]), n))
+        mid, extra = solved[("middle", c)], (key[1] - near[1]) / c
+        out.append((pl, f + extra * mid[1], b + extra * mid[2], a, red + extra * mid[4], grads))
+    return out
 
 
 def _side_by_side(solve, jobs: list[tuple], workers: int) -> list:
