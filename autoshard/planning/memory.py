@@ -121,7 +121,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
     """The memory account of ``choice`` (a strategy per node of ``gp``, built from ``tg``).
     ``foreach``: whether the optimizer steps every parameter at once (default: where the device
     allocates through torch's caching allocator, a GPU, whose rounding every buffer gets too).
-    ``held``: views whose gathered weight is kept for every microbatch of the step
+    ``held``: views, taken moved, whose gathered weight is kept for every microbatch of the step
     (:func:`~autoshard.planning.problem.amortized_moves`), released before the optimizer step."""
     p = gp.problem
     choice = np.asarray(choice, dtype=np.int64)
@@ -216,7 +216,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
         if chosen[v].moved and node in grads:
             release(gp.index.get(live_root(node)[0].name, v))
     # The weights gathered once per step are dropped with the gradients' reductions.
-    whole_until_step.update(event_of[v] for v in held if chosen[v].moved and v in event_of)
+    whole_until_step.update(event_of[v] for v in held if v in event_of)
 
     # The executor's buckets (:mod:`autoshard.runtime.buckets`): a bucket's collective hands back
     # one flat buffer, which every member's view keeps alive (a layer's gathered weights live as

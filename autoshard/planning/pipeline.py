@@ -59,8 +59,9 @@ with their budget lowered by the excess (:data:`BUDGET_ROUNDS` times at most).
 The partition is balanced by cost, not by count: the first solve cuts the layers evenly; with
 ``t`` a middle layer's time (``f + b`` per layer of a middle stage) and ``e_0``, ``e_last`` the
 first and last stages' time beyond their layers, the layers are cut again to minimize
-``max_s (n_s t + [s = 0] e_0 + [s = S-1] e_last)`` (:func:`balanced_partition`) and the new
-stages solved, once.
+``max_s (n_s t + [s = 0] e_0 + [s = S-1] e_last)`` (:func:`balanced_partition`); the new cut's
+stages are solved, once, where the stages solved estimate its step shorter (:func:`_estimated`),
+and it is kept where its step, solved, is.
 
 What is not modelled yet: the optimizer step, zero-bubble schedules, and the choice of gathering
 a weight per microbatch where its buffer would not fit for the whole step (a weight its view
@@ -445,16 +446,16 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
         first_extra = plans[0][1] + plans[0][2] - counts[0] * t
         last_extra = plans[-1][1] + plans[-1][2] - counts[-1] * t
         better = balanced_partition(len(group), n_stages, t, first_extra, last_extra)
-        guess = _estimated(better, solved, key_of, n_stages)
-        if better != counts and step_of(guess, boundaries) >= step_of(plans, boundaries):
+        before = step_of(plans, boundaries)
+        guess = step_of(_estimated(better, solved, key_of, n_stages), boundaries) if better != counts else before
+        if better != counts and guess >= before:
             log.info(f"pipeline: layers per stage {counts} -> {better} (balanced by cost) not solved: its step "
-                     f"estimated from the stages solved is {step_of(guess, boundaries) / 1e3:.1f} ms, not below "
-                     f"{step_of(plans, boundaries) / 1e3:.1f} ms")
+                     f"estimated from the stages solved is {guess / 1e3:.1f} ms, not below {before / 1e3:.1f} ms")
         elif better != counts:
             # A stage's time is not linear in its layers (another count can take another plan):
             # the new cut is kept only where its stages, solved, make the step shorter.
             again, at = stage_plans(better)
-            before, after = step_of(plans, boundaries), step_of(again, at)
+            after = step_of(again, at)
             log.info(f"pipeline: layers per stage {counts} -> {better} (balanced by cost): step "
                      f"{before / 1e3:.1f} -> {after / 1e3:.1f} ms" + ("" if after < before else ", kept the first"))
             if after < before:
