@@ -37,7 +37,8 @@ def available() -> bool:
 
 def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], seconds: float,
                  scale: float, upper: float | None = None, rows: Sequence[KnapsackRow] = (),
-                 method: str = "hbfs", progress: bool = False) -> tuple[list[int] | None, bool, float]:
+                 method: str = "hbfs", progress: bool = False,
+                 restarts: int | None = None) -> tuple[list[int] | None, bool, float]:
     """Minimize sum_i costs[i][x_i] + sum_(a,b) edges[a,b][x_a, x_b]: (choice, proved, gap).
 
     Costs are multiplied by ``scale`` and rounded (toulbar2's costs are integers);
@@ -58,6 +59,12 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     ``progress``: toulbar2 prints its search to stdout (``New solution: C`` per incumbent,
     ``Optimality gap: [L, U]``, costs scaled): what :mod:`solver.exact_child` reads. It
     stops early, returning its incumbent, on SIGVTALRM (its own CPU timer's signal).
+
+    ``restarts`` (DGVNS only): its restarts are bounded by this count, after which toulbar2
+    searches on by branch and bound under DGVNS's answer until it proves (its own tail): a
+    search that ends by its work, not by a clock, so the same in every run (issue
+    "reproducible solves"; toulbar2's backtrack limit does not bound DGVNS). Without, DGVNS
+    restarts 10000 times: in effect until its time limit or a signal.
     """
     if method not in ("hbfs", "vns"):
         raise ValueError(f"method: expected 'hbfs' or 'vns', found {method!r}")
@@ -73,6 +80,19 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     pytoulbar2.pytb2.init()
     net = pytoulbar2.CFN(ub, resolution=0, verbose=0 if progress else -1, seed=1,
                          vns=-4 if method == "vns" else None)
+    if restarts is not None and method == "vns":
+        if restarts < 1:
+            raise ValueError(f"restarts: expected >= 1, found {restarts}")
+        pytoulbar2.pytb2.option.restart = int(restarts)
+    # DGVNS with its restarts bounded ends in branch and bound, whose bound proves as hbfs's does.
+    return _solve_posted(net, costs, edges, seconds, scale, upper, rows, rounding,
+                         proves=method == "hbfs" or restarts is not None)
+
+
+def _solve_posted(net, costs, edges, seconds, scale, upper, rows, rounding, proves: bool):
+    """:func:`solve_tables` on its network ``net``: post, search, read the answer; ``proves``:
+    whether the search's bounds are to be relied on (branch and bound's, and DGVNS's where its
+    restarts are bounded: then it ends in branch and bound, or proved by its own last search)."""
     try:
         for i, c in enumerate(costs):
             net.AddVariable(f"x{i}", list(range(c.size)))
@@ -89,11 +109,11 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
         # Nothing below the bound: proved where branch and bound ended by itself (toulbar2 marks a
         # search its time limit or a signal stopped as limited; its dual bound need not reach the
         # bound when the search closes early).
-        proved = method == "hbfs" and upper is not None and not pytoulbar2.pytb2.option.limited
+        proved = proves and upper is not None and not pytoulbar2.pytb2.option.limited
         return None, proved, rounding if proved else np.inf
     # Solve returns its incumbent on a time limit too: optimal only when the dual bound meets it.
     primal, dual = float(res[1]), float(net.GetDDualBound())
-    if method != "hbfs":  # DGVNS's bound is not relied on: no proof, no gap
+    if not proves:  # DGVNS's bound is not relied on: no proof, no gap
         return list(res[0]), False, np.inf
     return list(res[0]), dual >= primal, max(0.0, primal - dual) / scale + rounding
 
@@ -117,7 +137,8 @@ def row_excess(rows: Sequence[KnapsackRow], choice) -> np.ndarray:
 
 def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], seconds: float, scale: float,
                upper: float | None, rows: Sequence[KnapsackRow], add: int = LAZY_ADD, on_answer=None,
-               stop=None, method: str = "vns", progress: bool = False) -> tuple[list[int] | None, bool, float]:
+               stop=None, method: str = "vns", progress: bool = False, restarts: int | None = None,
+               posted: Sequence[int] = ()) -> tuple[list[int] | None, bool, float]:
     """:func:`solve_tables` with the memory rows posted as its answers break them: (the best
     answer that holds every row or None, proved, gap), as :func:`solve_tables` answers.
 
@@ -135,6 +156,12 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
     answer found again, as toulbar2 searches up to it). ``method="hbfs"`` (branch and bound, all
     the time left each round): an answer proved optimal with the rows posted that holds them all
     is proved optimal, and one cut off by the time limit has the relaxation's gap.
+    With ``restarts`` (DGVNS), each round is DGVNS with that many restarts and its branch-and-
+    bound tail (:func:`solve_tables`), given all the time left, so rounds end by their work: a
+    round that proves its answer (or nothing below the best) with the rows posted ends the
+    search, proved; one that ends otherwise ends it unproved. The same in every run unless the
+    time runs out (issue "reproducible solves"). ``posted``: rows posted from the first round
+    on (all of them: a network whose rows are few).
     ``stop()`` (checked between rounds) or ``seconds`` end either. Posting the rows is what
     toulbar2's preprocessing pays for: LLaMA-70B on (4, 16, 8) has 225 rows, 4.2 s of
     preprocessing before DGVNS's first answer with all of them (5.9756e6 after 15 s); with 10
@@ -145,22 +172,25 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
         raise ValueError(f"method: expected 'hbfs' or 'vns', found {method!r}")
     t0 = time.perf_counter()
     best, best_cost = None, math.inf if upper is None else upper
-    posted: list[int] = []
+    posted = list(posted)
     round_s = 1.0
     proved, gap = False, np.inf
+    work = restarts is not None and method == "vns"
     while True:
         left = seconds - (time.perf_counter() - t0)
         if left < 1.0 or (stop is not None and stop()):
             break
-        limit = min(left, round_s) if method == "vns" else left
+        limit = min(left, round_s) if method == "vns" and not work else left
         # toulbar2's time limit counts this process's CPU time (its timer's signal is SIGVTALRM):
         # whether a round ran out is judged on the same clock, so a busy machine, which
         # stretches the wall clock, does not turn a round that ended by itself into one that ran
         # out (and the search into another path: issue "reproducible solves").
         started = time.process_time()
         picked, proved, gap = solve_tables(costs, edges, limit, scale, None if math.isinf(best_cost) else best_cost,
-                                           [rows[k] for k in posted], method=method, progress=progress)
+                                           [rows[k] for k in posted], method=method, progress=progress,
+                                           restarts=restarts if work else None)
         ran_out = time.process_time() - started >= 0.9 * max(1, int(limit))
+        proved = proved and not ran_out
         if picked is not None:
             excess = row_excess(rows, picked)
             broken = np.nonzero(excess > 0)[0]
@@ -170,19 +200,19 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
                 continue
             cost = table_cost(costs, edges, picked)
             # The first answer may be ``upper``'s own found again (toulbar2 searches up to it), as
-            # DGVNS with every row posted reports it: branch and bound beside starts on it.
+            # DGVNS with every row posted reports it.
             if cost < best_cost or best is None:
                 best, best_cost = picked, cost
                 if on_answer is not None:
                     on_answer(cost, len(posted), picked)
-                if method == "vns":
+                if method == "vns" and not (work and proved):
                     continue
-        if method == "hbfs":
-            break  # proved (an answer, or nothing below the best), or out of time
+        if method == "hbfs" or work:
+            break  # proved (an answer, or nothing below the best), ended by its work unproved, or out of time
         if not ran_out:
             break  # DGVNS ended by itself with nothing better: as it would with every row posted
         round_s *= 2
-    if method == "vns":
+    if method == "vns" and not (work and proved):
         return best, False, np.inf
     return best, proved, gap
 

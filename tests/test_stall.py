@@ -115,7 +115,7 @@ def test_branch_and_bound_alone_in_a_child_proves_and_reports_its_bound():
     best = tied_brute_force(p)
     model = build_exact(p)
     child = ExactChild(model, best * 1.5, 20.0, phases=("hbfs",))
-    ans = child.run(time.perf_counter() + 20.0, StallRule(), known=best * 1.2)
+    ans = child.run(time.perf_counter() + 20.0, StallRule())
     assert [ph["method"] for ph in ans.phases] == ["hbfs"]
     res = finish(p, model, ans.picked, ans.proved, ans.gap)
     assert res.proved and res.evaluation.cost == pytest.approx(best, abs=1e-6)
@@ -195,81 +195,22 @@ class _ScriptedChild:
         self.proc.wait()
 
 
-def test_branch_and_bound_gap_is_its_own_answers_not_the_known_one(tmp_path):
+def test_branch_and_bound_gap_is_its_own_answers(tmp_path):
     """Branch and bound stopped before it proves: its gap runs from its own answer (the one it
-    writes back) down to its bound lines, never from a cheaper answer another search found
-    beside it; else its answer's cost less that gap claims a bound above any line it showed."""
+    writes back) down to its bound lines, never below the bound lines it showed."""
     import time
 
     child = ExactChild.__new__(ExactChild)
     child.scale, child.phases, child.rounding, child.upper = 1.0, ("hbfs",), 0.0, 7000.0
+    child.restarts = None
     child.child = _ScriptedChild(tmp_path, ["@phase hbfs", "Preprocessing time: 5.062 seconds.",
                                             "Initial lower and upper bounds: [5878, 6063]",
                                             "New solution: 6016", "Optimality gap: [5896, 6016] 1.98 %",
                                             "@end hbfs"], ([0, 1], False, math.inf, []))
-    ans = child.run(time.perf_counter() + 10.0, StallRule(), known=5974.0)
+    ans = child.run(time.perf_counter() + 10.0, StallRule())
     assert ans.lower == 5896.0
-    assert ans.gap == pytest.approx(6016.0 - 5896.0)  # not 5974 - 5896: 6016 - 78 = 5938 > 5896
-    assert ans.phases[0]["preprocess_s"] == 5.062  # what decides whether it searches again
-
-
-@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
-def test_solve_with_branch_and_bound_beside_dgvns_is_optimal(monkeypatch):
-    """With a core to spare under the stall rule, the exact stage runs DGVNS and branch and bound
-    in two children at once (no MILP), branch and bound from DGVNS's first answer on: the answer
-    is the brute-force optimum, its bound below it."""
-    import importlib
-
-    from test_memrows import tied_brute_force
-
-    from solver import solve
-
-    solve_module = importlib.import_module("solver.solve")
-
-    p = layered_problem(np.random.default_rng(4), layers=4, tight=0.4)
-    best = tied_brute_force(p)
-    monkeypatch.setattr(solve_module, "second_core_free", lambda: True)
-    started = []
-    real = solve_module.ExactChild
-
-    def spy(*args, **kwargs):
-        started.append(kwargs.get("phases"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(solve_module, "ExactChild", spy)
-    sol = solve(p, time_limit=30, pairwise=False)  # the pairwise optimum may already fit: go to the exact stage
-    assert started == [("vns",), ("hbfs",)]  # branch and bound under DGVNS's first answer
-    assert sol.cost == pytest.approx(best, abs=1e-6) and evaluate(p, sol.choice).feasible
-    assert sol.lower_bound is not None and sol.lower_bound <= sol.cost + 1e-9
-
-
-def test_branch_and_bound_searches_again_only_under_a_counted_gain_and_a_cheap_network():
-    """Branch and bound ended unproved under DGVNS's first answer searches again under DGVNS's
-    last where that is a gain the stall rule counts and its network was preprocessed within
-    ``min_seconds``; the two answers combine as the second's where it found or proved
-    anything, else the first's, with the higher bound."""
-    from solver.exact_child import ExactAnswer, combine, search_again
-
-    rule = StallRule(gain=1e-3, min_seconds=3.0)
-
-    def hbfs(preprocess_s, proved=False, picked=None, gap=math.inf, lower=-math.inf):
-        return ExactAnswer(picked, proved, gap, [{"method": "hbfs", "preprocess_s": preprocess_s}], lower)
-
-    assert search_again(hbfs(0.5), upper=100.0, best=99.0, rule=rule)
-    assert not search_again(hbfs(5.0), upper=100.0, best=99.0, rule=rule)  # posting costs too much
-    assert not search_again(hbfs(0.5), upper=100.0, best=99.95, rule=rule)  # 0.05% < gain
-    assert not search_again(hbfs(0.5, proved=True), upper=100.0, best=99.0, rule=rule)
-    assert not search_again(hbfs(None), upper=100.0, best=99.0, rule=rule)  # never preprocessed
-    assert not search_again(hbfs(0.5), upper=100.0, best=math.inf, rule=rule)
-
-    first = hbfs(0.5, picked=[1, 2], gap=5.0, lower=95.0)
-    nothing = hbfs(0.4, lower=96.0)  # the second found nothing below 99 and proved nothing
-    both = combine(first, nothing)
-    assert both.picked == [1, 2] and both.gap == 5.0 and both.lower == 96.0 and len(both.phases) == 2
-    proved = combine(first, hbfs(0.4, proved=True, gap=0.01, lower=99.0))  # 99 itself proved optimal
-    assert proved.proved and proved.picked is None and proved.lower == 99.0
-    found = combine(first, hbfs(0.4, picked=[3, 4], gap=1.0, lower=97.5))
-    assert found.picked == [3, 4] and found.gap == 1.0
+    assert ans.gap == pytest.approx(6016.0 - 5896.0)
+    assert ans.phases[0]["preprocess_s"] == 5.062
 
 
 @pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
@@ -303,20 +244,19 @@ def test_lazy_dgvns_posts_the_rows_its_answers_break_and_answers_only_what_holds
 @pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
 def test_a_watched_lazy_dgvns_reports_answers_that_hold_every_row():
     """In the child, DGVNS past ``lazy_rows`` rows posts them lazily; what its lines report (the
-    stall rule's incumbents, and branch and bound's upper bound beside it) and what it writes
-    back hold every row: the brute-force optimum here."""
+    stall rule's incumbents) and what it writes back hold every row: the brute-force optimum here."""
     import time
 
     from test_memrows import tied_brute_force
 
     p = layered_problem(np.random.default_rng(3), layers=6, tight=0.4, grads=True)
     model = build_exact(p)
-    seen = []
     child = ExactChild(model, None, 20.0, phases=("vns",), lazy_rows=0)
-    ans = child.run(time.perf_counter() + 20.0, StallRule(), on_answer=seen.append)
+    ans = child.run(time.perf_counter() + 20.0, StallRule())
     assert [ph["method"] for ph in ans.phases] == ["vns"] and "preprocess_s" not in ans.phases[0]
     best = tied_brute_force(p)
-    assert seen and min(seen) == pytest.approx(best, abs=1e-2)
+    seen = [cfn.table_cost(model.costs, model.tables, a) for a in ans.others + [ans.picked]]
+    assert ans.phases[0]["best"] == pytest.approx(best, abs=1e-2)
     res = finish(p, model, ans.picked, ans.proved, ans.gap)
     assert res.evaluation.feasible and res.evaluation.cost == pytest.approx(best, abs=1e-6)
     # Its earlier answers come back too (the solve's pool): each holds every row, none is cheaper.
@@ -433,26 +373,61 @@ def test_a_watched_child_s_work_clock_counts_its_cpu_not_the_wall():
     assert c_spun - c_slept >= 0.8  # computing: the work ran
 
 
-def test_dgvns_answers_are_dropped_where_branch_and_bound_beside_it_proved(monkeypatch):
-    """DGVNS is stopped when branch and bound beside it proves, so its answer then depends on how
-    far it had got: it is offered only where the proof was under it and found nothing cheaper
-    (then it is DGVNS's first answer of that cost), or where nothing was proved."""
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+@pytest.mark.parametrize("seed", range(3))
+def test_dgvns_in_rounds_of_bounded_restarts_proves_the_optimum_the_same_way_twice(seed):
+    """DGVNS whose restarts are bounded ends each round in toulbar2's own branch and bound: the
+    lazy search proves the brute-force optimum, with the rows posted as they break or all from
+    the start, and a second run answers the same choice (its rounds end by their work)."""
+    from test_memrows import tied_brute_force
+
+    from solver.exact_child import ROUND_RESTARTS
+
+    p = layered_problem(np.random.default_rng(seed), layers=6, tight=0.4, grads=True)
+    model = build_exact(p)
+    best = tied_brute_force(p)
+    for posted in ((), range(len(model.rows))):
+        said = []
+        runs = [cfn.solve_lazy(model.costs, model.tables, 30, model.scale, None, model.rows, method="vns",
+                               restarts=ROUND_RESTARTS, posted=posted, on_answer=lambda c, n, _: said.append(c))
+                for _ in range(2)]
+        (picked, proved, gap), again = runs
+        assert proved and again[1] and list(again[0]) == list(picked)
+        res = finish(p, model, picked, proved, gap)
+        assert res.proved and res.evaluation.feasible and res.evaluation.cost == pytest.approx(best, abs=1e-6)
+        assert said[:len(said) // 2] == said[len(said) // 2:]  # the same answers, in the same order
+    # Unbounded, DGVNS proves nothing.
+    assert not cfn.solve_lazy(model.costs, model.tables, 2, model.scale, None, model.rows, method="vns")[1]
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_solve_under_the_stall_rule_runs_one_exact_search_in_rounds_and_answers_the_same_twice(monkeypatch):
+    """Under the stall rule (the planner's solves) the exact stage runs DGVNS in rounds of
+    ``ROUND_RESTARTS`` in one child, nothing beside it even with a core to spare (no MILP, no
+    second search): it proves the brute-force optimum, and a second solve answers the same plan."""
     import importlib
-    from types import SimpleNamespace
+
+    from test_memrows import tied_brute_force
+
+    from solver import solve
+    from solver.exact_child import ROUND_RESTARTS
 
     solve_module = importlib.import_module("solver.solve")
-    offered = []
-    monkeypatch.setattr(solve_module, "_offer_others", lambda run, model, first: None)
-    run = SimpleNamespace(inc=SimpleNamespace(offer=lambda choice, source, ev=None: offered.append(choice)))
-    found = SimpleNamespace(choice=np.array([1, 2]), evaluation=None)
-    cases = [  # (proved, branch and bound's answer, its bound was DGVNS's), offered?
-        (True, [0, 0], True, False),
-        (True, None, False, False),
-        (True, None, True, True),
-        (False, [0, 0], True, True),
-        (False, None, False, True),
-    ]
-    for proved, picked, under_dgvns, expect in cases:
-        offered.clear()
-        solve_module._offer_dgvns(run, None, None, found, SimpleNamespace(proved=proved, picked=picked), under_dgvns)
-        assert bool(offered) == expect, (proved, picked, under_dgvns)
+    p = layered_problem(np.random.default_rng(4), layers=4, tight=0.4)
+    best = tied_brute_force(p)
+    monkeypatch.setattr(solve_module, "second_core_free", lambda: True)
+    started = []
+    real = solve_module.ExactChild
+
+    def spy(*args, **kwargs):
+        started.append((kwargs.get("phases"), kwargs.get("restarts")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "ExactChild", spy)
+    monkeypatch.setattr(solve_module, "MilpChild", lambda *a, **k: pytest.fail("no MILP beside under the stall rule"))
+    sols = [solve(p, time_limit=30, pairwise=False) for _ in range(2)]  # pairwise off: to the exact stage
+    assert started == [(None, ROUND_RESTARTS)] * 2
+    for sol in sols:
+        assert sol.status.value == "optimal"  # proved by the exact stage (its answer, or the start it could not beat)
+        assert sol.cost == pytest.approx(best, abs=1e-6) and evaluate(p, sol.choice).feasible
+    assert np.array_equal(sols[0].choice, sols[1].choice)
