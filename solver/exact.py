@@ -76,6 +76,11 @@ class ExactModel:
     def choice(self, picked) -> np.ndarray:
         return np.array([self.allowed[h][picked[self.index[h]]] for h in self.rep.tolist()], dtype=np.int64)
 
+    @property
+    def entries(self) -> int:
+        """Cost-table entries, unary and pairwise: the network's size, what a search step costs."""
+        return sum(int(c.size) for c in self.costs) + sum(int(m.size) for m in self.tables.values())
+
 
 def build_exact(problem: Problem, reference: float | None = None) -> ExactModel:
     """The exact network of ``problem``; :class:`solver.memrows.RowsTooLarge` when the rows pass

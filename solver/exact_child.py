@@ -20,7 +20,9 @@ are reported (``Held solution: C``); bounds and proofs over the rows posted hold
 With ``restarts`` (the planner's solves) the first phase is DGVNS in rounds of that many restarts,
 each ended by toulbar2's own branch and bound (:func:`solver.cfn.solve_lazy`): rounds end by
 their work, not at a stall judged on a clock, so the answer is the same in every run unless the
-time runs out; where a round proves its answer, branch and bound does not follow.
+time runs out; where a round proves its answer, branch and bound does not follow. A round that
+runs out of ``ROUND_SHARE`` of DGVNS's time (``@clock``: LLaMA-70B's networks) turns DGVNS into
+the search by the clock it is without rounds.
 
 The caller (:class:`ExactChild`) reads the lines, keeps one :class:`solver.stall.Progress` per
 phase and signals the child; the child writes its best answer after each phase (``out.pkl``).
@@ -35,7 +37,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from solver import cfn
@@ -55,6 +57,14 @@ VNS_SHARE = 0.5
 #: (8, 8) the round proved the optimum with 10 of 204 memory rows posted in 1.8 s (two or three
 #: restarts: the same answer, 1.7 s); LLaMA-70B's first round with 10 rows proved in 8 s (three: 29 s).
 ROUND_RESTARTS = 1
+#: Share of DGVNS's time a round ended by its work may take (:func:`solver.cfn.solve_lazy`'s
+#: ``round_seconds``): past it, DGVNS runs on by the clock, under the stall rule, as without rounds.
+ROUND_SHARE = 0.25
+#: The largest network (cost-table entries, :attr:`solver.exact.ExactModel.entries`) whose DGVNS
+#: runs in rounds ended by their work: LLaMA shapes with 4 layers on (8, 8) have 245k and their
+#: rounds prove in 2-18 s; LLaMA-70B's (8, 8, 8) 1.3M, whose rounds run out and, unseeded, found
+#: no plan where DGVNS by the clock with branch and bound beside it did.
+ROUND_MAX_ENTRIES = 600_000
 _NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"
 _SOLUTION = re.compile(rf"New solution: {_NUMBER}")
 #: What a lazy phase (``@phase NAME lazy``) says of an answer that holds every memory row; its
@@ -81,6 +91,25 @@ class ExactAnswer:
     """Answers found before ``picked`` (a lazy search's, each holding every row), dearest first."""
 
 
+def search_again(ans: ExactAnswer, upper: float, best: float, rule: StallRule) -> bool:
+    """Whether branch and bound, ended unproved under ``upper``, is worth starting again under
+    the ``best`` answer found since: that answer must count as progress by the stall rule's
+    measure (``gain`` below ``upper``) and the network must post and preprocess within
+    ``min_seconds``, the shortest wait the stall rule grants (LLaMA-70B's takes 5 s: not again)."""
+    posted = [ph.get("preprocess_s") for ph in ans.phases if ph.get("method") == "hbfs"]
+    return (not ans.proved and math.isfinite(best) and best <= upper - rule.gain * abs(upper)
+            and bool(posted) and posted[-1] is not None and posted[-1] < rule.min_seconds)
+
+
+def combine(first: ExactAnswer, second: ExactAnswer) -> ExactAnswer:
+    """Two branch-and-bound answers as one: the second's where it proved or found an answer
+    (it searched under a lower cost), else the first's answer with the higher bound; phases of both."""
+    phases = first.phases + second.phases
+    if not (second.proved or second.picked is not None):
+        second = replace(second, picked=first.picked, gap=first.gap)
+    return replace(second, phases=phases, lower=max(first.lower, second.lower))
+
+
 class ExactChild:
     """The two phases in a child process; :meth:`run` watches it until it ends."""
 
@@ -102,14 +131,24 @@ class ExactChild:
                                            self.phases, lazy_rows, restarts),
                            prefix="autoshard-exact-", watch=True)
 
-    def run(self, deadline: float, rule: StallRule, stop_when_stalled: bool = True, log=None) -> ExactAnswer:
+    def run(self, deadline: float, rule: StallRule, stop_when_stalled: bool = True, log=None,
+            known: float = math.inf, beside=None, on_answer=None) -> ExactAnswer:
         """Watch the child until it ends (signalled at each phase's stall, judged on the child's
         CPU seconds, or at its wall-clock deadline, killed a few seconds past ``deadline``); its
-        answer. DGVNS in rounds (``restarts``) is never signalled at a stall, only at its share
-        of the time; branch and bound only with ``stop_when_stalled``."""
+        answer. ``known``: a cost found meanwhile by another
+        search (branch and bound beside DGVNS, watched after it): only answers below it, and
+        bounds closing the gap to it, are progress. ``beside()``: a child searching at the same
+        time (or None), whose end (branch and bound proved, or its deadline) ends this one's
+        phase too. ``on_answer(cost)``: called on each answer the child reports. DGVNS in
+        rounds (``restarts``) is signalled at a stall only once its rounds ran out of their share
+        (``@clock``), else only at its share of the time; branch and bound only with
+        ``stop_when_stalled``."""
         phase, progress, phase_end, signalled, stats = None, None, math.inf, 0.0, []
         lazy = False  # the phase posts its memory rows lazily: only "Held solution" lines are answers
-        best = self.upper
+        clocked = False  # DGVNS's rounds ran out of their share (``@clock``): it runs on by the clock
+        # With no answer known, DGVNS by the clock ends at its first: branch and bound takes it from there.
+        first_only = self.restarts is not None and math.isinf(self.upper) and "hbfs" in self.phases
+        best = min(self.upper, known)
         lower_seen = -math.inf  # branch and bound's best bound line (the child may be stopped before its gap)
         own = math.inf  # the child's own best answer: what it writes back (``best`` may be the upper bound)
         ended = False
@@ -120,7 +159,7 @@ class ExactChild:
             if line is None:
                 ended = True
             elif line.startswith("@phase "):
-                phase, lazy = line.split()[1], "lazy" in line.split()[2:]
+                phase, lazy, clocked = line.split()[1], "lazy" in line.split()[2:], False
                 progress, signalled = Progress(rule), 0.0
                 progress.begin(t)
                 if phase == "hbfs":
@@ -133,8 +172,12 @@ class ExactChild:
                     progress.best = best
                 left = deadline - wall
                 # DGVNS leaves time for the branch and bound that follows it in this child.
-                phase_end = wall + VNS_SHARE * left if phase == "vns" and "hbfs" in self.phases else deadline
+                phase_end = wall + _vns_share(self.phases, self.restarts, self.upper) * left if phase == "vns" \
+                    else deadline
                 stats.append({"method": phase, "start": wall, "ended": "finished", "best": None})
+            elif line.startswith("@clock") and stats:
+                # DGVNS's rounds ran out of their share: it runs on by the clock, under the stall rule.
+                stats[-1]["clock"] = clocked = True
             elif line.startswith("@end ") and stats:
                 stats[-1]["seconds"] = round(wall - stats[-1].pop("start"), 3)
                 phase = None
@@ -142,6 +185,8 @@ class ExactChild:
                 own = min(own, float(m.group(1)) / self.scale)
                 progress.incumbent(own, t)
                 stats[-1]["best"] = best = progress.best
+                if on_answer is not None:
+                    on_answer(best)
             elif phase is not None and (m := _PREPROCESSED.search(line)):
                 stats[-1]["preprocess_s"] = float(m.group(1))
             elif phase == "hbfs" and (m := _BOUNDS.search(line)):
@@ -157,11 +202,17 @@ class ExactChild:
                 why, work = None, self.child.cpu()
                 if now >= phase_end:
                     why = "time"
-                elif progress.stalled(work) and (phase == "vns" and self.restarts is None
+                elif phase == "vns" and clocked and first_only and math.isfinite(own):
+                    # Its first answer is what branch and bound needs to prune (LLaMA-70B unseeded:
+                    # DGVNS's first, 1.94e7, came after 16 s; branch and bound under it found 5.58e6).
+                    why = "first answer, for branch and bound"
+                elif progress.stalled(work) and (phase == "vns" and (self.restarts is None or clocked)
                                                  or phase == "hbfs" and stop_when_stalled):
                     why = "stalled"
                 elif phase == "hbfs" and stop_when_stalled and progress.proof_out_of_reach(work):
                     why = "proof out of reach"
+                elif beside is not None and (other := beside()) is not None and other.ended():
+                    why = "the search beside ended"
                 if why:
                     if not signalled:
                         stats[-1]["ended"] = why
@@ -201,6 +252,17 @@ class ExactChild:
         self.child.close()
 
 
+def _vns_share(phases: tuple[str, ...], restarts: int | None, upper: float) -> float:
+    """DGVNS's share of the time left when it begins: all of it where no branch and bound follows,
+    and in rounds (``restarts``) where no answer is known yet (``upper`` inf), since branch and
+    bound without an upper bound finds nothing on the planner's networks (LLaMA-70B unseeded: its
+    first answer holding every row came after 16 s, and with half the time the plan was
+    "infeasible"); else :data:`VNS_SHARE`."""
+    if "hbfs" not in phases or restarts is not None and math.isinf(upper):
+        return 1.0
+    return VNS_SHARE
+
+
 def _main(folder: str) -> None:
     # Outside a search, a late stop signal must not end the process (its default action).
     signal.signal(signal.SIGVTALRM, signal.SIG_IGN)
@@ -217,6 +279,8 @@ def _main(folder: str) -> None:
         # as a lazy search does, only the answers that hold every row.
         rounds = method == "vns" and restarts is not None
         print(f"@phase {method}{' lazy' if lazy or rounds else ''}", flush=True)
+        # DGVNS's share of the time (the caller's deadline for it).
+        phase_s = _vns_share(phases, restarts, math.inf if upper is None else upper) * left if method == "vns" else left
         if lazy or rounds:
             def said(cost: float, posted: int, picked: list[int]) -> None:
                 # Scaled, as toulbar2 says its answers: these hold every row.
@@ -234,7 +298,9 @@ def _main(folder: str) -> None:
             picked, proved, gap = cfn.solve_lazy(costs, tables, left, scale, upper, rows, on_answer=said, stop=stop,
                                                  method=method, progress=method == "hbfs",
                                                  restarts=restarts if rounds else None,
-                                                 posted=() if lazy else range(len(rows)))
+                                                 posted=() if lazy else range(len(rows)),
+                                                 round_seconds=ROUND_SHARE * phase_s,
+                                                 on_clock=lambda: print("@clock", flush=True))
         else:
             picked, proved, gap = cfn.solve_tables(costs, tables, left, scale, upper, rows, method=method,
                                                    progress=True)

@@ -18,7 +18,7 @@ from solver.clock import WorkClock
 from solver.evaluate import evaluate, memory_profile
 from solver.exact import build_exact
 from solver.exact import finish as exact_answer
-from solver.exact_child import ROUND_RESTARTS, ExactChild
+from solver.exact_child import ROUND_MAX_ENTRIES, ROUND_RESTARTS, ExactChild, combine, search_again
 from solver.lagrange import lagrange_memory
 from solver.lns_child import LnsChild
 from solver.local import Adjacency, onto_allowed
@@ -460,7 +460,7 @@ class _Run:
         # The searches a wall-clock deadline ended rather than their work (proof, stall rule): where
         # the answer may differ between runs on a busy machine.
         cut = [f"exact ({ph['method']})" for ph in (self.stats.get("exact") or {}).get("phases", [])
-               if ph.get("ended") == "time"] + self.stats.pop("clock_cut", [])
+               if ph.get("ended") == "time" or ph.get("clock")] + self.stats.pop("clock_cut", [])
         if cut and status != "optimal":
             self.stats["cut_by_clock"] = cut
         seconds = time.perf_counter() - self.t0
@@ -588,22 +588,32 @@ def _lagrange_stage(run: _Run) -> Solution | None:
 
 
 def _exact_stage(run: _Run, model) -> Solution:
-    """toulbar2 with the memory rows (:mod:`solver.exact`) in a watched child process
+    """toulbar2 with the memory rows (:mod:`solver.exact`) in watched child processes
     (:mod:`solver.exact_child`): DGVNS, then branch and bound under its answer. Under the stall
-    rule (the planner's solves) DGVNS runs in rounds of ``ROUND_RESTARTS`` restarts, each ended
-    by toulbar2's own branch and bound (:func:`solver.cfn.solve_lazy`), so where the search
-    ends by its work its answer is the same in every run; branch and bound follows only where the
-    time cut DGVNS short. Without the stall rule (a fixed budget, as a contest's) DGVNS runs until its
-    share of the time, with the MILP beside it in another child when a core is free (killed once
-    toulbar2 proves), else the MILP after it."""
+    rule (the planner's solves), on networks of at most ``ROUND_MAX_ENTRIES`` table entries, DGVNS
+    runs in rounds of ``ROUND_RESTARTS`` restarts, each ended by toulbar2's own branch and bound
+    (:func:`solver.cfn.solve_lazy`), in one child, so where the search ends by its work its
+    answer is the same in every run; branch and bound follows only where the time cut DGVNS
+    short. On larger networks, with a core to spare, DGVNS in one child and branch and bound in
+    another from DGVNS's first answer on (:func:`_exact_beside`), each ended when it stops
+    paying (:mod:`solver.stall`). Without the stall rule (a fixed budget, as a contest's) DGVNS
+    runs until its share of the time, with the MILP beside it in another child when a core is
+    free (killed once toulbar2 proves), else the MILP after it."""
     problem, inc = run.problem, run.inc
     milp = None
-    # No search runs beside the exact one under the stall rule: which of two searches side by side
-    # answered first, and where one stood when the other ended it, hung on the machine's load (a
-    # 4-layer LLaMA planned twice gave two plans: issue "reproducible solves"). The MILP beside
-    # never answered in time on the planner's problems (70B: no bound in 30 s) either.
-    work = run.stall is not None
-    if not work and run.backend == "highs" and second_core_free() and _milp_fits(model, run.max_nonzeros):
+    # Under the stall rule, rounds that end by their work where the network is small enough for
+    # them to (``ROUND_MAX_ENTRIES``), with no search beside them: which of two searches side by
+    # side answered first, and where one stood when the other ended it, hung on the machine's
+    # load (a 4-layer LLaMA planned twice gave two plans: issue "reproducible solves").
+    work = run.stall is not None and model.entries <= ROUND_MAX_ENTRIES
+    # On larger networks, with a core to spare, branch and bound runs beside DGVNS from DGVNS's
+    # first answer on instead of after its last: the bound no longer waits for DGVNS to stall
+    # (LLaMA-70B (8, 8, 8): the two phases one after the other took 25-31 s, each posting and
+    # preprocessing the network anew, 4-5 s; unseeded, DGVNS's first answer came after 16 s and
+    # branch and bound beside it found the plan). The MILP beside never answered in time on the
+    # planner's problems (70B: no bound in 30 s) and keeps that core under a fixed budget.
+    beside = run.stall is not None and not work and second_core_free()
+    if run.stall is None and run.backend == "highs" and second_core_free() and _milp_fits(model, run.max_nonzeros):
         milp = MilpChild(problem, model.reduced, inc.choice if inc.feasible else None,
                          run.t0 + run.time_limit - time.perf_counter() - 1.0, run.mip_gap, run.max_nonzeros)
         log.info(f"milp runs beside the exact search in a child process ({cores()} cores)")
@@ -615,11 +625,15 @@ def _exact_stage(run: _Run, model) -> Solution:
         if deadline - time.perf_counter() >= 1:
             t_start = time.perf_counter()
             upper = inc.cost if inc.feasible else None
-            child = ExactChild(model, upper, deadline - t_start, restarts=ROUND_RESTARTS if work else None)
-            try:
-                ans = child.run(deadline, run.stall or DEFAULT_STALL, work, log.info)
-            finally:
-                child.close()
+            rule = run.stall or DEFAULT_STALL
+            if beside:
+                ans = _exact_beside(run, model, upper, deadline, rule)
+            else:
+                child = ExactChild(model, upper, deadline - t_start, restarts=ROUND_RESTARTS if work else None)
+                try:
+                    ans = child.run(deadline, rule, run.stall is not None, log.info)
+                finally:
+                    child.close()
             res = exact_answer(problem, model, ans.picked, ans.proved, ans.gap)
             run.stats["exact"] = dict(res.stats, proved=ans.proved, phases=ans.phases,
                                       seconds=round(time.perf_counter() - run.t0, 3))
@@ -670,6 +684,63 @@ def _offer_others(run: _Run, model, ans) -> None:
     for picked in ans.others:
         other = exact_answer(run.problem, model, picked, False, math.inf)
         run.inc.offer(other.choice, "exact", other.evaluation)
+
+
+def _exact_beside(run: _Run, model, upper: float | None, deadline: float, rule: StallRule):
+    """DGVNS in one child and, from its first answer on, branch and bound under that answer (or
+    the incumbent, where cheaper) in another (how much its preprocessing prunes, and so its
+    bound, follows the upper bound it is given); DGVNS's answer is offered to ``run``'s
+    incumbent (:func:`_offer_dgvns`). Returns branch and bound's
+    :class:`~solver.exact_child.ExactAnswer` (DGVNS's when it never started), both phases listed."""
+    bnb: list[ExactChild] = []
+    under_dgvns = []  # whether branch and bound's bound is DGVNS's answer (not the incumbent's)
+
+    def under(cost: float) -> None:
+        if not bnb and deadline - time.perf_counter() >= 1:
+            under_dgvns.append(cost < run.inc.cost)
+            cost = min(cost, run.inc.cost)
+            log.info(f"exact: branch and bound beside DGVNS, under {cost:.6g}")
+            bnb.append(ExactChild(model, cost, deadline - time.perf_counter(), phases=("hbfs",)))
+
+    child = ExactChild(model, upper, deadline - time.perf_counter(), phases=("vns",))
+    try:
+        first = child.run(deadline, rule, True, log.info, beside=lambda: bnb[0] if bnb else None, on_answer=under)
+        found = exact_answer(run.problem, model, first.picked, False, math.inf)
+        if not bnb:
+            _offer_dgvns(run, model, first, found, None, False)
+            return first
+        known = found.evaluation.cost if found.choice is not None else math.inf
+        # Its lines queued while DGVNS was watched: their times are when they came.
+        ans = bnb[0].run(deadline, rule, True, log.info, known=known)
+        if search_again(ans, bnb[0].upper, known, rule) and deadline - time.perf_counter() >= 1:
+            # Started under DGVNS's first answer, branch and bound prunes less than it could
+            # under its last: where posting the network again is cheap, it searches again
+            # under that (the planner corpus's LLaMA-8B on (8, 8, 8): proved in the second
+            # search, left at a 0.09% gap by the first).
+            log.info(f"exact: branch and bound again, under DGVNS's best {known:.6g}")
+            bnb.append(ExactChild(model, known, deadline - time.perf_counter(), phases=("hbfs",)))
+            ans = combine(ans, bnb[-1].run(deadline, rule, True, log.info, known=known))
+        # A second search ran under DGVNS's best answer: a proof there is under DGVNS's answer.
+        _offer_dgvns(run, model, first, found, ans, under_dgvns[0] or len(bnb) > 1)
+    finally:
+        child.close()
+        for c in bnb:
+            c.close()
+    ans.phases = first.phases + ans.phases
+    return ans
+
+
+def _offer_dgvns(run: _Run, model, first, found, bnb, under_dgvns: bool) -> None:
+    """DGVNS's answers (``first``, evaluated as ``found``) offered to ``run``'s incumbent, unless
+    branch and bound beside it (``bnb``'s answer; None where it never started) proved: then DGVNS
+    was stopped when the proof came, so how far it had got hung on the two children's speeds
+    (the same inputs gave a different equal-cost plan in a second run). Its answer is offered
+    then only where the proof was under it (``under_dgvns``) and found nothing cheaper: DGVNS's
+    first answer of that cost is its last."""
+    if bnb is not None and bnb.proved and not (bnb.picked is None and under_dgvns and found.choice is not None):
+        return
+    _offer_others(run, model, first)
+    run.inc.offer(found.choice, "exact", found.evaluation)
 
 
 def _milp_fits(model, max_nonzeros: float) -> bool:

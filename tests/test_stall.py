@@ -214,6 +214,66 @@ def test_branch_and_bound_gap_is_its_own_answers(tmp_path):
 
 
 @pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
+def test_solve_with_branch_and_bound_beside_dgvns_is_optimal(monkeypatch):
+    """With a core to spare under the stall rule, the exact stage runs DGVNS and branch and bound
+    in two children at once (no MILP), branch and bound from DGVNS's first answer on: the answer
+    is the brute-force optimum, its bound below it."""
+    import importlib
+
+    from test_memrows import tied_brute_force
+
+    from solver import solve
+
+    solve_module = importlib.import_module("solver.solve")
+
+    p = layered_problem(np.random.default_rng(4), layers=4, tight=0.4)
+    best = tied_brute_force(p)
+    monkeypatch.setattr(solve_module, "second_core_free", lambda: True)
+    monkeypatch.setattr(solve_module, "ROUND_MAX_ENTRIES", 0)  # as if the network were LLaMA-70B's
+    started = []
+    real = solve_module.ExactChild
+
+    def spy(*args, **kwargs):
+        started.append(kwargs.get("phases"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "ExactChild", spy)
+    sol = solve(p, time_limit=30, pairwise=False)  # the pairwise optimum may already fit: go to the exact stage
+    assert started == [("vns",), ("hbfs",)]  # branch and bound under DGVNS's first answer
+    assert sol.cost == pytest.approx(best, abs=1e-6) and evaluate(p, sol.choice).feasible
+    assert sol.lower_bound is not None and sol.lower_bound <= sol.cost + 1e-9
+
+
+def test_branch_and_bound_searches_again_only_under_a_counted_gain_and_a_cheap_network():
+    """Branch and bound ended unproved under DGVNS's first answer searches again under DGVNS's
+    last where that is a gain the stall rule counts and its network was preprocessed within
+    ``min_seconds``; the two answers combine as the second's where it found or proved
+    anything, else the first's, with the higher bound."""
+    from solver.exact_child import ExactAnswer, combine, search_again
+
+    rule = StallRule(gain=1e-3, min_seconds=3.0)
+
+    def hbfs(preprocess_s, proved=False, picked=None, gap=math.inf, lower=-math.inf):
+        return ExactAnswer(picked, proved, gap, [{"method": "hbfs", "preprocess_s": preprocess_s}], lower)
+
+    assert search_again(hbfs(0.5), upper=100.0, best=99.0, rule=rule)
+    assert not search_again(hbfs(5.0), upper=100.0, best=99.0, rule=rule)  # posting costs too much
+    assert not search_again(hbfs(0.5), upper=100.0, best=99.95, rule=rule)  # 0.05% < gain
+    assert not search_again(hbfs(0.5, proved=True), upper=100.0, best=99.0, rule=rule)
+    assert not search_again(hbfs(None), upper=100.0, best=99.0, rule=rule)  # never preprocessed
+    assert not search_again(hbfs(0.5), upper=100.0, best=math.inf, rule=rule)
+
+    first = hbfs(0.5, picked=[1, 2], gap=5.0, lower=95.0)
+    nothing = hbfs(0.4, lower=96.0)  # the second found nothing below 99 and proved nothing
+    both = combine(first, nothing)
+    assert both.picked == [1, 2] and both.gap == 5.0 and both.lower == 96.0 and len(both.phases) == 2
+    proved = combine(first, hbfs(0.4, proved=True, gap=0.01, lower=99.0))  # 99 itself proved optimal
+    assert proved.proved and proved.picked is None and proved.lower == 99.0
+    found = combine(first, hbfs(0.4, picked=[3, 4], gap=1.0, lower=97.5))
+    assert found.picked == [3, 4] and found.gap == 1.0
+
+
+@pytest.mark.skipif(not cfn.available(), reason="needs pytoulbar2")
 @pytest.mark.parametrize("seed", range(4))
 def test_lazy_dgvns_posts_the_rows_its_answers_break_and_answers_only_what_holds_them_all(seed):
     """DGVNS with the memory rows posted one at a time, as its answers break them: the optimum
@@ -431,3 +491,28 @@ def test_solve_under_the_stall_rule_runs_one_exact_search_in_rounds_and_answers_
         assert sol.status.value == "optimal"  # proved by the exact stage (its answer, or the start it could not beat)
         assert sol.cost == pytest.approx(best, abs=1e-6) and evaluate(p, sol.choice).feasible
     assert np.array_equal(sols[0].choice, sols[1].choice)
+
+
+def test_dgvns_answers_are_dropped_where_branch_and_bound_beside_it_proved(monkeypatch):
+    """DGVNS is stopped when branch and bound beside it proves, so its answer then depends on how
+    far it had got: it is offered only where the proof was under it and found nothing cheaper
+    (then it is DGVNS's first answer of that cost), or where nothing was proved."""
+    import importlib
+    from types import SimpleNamespace
+
+    solve_module = importlib.import_module("solver.solve")
+    offered = []
+    monkeypatch.setattr(solve_module, "_offer_others", lambda run, model, first: None)
+    run = SimpleNamespace(inc=SimpleNamespace(offer=lambda choice, source, ev=None: offered.append(choice)))
+    found = SimpleNamespace(choice=np.array([1, 2]), evaluation=None)
+    cases = [  # (proved, branch and bound's answer, its bound was DGVNS's), offered?
+        (True, [0, 0], True, False),
+        (True, None, False, False),
+        (True, None, True, True),
+        (False, [0, 0], True, True),
+        (False, None, False, True),
+    ]
+    for proved, picked, under_dgvns, expect in cases:
+        offered.clear()
+        solve_module._offer_dgvns(run, None, None, found, SimpleNamespace(proved=proved, picked=picked), under_dgvns)
+        assert bool(offered) == expect, (proved, picked, under_dgvns)
