@@ -417,9 +417,10 @@ def test_hints_from_another_planner_start_every_solve_and_bound_its_answer(world
     # weighed solves start from the best plans of the objective so far).
     additive = [names for names in given if not any(n.startswith("windows ") for n in names)]
     assert additive and all(names.count("solve") >= 2 for names in additive)
-    # The worker's plan (after its overlap rounds) is the start: its objective and predicted step
-    # bound the new solve's (the first round's additive step need not: it starts elsewhere).
-    assert plan.solver["objective"] <= worker.solver["objective"] * (1 + 1e-9)
+    # The worker's plan (after its overlap rounds) is a start and a candidate: its predicted step
+    # bounds the new plan's. Its additive objective does not: the plan kept is the one of least
+    # simulated step, which may add more (on a loaded machine: 1578.3 against 1519.96, the step
+    # 1307.3 against 1337.4 ms).
     assert plan.summary["step_us"] <= worker.summary["step_us"] * (1 + 1e-9)
     assert [name for name, _ in again.known_choices()][-2:] == ["solve", "solve"]
     with pytest.raises(autoshard.ConfigError, match=r"hint 'short': expected a choice per problem node \(at least"):
