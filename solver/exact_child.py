@@ -62,8 +62,9 @@ ROUND_RESTARTS = 1
 ROUND_SHARE = 0.25
 #: The largest network (cost-table entries, :attr:`solver.exact.ExactModel.entries`) whose DGVNS
 #: runs in rounds ended by their work: LLaMA shapes with 4 layers on (8, 8) have 245k and their
-#: rounds prove in 2-18 s; LLaMA-70B's (8, 8, 8) 1.3M, whose rounds run out and, unseeded, found
-#: no plan where DGVNS by the clock with branch and bound beside it did.
+#: rounds prove in 2 s; LLaMA-70B's (8, 8, 8) 1.3M, whose rounds run out and, unseeded, found
+#: no plan where DGVNS by the clock with branch and bound beside it did. A rough proxy: 2-layer
+#: LLaMA-8B corpus networks of 1.6-1.8M entries (``benchmarks/corpus``) proved in rounds in 9-25 s.
 ROUND_MAX_ENTRIES = 600_000
 _NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"
 _SOLUTION = re.compile(rf"New solution: {_NUMBER}")
