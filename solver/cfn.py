@@ -102,6 +102,9 @@ def _solve_posted(net, costs, edges, seconds, scale, upper, rows, rounding, prov
         res = net.Solve(timeLimit=max(1, int(seconds)))
     except net.Contradiction:  # the bounds alone prove nothing beats ``upper``
         return None, upper is not None, rounding if upper is not None else np.inf
+    except net.SolverOut:  # its timer fired before the search began (preprocessing a short round)
+        found = net.GetSolutions()
+        return (list(found[-1][1]) if found else None), False, np.inf
     if not res:
         found = net.GetSolutions()
         if found:
