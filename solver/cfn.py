@@ -85,14 +85,7 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
             raise ValueError(f"restarts: expected >= 1, found {restarts}")
         pytoulbar2.pytb2.option.restart = int(restarts)
     # DGVNS with its restarts bounded ends in branch and bound, whose bound proves as hbfs's does.
-    return _solve_posted(net, costs, edges, seconds, scale, upper, rows, rounding,
-                         proves=method == "hbfs" or restarts is not None)
-
-
-def _solve_posted(net, costs, edges, seconds, scale, upper, rows, rounding, proves: bool):
-    """:func:`solve_tables` on its network ``net``: post, search, read the answer; ``proves``:
-    whether the search's bounds are to be relied on (branch and bound's, and DGVNS's where its
-    restarts are bounded: then it ends in branch and bound, or proved by its own last search)."""
+    proves = method == "hbfs" or restarts is not None
     try:
         for i, c in enumerate(costs):
             net.AddVariable(f"x{i}", list(range(c.size)))

@@ -27,8 +27,7 @@ def test_a_plan_made_twice_in_two_processes_is_the_same(tmp_path):
     """A small LLaMA on a fake (8, 8) mesh under a budget that binds (no plan fits without
     recomputation: the exact search with memory rows runs, in child processes, and the
     overlap objective's rounds follow), planned by the CLI in two fresh processes with different
-    hash seeds: the plan files are equal but for their timings. (Before the exact search ran
-    DGVNS in rounds that end by their work, with nothing beside it, 4 of 5 such pairs differed.)"""
+    hash seeds: the plan files are equal but for their timings."""
     pytest.importorskip("pytoulbar2")
     (tmp_path / "repmodels.py").write_text(FACTORY)
     plans = []
