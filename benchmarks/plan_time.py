@@ -1,7 +1,7 @@
 """End-to-end planning time per phase, LLaMA-3 shapes from 8B on 64 ranks to 405B on 1024.
 
-    python benchmarks/plan_time.py [--cases 8b:8x8,70b:8x8x8,405b:8x16x8,dsv3] [--layers N] [--time-limit 60]
-                                   [--additive-objective]
+    python benchmarks/plan_time.py [--cases 8b:8x8,70b:8x8x8,405b:8x16x8,dsv3,405b-pp] [--layers N]
+                                   [--time-limit 60] [--additive-objective]
 
 Each case plans a model on the meta device (no weights) for a fake mesh, h100-sxm profile,
 its 80 GB as the budget, in a process of its own (so peak RSS is the case's own):
@@ -9,7 +9,9 @@ LLaMA-3-8B on (8, 8) with global batch 64 x 2048, LLaMA-3-70B on (8, 8, 8) with 
 LLaMA-3.1-405B on (8, 16, 8) with 1024 x 2048, and DeepSeek-V3 shapes (mixture of experts,
 61 layers: 3 dense, 58 with 256 experts, :mod:`autoshard.models.moe`) on (8, 8) with 64 x 2048 and
 no memory budget (its parameters, gradients and Adam state alone need >= 84 GB per rank on
-64 ranks, even in bf16: no 64-rank plan fits 80 GB). Per case: seconds per phase
+64 ranks, even in bf16: no 64-rank plan fits 80 GB); ``405b-pp`` (not a default) is 405B
+pipelined: 8 stages over the first axis of (8, 16, 8) (axes ``pp, dp, tp``), 64 microbatches,
+1F1B, every stage solved on (16, 8) (:func:`autoshard.planning.pipeline.plan_pipeline`). Per case: seconds per phase
 (trace, strategies and costs, solve, plan assembly), the end-to-end total, the plan's
 predicted step, how the solve ended, and peak RSS. The solve runs until it proves its plan
 optimal or its time limit; ``solve_s`` says which.
@@ -36,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: case -> (model family, preset, default mesh, global batch, memory budget: None for none, else the profile's)
 CASES = {"8b": ("llama", "8b", (8, 8), 64, "profile"), "70b": ("llama", "70b", (8, 8, 8), 512, "profile"),
          "405b": ("llama", "405b", (8, 16, 8), 1024, "profile"),
-         "dsv3": ("moe", "deepseek-v3", (8, 8), 64, None)}
+         "dsv3": ("moe", "deepseek-v3", (8, 8), 64, None), "405b-pp": ("llama", "405b", (8, 16, 8), 1024, "profile")}
+#: Pipelined cases: microbatches (1F1B over the mesh's first axis).
+PIPELINED = {"405b-pp": 64}
 AUTOPARALLEL_8B_S = 252.0
 MESH_NAMES = {2: ("dp", "tp"), 3: ("rep", "dp", "tp")}
 
@@ -56,6 +60,8 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str, over
     tokens = torch.empty(batch, 2048, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     budget = {} if budget == "profile" else {"memory_budget": budget}
+    if name in PIPELINED:
+        return _pipelined(name, model, tokens, shape, profile, time_limit, t0)
     # Reference shapes in float32 (master weights) trained with bf16 compute, as under mixed precision.
     plan = autoshard.plan(model, (tokens,), mesh, profile=profile, time_limit=time_limit, compute_dtype="bfloat16",
                           overlap_objective=overlap, **budget)
@@ -67,6 +73,19 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str, over
                 status=plan.solver["status"], source=plan.solver.get("source"),
                 recompute=(plan.summary.get("recompute") or {}).get("mode"),
                 step_ms=round(plan.summary["step_us"] / 1e3, 1),
+                peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
+
+
+def _pipelined(name, model, tokens, shape, profile, time_limit, t0) -> dict:
+    import autoshard
+    from autoshard.planning.pipeline import plan_pipeline
+
+    mesh = autoshard.fake_mesh(shape, ("pp", "dp", "tp"))
+    pp = plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches=PIPELINED[name], schedule="1f1b",
+                       profile=profile, time_limit=time_limit, compute_dtype="bfloat16")
+    return dict(case=f"{name}:{'x'.join(map(str, shape))}", layers=model.cfg.n_layers,
+                total_s=round(time.perf_counter() - t0, 2), stages=len(pp.stages),
+                step_ms=round(pp.step_us / 1e3, 1),
                 peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
 
 
@@ -99,6 +118,10 @@ def main() -> None:
         if row["case"] == "8b:8x8" and row["layers"] == 32:
             print(f"8B on (8, 8): ours {row['total_s']:.1f}s vs autoparallel {AUTOPARALLEL_8B_S:.0f}s "
                   f"(ratio ours/theirs {row['total_s'] / AUTOPARALLEL_8B_S:.3f})")
+    for row in rows:
+        if row["case"].startswith("405b-pp"):
+            print(f"405B pipelined ({row['stages']} stages): planned in {row['total_s']:.2f} s, "
+                  f"{row['step_ms']:.1f} ms")
     big = [r for r in rows if r["case"].startswith("70b")]
     if big:
         print(f"70B end-to-end seconds: {big[0]['total_s']:.2f}")

@@ -425,3 +425,38 @@ def test_hints_from_another_planner_start_every_solve_and_bound_its_answer(world
     assert [name for name, _ in again.known_choices()][-2:] == ["solve", "solve"]
     with pytest.raises(autoshard.ConfigError, match=r"hint 'short': expected a choice per problem node \(at least"):
         again.hint([("short", np.zeros(3, dtype=np.int32))])
+
+
+def test_a_hand_written_plan_is_solved_again_with_more_time_only_where_time_could_change_it(world, monkeypatch):
+    """A cached hand-written plan offered more time is solved again only where its solve was cut
+    short (``settled`` False): one whose searches ended by their work would come out the same."""
+    import numpy as np
+
+    import autoshard.planning.planner as planner_mod
+    import solver
+
+    sol = solver.Solution(np.zeros(2, dtype=np.int64), 1.0, solver.Status.HEURISTIC)
+    assert planner_mod.settled(solver.Solution(sol.choice, 1.0, solver.Status.OPTIMAL))
+    assert not planner_mod.settled(sol)  # no exact search ran: its share may have been too short
+    sol.stats = {"pairwise": {"proved": True}, "exact": {"phases": [{"method": "vns", "ended": "stalled"}]}}
+    assert planner_mod.settled(sol)
+    for stats in ({**sol.stats, "cut_by_clock": ["exact (vns)"]}, {**sol.stats, "pairwise": {"proved": False}}):
+        assert not planner_mod.settled(solver.Solution(sol.choice, 1.0, solver.Status.HEURISTIC, stats=stats))
+
+    world(4)
+    model, inputs, mesh = tiny_llama_on_2x2()
+    for is_settled, solves in ((True, 1), (False, 2)):
+        planner = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
+        calls = []
+        real = planner._solve_once
+
+        def counted(opts, *a, **k):
+            calls.append(opts.pins)
+            return real(opts, *a, **k)
+
+        monkeypatch.setattr(planner, "_solve_once", counted)
+        monkeypatch.setattr(planner_mod, "settled", lambda s, v=is_settled: v)
+        first = planner._baselines(["fsdp"], planner.options, 2.0)["fsdp"]
+        again = planner._baselines(["fsdp"], planner.options, 8.0)["fsdp"]
+        assert len(calls) == solves
+        assert (again is first) == is_settled

@@ -184,10 +184,11 @@ def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
 class HandWritten:
     """A hand-written plan solved under its pins: its predicted step, the solver's choice and
     status, and the plan, assembled when first asked for (as a start for our solve only the
-    choice is needed; assembling LLaMA-70B's plan takes 0.6 s)."""
+    choice is needed; assembling LLaMA-70B's plan takes 0.6 s). ``settled``: whether more time
+    would not change it (:func:`autoshard.planning.planner.settled`)."""
 
-    def __init__(self, step_us: float, choice, status: str, assemble):
-        self.step_us, self.choice, self.status = step_us, choice, status
+    def __init__(self, step_us: float, choice, status: str, assemble, settled: bool = False):
+        self.step_us, self.choice, self.status, self.settled = step_us, choice, status, settled
         self._assemble = assemble
 
     @functools.cached_property

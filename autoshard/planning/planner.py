@@ -629,7 +629,8 @@ class Planner:
         budget or cannot be written for this model (a batch smaller than the ranks it would be
         split over). ``time_limit`` is for all of them: each takes an equal share of what the
         ones before it left (a pinned plan is often proved in a second). A cached answer is
-        reused when it was proved optimal or had at least the time offered now."""
+        reused when it had at least the time offered now, or more would not change it
+        (:func:`settled`: proved optimal, or every search in it ended by its work)."""
         out: dict[str, HandWritten | str] = {}
         mine = resolve_pins(dict(opts.pins or {}), self.traced.param_fqns + self.traced.buffer_fqns,
                             self.axis_names)
@@ -660,7 +661,7 @@ class Planner:
                     self._seeds[key] = (str(exc), share, not isinstance(exc, MemoryBudgetError))
                     log.info(f"baseline {name}: {first_line(exc)}")
                 else:
-                    self._seeds[key] = (seed, share, seed.status == "optimal")
+                    self._seeds[key] = (seed, share, seed.settled)
                     log.info(f"baseline {name}: {seed.step_us / 1e3:.1f} ms predicted ({seed.status})")
             out[name] = self._seeds[key][0]
         return out
@@ -795,8 +796,21 @@ class Planner:
             return result
 
         if lazy:
-            return HandWritten(overlap["simulated_us"], sol.choice, sol.status.value, assemble)
+            return HandWritten(overlap["simulated_us"], sol.choice, sol.status.value, assemble, settled(sol))
         return assemble(), sol.choice
+
+
+def settled(sol: solver.Solution) -> bool:
+    """Whether more time would leave ``sol`` as it is: proved optimal, or found by a search that
+    ended by its work (the memory-free stage proved, the exact search ended by proof or its stall
+    rule, nothing cut by the clock). A hand-written plan that is not is solved again when offered
+    more time; one that is, is not (LLaMA-405B's pipeline stages solved FSDP+CP+AC three times, once
+    per recompute mode, to the same plan: 1.4 s each)."""
+    if sol.status == solver.Status.OPTIMAL:
+        return True
+    st = sol.stats
+    return (not st.get("cut_by_clock") and "exact" in st
+            and bool((st.get("pairwise") or {"proved": True}).get("proved")))
 
 
 def _solve_fields(opts: PlanOptions) -> dict:
