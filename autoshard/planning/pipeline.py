@@ -563,9 +563,15 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
         kw["loss_fn"] = _boundary_loss
     if role in ("middle", "last"):
         kw["input_grads"] = True  # the gradient it sends back to the stage before
+    from autoshard.planning.planner import MIN_SOLVE_SECONDS, solve_within
+
+    started = time.perf_counter()
     planner = planner_cls(module, tuple(inputs), sub, **kw)
     try:
-        pl = planner.solve()
+        # The stage's seconds include its trace and build, as plan()'s time limit does: the rounds
+        # of stages then end within the pipeline's time limit (405B: each stage's 3.3 s trace and
+        # 1.3 s build came on top of its share, and its plan took 67 s of a 60 s limit).
+        pl = solve_within(planner, seconds, started)
     except MemoryBudgetError as exc:
         if microbatches <= 1:
             raise MemoryBudgetError(f"pipeline stage ({role}): {exc}", exc.budget_bytes,
@@ -576,7 +582,8 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
         # accumulates and moves them once).
         log.info(f"pipeline stage ({role}): {first_line(str(exc))}; solving it again with the gradient moves "
                  "priced per microbatch")
-        return _solve_stage(planner_cls, module, inputs, sub, overrides, role, seconds, loss_fn, budget, in_flight,
+        left = max(MIN_SOLVE_SECONDS, seconds - (time.perf_counter() - started))
+        return _solve_stage(planner_cls, module, inputs, sub, overrides, role, left, loss_fn, budget, in_flight,
                             1, baseline)
     fwd, bwd, reduce = planner.pipeline_times(pl)
     act = float(pl.summary["memory"]["saved_bytes"]) / in_flight

@@ -106,11 +106,16 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], mesh, *
         raise ConfigError(f"ranks={ranks} is for mesh='auto'; the mesh given has its own shape {tuple(mesh.shape)}")
     t0 = time.perf_counter()
     planner = Planner(model, example_inputs, mesh, options=options, **overrides)
-    # time_limit bounds the call: the solve gets what tracing and building left (LLaMA-405B:
-    # 6.4 s of them, on top of a 60 s solve, made a 60 s plan take 66 s), less what simulating
-    # and assembling its answer will take after its deadline (1.1 s more at 405B).
-    limit = planner.options.time_limit
-    left = limit - (time.perf_counter() - t0) - ASSEMBLY_OF_BUILD * planner.phases.get("build_s", 0.0)
+    return solve_within(planner, planner.options.time_limit, t0)
+
+
+def solve_within(planner: Planner, limit: float, started: float) -> Plan:
+    """``planner.solve()`` such that the call that began building ``planner`` at ``started``
+    (``time.perf_counter()``) ends within ``limit`` seconds: the solve gets what tracing and
+    building left (LLaMA-405B: 6.4 s of them, on top of a 60 s solve, made a 60 s plan take 66 s),
+    less what simulating and assembling its answer will take after its deadline (1.1 s more at
+    405B), and at least ``MIN_SOLVE_SECONDS`` (or ``limit`` where smaller)."""
+    left = limit - (time.perf_counter() - started) - ASSEMBLY_OF_BUILD * planner.phases.get("build_s", 0.0)
     return planner.solve(time_limit=max(min(MIN_SOLVE_SECONDS, limit), left))
 
 
