@@ -548,31 +548,28 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from autoshard.explain import explain
+    from autoshard.explain import explain, explain_pipeline, load_any
     from autoshard.planfile import Plan
 
-    print(explain(Plan.load(args.plan), top=args.top))
+    plan = load_any(args.plan)
+    print(explain(plan, top=args.top) if isinstance(plan, Plan) else explain_pipeline(plan, top=args.top))
     return 0
 
 
 def cmd_diff(args) -> int:
-    from autoshard.explain import diff
-    from autoshard.planfile import Plan
+    from autoshard.explain import diff_any, load_any
 
-    print(diff(Plan.load(args.a), Plan.load(args.b)))
+    print(diff_any(load_any(args.a), load_any(args.b)))
     return 0
 
 
 def cmd_show(args) -> int:
-    import json
-    from pathlib import Path
-
+    from autoshard.explain import load_any
     from autoshard.planfile import Plan
 
-    if args.plan.endswith(".json") and json.loads(Path(args.plan).read_text()).get("kind") == "pipeline":
-        from autoshard.planning.pipeline import PipelinePlan
-
-        pplan = PipelinePlan.load(args.plan)
+    plan = load_any(args.plan)
+    if not isinstance(plan, Plan):
+        pplan = plan
         print(pplan.describe())
         for k, s in enumerate(pplan.stages):
             if all(t.plan is not s.plan for t in pplan.stages[:k]):
@@ -580,7 +577,6 @@ def cmd_show(args) -> int:
                       f"{s.role} stage of {s.layers[1] - s.layers[0]} layers):")
                 print(s.plan.describe(max_params=args.max_params))
         return 0
-    plan = Plan.load(args.plan)
     print(plan.describe(max_params=args.max_params))
     return 0
 

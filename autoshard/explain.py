@@ -8,6 +8,9 @@ from collections import OrderedDict
 
 from autoshard.planfile import Plan, layer_of
 
+#: What :func:`diff` says of two plans with nothing to tell apart.
+IDENTICAL = "plans are identical in placements and predicted costs"
+
 
 def explain(plan: Plan, top: int = 10) -> str:
     """Placements and per-device parameter elements per layer, totals, the dearest redistributes."""
@@ -91,7 +94,7 @@ def diff(a: Plan, b: Plan) -> str:
             out.append(f"{key}: {va / scale:.3f} -> {vb / scale:.3f} {unit}{rel}")
     if len(a.redistributes) != len(b.redistributes):
         out.append(f"redistributes: {len(a.redistributes)} -> {len(b.redistributes)}")
-    return "\n".join(out) if out else "plans are identical in placements and predicted costs"
+    return "\n".join(out) if out else IDENTICAL
 
 
 def redistributes_frame(plan: Plan):
@@ -122,3 +125,94 @@ def compare_frame(results: dict):
     frame = pd.DataFrame(rows, columns=["plan", "step_ms", "compute_ms", "comm_ms", "exposed_ms", "peak_gib", "error"])
     frame["ratio"] = frame["step_ms"] / frame["step_ms"].min()
     return frame.set_index("plan")
+
+
+def load_any(path):
+    """The plan file at ``path``: a :class:`~autoshard.planfile.Plan`, or a
+    :class:`~autoshard.planning.pipeline.PipelinePlan` where the file is a pipelined plan."""
+    import json
+    from pathlib import Path
+
+    from autoshard.errors import PlanError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"{path}: cannot read a plan JSON file: {exc}") from None
+    if isinstance(data, dict) and data.get("kind") == "pipeline":
+        from autoshard.planning.pipeline import PipelinePlan
+
+        return PipelinePlan.from_json(data)
+    return Plan.from_json(data)
+
+
+def explain_pipeline(pplan, top: int = 10) -> str:
+    """A pipelined plan's stage table, then :func:`explain` of each distinct stage's plan (once per
+    role and layer count: the stages alike share it), named for its first stage's layers."""
+    from autoshard.planning.pipeline import stage_plan
+
+    lines = [pplan.describe()]
+    for k, s in enumerate(pplan.stages):
+        if any(t.plan is s.plan for t in pplan.stages[:k]):
+            continue
+        alike = [t.index for t in pplan.stages if t.plan is s.plan]
+        lines += ["", f"stage {s.index} ({s.role}, layers {s.layers[0]}-{s.layers[1] - 1}; its plan is that of "
+                      f"stages {alike}):", explain(stage_plan(pplan, s), top=top)]
+    return "\n".join(lines)
+
+
+def diff_pipelines(a, b) -> str:
+    """What differs between two pipelined plans: mesh, schedule, microbatches, the cut into
+    stages, the predicted step, bubble and rank peak, then each stage's plan (:func:`diff`, with
+    both named for the stage's own layers)."""
+    from autoshard.planning.pipeline import stage_plan
+
+    out = []
+    if list(a.mesh_shape) != list(b.mesh_shape) or list(a.axis_names) != list(b.axis_names):
+        out.append(f"mesh: {dict(zip(a.axis_names, a.mesh_shape))} -> {dict(zip(b.axis_names, b.mesh_shape))}")
+    for field in ("axis", "schedule", "microbatches", "stages_per_rank"):
+        if getattr(a, field) != getattr(b, field):
+            out.append(f"{field}: {getattr(a, field)} -> {getattr(b, field)}")
+    cut_a = [s.layers[1] - s.layers[0] for s in a.stages]
+    cut_b = [s.layers[1] - s.layers[0] for s in b.stages]
+    if cut_a != cut_b:
+        out.append(f"layers per stage: {cut_a} -> {cut_b}")
+    if a.step_us != b.step_us:
+        rel = f" ({(b.step_us - a.step_us) / a.step_us:+.1%})" if a.step_us else ""
+        out.append(f"step_us: {a.step_us / 1e3:.3f} -> {b.step_us / 1e3:.3f} ms{rel}")
+    if a.run.bubble != b.run.bubble:
+        out.append(f"bubble: {100 * a.run.bubble:.1f}% -> {100 * b.run.bubble:.1f}%")
+    peak_a, peak_b = max(a.memory_bytes, default=0), max(b.memory_bytes, default=0)
+    if peak_a != peak_b:
+        out.append(f"rank peak: {peak_a / 2**30:.3f} -> {peak_b / 2**30:.3f} GiB")
+    for k in range(max(len(a.stages), len(b.stages))):
+        if k >= len(b.stages):
+            out.append(f"- stage {k} ({a.stages[k].role}, layers {a.stages[k].layers[0]}-{a.stages[k].layers[1] - 1})")
+            continue
+        if k >= len(a.stages):
+            out.append(f"+ stage {k} ({b.stages[k].role}, layers {b.stages[k].layers[0]}-{b.stages[k].layers[1] - 1})")
+            continue
+        sa, sb = a.stages[k], b.stages[k]
+        text = diff(stage_plan(a, sa), stage_plan(b, sb))
+        if text != IDENTICAL:
+            out.append(f"stage {k} ({sa.role}, layers {sa.layers[0]}-{sa.layers[1] - 1} -> "
+                       f"{sb.layers[0]}-{sb.layers[1] - 1}):")
+            out += [f"  {line}" for line in text.splitlines()]
+    return "\n".join(out) if out else IDENTICAL
+
+
+def diff_any(a, b) -> str:
+    """:func:`diff` of two plans, :func:`diff_pipelines` of two pipelined plans; of one of each, the
+    kinds and predicted steps (their placements are not comparable: a stage places a slice of
+    the model on a sub-mesh)."""
+    pipelined = [type(p).__name__ == "PipelinePlan" for p in (a, b)]
+    if all(pipelined):
+        return diff_pipelines(a, b)
+    if not any(pipelined):
+        return diff(a, b)
+    kind = ["pipelined plan" if p else "plan" for p in pipelined]
+    step_a = a.step_us if pipelined[0] else a.summary["step_us"]
+    step_b = b.step_us if pipelined[1] else b.summary["step_us"]
+    rel = f" ({(step_b - step_a) / step_a:+.1%})" if step_a else ""
+    return (f"kind: {kind[0]} -> {kind[1]} (placements not compared: a pipeline stage places a slice of the "
+            f"model on a sub-mesh)\nstep_us: {step_a / 1e3:.3f} -> {step_b / 1e3:.3f} ms{rel}")

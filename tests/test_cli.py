@@ -183,5 +183,34 @@ def test_demo_pipelined_writes_a_pipeline_plan(world, tmp_path, capsys):
     assert main(["show", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "pipeline over 'pp'" in shown and "stage 0 (first" in shown and "on mesh {'dp': 4, 'tp': 4}" in shown
+    assert main(["explain", str(out)]) == 0
+    explained = capsys.readouterr().out
+    assert "pipeline over 'pp'" in explained and "stage 0 (first, layers 0-0" in explained
+    assert explained.count("parameters: ") == len({p["plan"] for p in json.loads(out.read_text())["stages"]})
+    # diff: of a file with itself, with another schedule and a stage's placement moved, with a plan
+    # that is not pipelined
+    assert main(["diff", str(out), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == "plans are identical in placements and predicted costs"
+    data = json.loads(out.read_text())
+    data["microbatches"], data["step_us"] = 32, data["step_us"] * 2
+    stage = data["stages"][-1]
+    last = data["plans"][stage["plan"]]
+    fqn = next(f for f in last["params"] if f.startswith("layers.") and f.endswith("weight"))
+    place = last["params"][fqn]["placements"]
+    last["params"][fqn]["placements"] = {a: "S(0)" if v == "R" else "R" for a, v in place.items()}
+    shift = stage["layers"][0] - stage["planned_layers"][0]  # diff names the stage's own layers
+    fqn = re.sub(r"^layers\.(\d+)", lambda m: f"layers.{int(m.group(1)) + shift}", fqn)
+    other = tmp_path / "pp2.json"
+    other.write_text(json.dumps(data))
+    assert main(["diff", str(out), str(other)]) == 0
+    changed = capsys.readouterr().out
+    assert "microbatches: 16 -> 32" in changed and "(+100.0%)" in changed
+    assert f"stage 3 (last, layers 3-3 -> 3-3):\n  ~ {fqn}:" in changed and "stage 0 (" not in changed
+    flat = tmp_path / "flat.json"
+    assert main(["demo", "--model", "gpt", "--layers", "4", "--dim", "64", "--heads", "4", "--vocab", "128",
+                 "--batch", "64", "--seq", "16", "--mesh", "dp=16,tp=4", "--time-limit", "20", "-o", str(flat)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(flat), str(out)]) == 0
+    assert capsys.readouterr().out.startswith("kind: plan -> pipelined plan")
     assert main(["demo", "--model", "gpt", "--layers", "4", "--mesh", "pp=4,dp=4,tp=4", "--pipeline", "pp",
                  "--compare"]) == 2
