@@ -205,7 +205,7 @@ def diff_any(a, b) -> str:
     """:func:`diff` of two plans, :func:`diff_pipelines` of two pipelined plans; of one of each, the
     kinds and predicted steps (their placements are not comparable: a stage places a slice of
     the model on a sub-mesh)."""
-    pipelined = [type(p).__name__ == "PipelinePlan" for p in (a, b)]
+    pipelined = [not isinstance(p, Plan) for p in (a, b)]
     if all(pipelined):
         return diff_pipelines(a, b)
     if not any(pipelined):

@@ -261,3 +261,33 @@ def test_a_recut_is_estimated_from_the_stages_solved():
     assert got[0][1:3] == pytest.approx((40.0 - 10.0, 80.0 - 20.0)) and got[0][4] == pytest.approx(7.0)
     assert got[1][1:3] == pytest.approx((50.0, 100.0)) and got[1][4] == pytest.approx(10.0)
     assert got[1][0] == "p1"
+
+
+def test_a_stage_solve_counts_its_trace_and_build_in_its_share(world):
+    """A stage given ``seconds`` is solved in what its trace and build left of them (as ``plan()``
+    is), so the rounds of stages end within the pipeline's time limit."""
+    import time
+
+    from autoshard.planning import pipeline as pipeline_mod
+    from autoshard.planning.planner import ASSEMBLY_OF_BUILD
+
+    world(4)
+    asked = []
+
+    class Building:
+        phases = {"build_s": 0.2}
+
+        def __init__(self, *args, **kwargs):
+            time.sleep(0.3)  # its trace and build
+
+        def solve(self, time_limit=None):
+            asked.append(time_limit)
+            return type("P", (), {"summary": {"memory": {"saved_bytes": 0}}, "redistributes": []})()
+
+        def pipeline_times(self, plan):
+            return 1.0, 2.0, 0.0
+
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    pipeline_mod._solve_stage(Building, torch.nn.Linear(2, 2), (torch.zeros(2, 2),), mesh, {}, "middle", 10.0,
+                              None, None, 1, 2)
+    assert asked and asked[0] <= 10.0 - 0.3 - ASSEMBLY_OF_BUILD * 0.2 + 1e-6 and asked[0] > 8.0
