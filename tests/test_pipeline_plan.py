@@ -288,6 +288,6 @@ def test_a_stage_solve_counts_its_trace_and_build_in_its_share(world):
             return 1.0, 2.0, 0.0
 
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
-    pipeline_mod._solve_stage(Building, torch.nn.Linear(2, 2), (torch.zeros(2, 2),), mesh, {}, "middle", 10.0,
+    pipeline_mod.solve_stage(Building, torch.nn.Linear(2, 2), (torch.zeros(2, 2),), mesh, {}, "middle", 10.0,
                               None, None, 1, 2)
     assert asked and asked[0] <= 10.0 - 0.3 - ASSEMBLY_OF_BUILD * 0.2 + 1e-6 and asked[0] > 8.0

@@ -423,7 +423,7 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
 
         def solve(j: int, key) -> tuple:
             inputs = mb if key[0] in ("first", "only") else (torch.empty_like(boundary[0]),)
-            return _solve_stage(Planner, modules[j], inputs, sub, overrides, key[0], seconds, loss_fn,
+            return solve_stage(Planner, modules[j], inputs, sub, overrides, key[0], seconds, loss_fn,
                                 (budgets or {}).get(key, budget), held(key, counts), microbatches, baseline)
 
         for (j, key), got in zip(jobs, _side_by_side(solve, jobs, workers)):
@@ -537,7 +537,7 @@ def stage_plan(pplan: PipelinePlan, stage: Stage) -> Plan:
     return Plan.from_json(data)
 
 
-def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds: float, loss_fn,
+def solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds: float, loss_fn,
                  budget, in_flight: int, microbatches: int,
                  baseline: str | None = None) -> tuple[Plan, float, float, float, float, float]:
     """(plan, forward us, backward us, activation bytes of one microbatch, reduction us, unreduced
@@ -583,7 +583,7 @@ def _solve_stage(planner_cls, module, inputs, sub, overrides, role: str, seconds
         log.info(f"pipeline stage ({role}): {first_line(str(exc))}; solving it again with the gradient moves "
                  "priced per microbatch")
         left = max(MIN_SOLVE_SECONDS, seconds - (time.perf_counter() - started))
-        return _solve_stage(planner_cls, module, inputs, sub, overrides, role, left, loss_fn, budget, in_flight,
+        return solve_stage(planner_cls, module, inputs, sub, overrides, role, left, loss_fn, budget, in_flight,
                             1, baseline)
     fwd, bwd, reduce = planner.pipeline_times(pl)
     act = float(pl.summary["memory"]["saved_bytes"]) / in_flight
