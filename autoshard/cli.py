@@ -568,14 +568,12 @@ def cmd_show(args) -> int:
     from autoshard.planfile import Plan
 
     plan = load_any(args.plan)
-    if not isinstance(plan, Plan):
-        pplan = plan
-        print(pplan.describe())
-        for k, s in enumerate(pplan.stages):
-            if all(t.plan is not s.plan for t in pplan.stages[:k]):
-                print(f"\nstage {s.index} ({s.role}, layers {s.layers[0]}-{s.layers[1] - 1}; the plan of every "
-                      f"{s.role} stage of {s.layers[1] - s.layers[0]} layers):")
-                print(s.plan.describe(max_params=args.max_params))
+    if not isinstance(plan, Plan):  # pipelined: the stage table, then each distinct stage's plan
+        print(plan.describe())
+        for s, _ in plan.distinct_stages():
+            print(f"\nstage {s.index} ({s.role}, layers {s.layers[0]}-{s.layers[1] - 1}; the plan of every "
+                  f"{s.role} stage of {s.layers[1] - s.layers[0]} layers):")
+            print(s.plan.describe(max_params=args.max_params))
         return 0
     print(plan.describe(max_params=args.max_params))
     return 0

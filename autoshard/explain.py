@@ -152,10 +152,7 @@ def explain_pipeline(pplan, top: int = 10) -> str:
     from autoshard.planning.pipeline import stage_plan
 
     lines = [pplan.describe()]
-    for k, s in enumerate(pplan.stages):
-        if any(t.plan is s.plan for t in pplan.stages[:k]):
-            continue
-        alike = [t.index for t in pplan.stages if t.plan is s.plan]
+    for s, alike in pplan.distinct_stages():
         lines += ["", f"stage {s.index} ({s.role}, layers {s.layers[0]}-{s.layers[1] - 1}; its plan is that of "
                       f"stages {alike}):", explain(stage_plan(pplan, s), top=top)]
     return "\n".join(lines)

@@ -61,7 +61,7 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str, over
     t0 = time.perf_counter()
     budget = {} if budget == "profile" else {"memory_budget": budget}
     if name in PIPELINED:
-        return _pipelined(name, model, tokens, shape, profile, time_limit, t0)
+        return _pipelined(name, model, tokens, shape, profile, time_limit, t0, overlap)
     # Reference shapes in float32 (master weights) trained with bf16 compute, as under mixed precision.
     plan = autoshard.plan(model, (tokens,), mesh, profile=profile, time_limit=time_limit, compute_dtype="bfloat16",
                           overlap_objective=overlap, **budget)
@@ -76,13 +76,13 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str, over
                 peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
 
 
-def _pipelined(name, model, tokens, shape, profile, time_limit, t0) -> dict:
+def _pipelined(name, model, tokens, shape, profile, time_limit, t0, overlap: bool) -> dict:
     import autoshard
     from autoshard.planning.pipeline import plan_pipeline
 
     mesh = autoshard.fake_mesh(shape, ("pp", "dp", "tp"))
     pp = plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches=PIPELINED[name], schedule="1f1b",
-                       profile=profile, time_limit=time_limit, compute_dtype="bfloat16")
+                       profile=profile, time_limit=time_limit, compute_dtype="bfloat16", overlap_objective=overlap)
     return dict(case=f"{name}:{'x'.join(map(str, shape))}", layers=model.cfg.n_layers,
                 total_s=round(time.perf_counter() - t0, 2), stages=len(pp.stages),
                 step_ms=round(pp.step_us / 1e3, 1),

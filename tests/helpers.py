@@ -109,6 +109,20 @@ def spy_on_starts(monkeypatch) -> list[list[str]]:
     return given
 
 
+def spy_on_solves(monkeypatch, planner) -> list:
+    """``planner._solve_once`` watched: the options of each solve it makes from then on (its own
+    and its hand-written plans')."""
+    solved: list = []
+    real = planner._solve_once
+
+    def spy(opts, *args, **kwargs):
+        solved.append(opts)
+        return real(opts, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_solve_once", spy)
+    return solved
+
+
 def tiny_llama_on_2x2():
     """A small LLaMA, its batch and a fake (2, 2) mesh (dp, tp): the planner tests' workload."""
     import autoshard

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SHARDING_PROFILE, spy_on_starts, tiny_llama_on_2x2
+from helpers import SHARDING_PROFILE, spy_on_solves, spy_on_starts, tiny_llama_on_2x2
 
 import autoshard
 from autoshard import MeshError, PlanError, TraceError
@@ -447,14 +447,7 @@ def test_a_hand_written_plan_is_solved_again_with_more_time_only_where_time_coul
     model, inputs, mesh = tiny_llama_on_2x2()
     for is_settled, solves in ((True, 1), (False, 2)):
         planner = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
-        calls = []
-        real = planner._solve_once
-
-        def counted(opts, *a, **k):
-            calls.append(opts.pins)
-            return real(opts, *a, **k)
-
-        monkeypatch.setattr(planner, "_solve_once", counted)
+        calls = spy_on_solves(monkeypatch, planner)
         monkeypatch.setattr(planner_mod, "settled", lambda s, v=is_settled: v)
         first = planner._baselines(["fsdp"], planner.options, 2.0)["fsdp"]
         again = planner._baselines(["fsdp"], planner.options, 8.0)["fsdp"]

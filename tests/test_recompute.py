@@ -6,7 +6,15 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw
+from helpers import (
+    SHARDING_PROFILE,
+    LocalTensorMode,
+    full,
+    lift_replicated_locals,
+    local_mesh,
+    reference_adamw,
+    spy_on_solves,
+)
 
 import autoshard
 from autoshard.errors import ConfigError, MemoryBudgetError, PlanError
@@ -110,16 +118,10 @@ def test_baselines_of_an_infeasible_mode_are_not_solved(planner, monkeypatch):
     budget = _least_peak(planner.problem(recompute="none")) - 1
     with pytest.raises(MemoryBudgetError):
         planner.solve(recompute="none", memory_budget=budget)
-    solved = []
-    real = planner._solve_once
-
-    def spy(opts, *args, **kwargs):
-        solved.append(opts.recompute)
-        return real(opts, *args, **kwargs)
-
-    monkeypatch.setattr(planner, "_solve_once", spy)
+    solved = spy_on_solves(monkeypatch, planner)
     table = planner.compare(memory_budget=budget, recompute="full")
-    assert solved.count("none") == 0, solved
+    modes = [opts.recompute for opts in solved]
+    assert modes.count("none") == 0, modes
     for name in ("ddp", "fsdp", "tp", "fsdp_tp"):
         assert isinstance(table[name], str) and "infeasible" in table[name], table[name]
     assert not isinstance(table["fsdp_tp_ac"], str)
