@@ -148,12 +148,26 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_comput
     p.add_argument("--pipeline", default=None, metavar="AXIS",
                    help="pipeline stages over this mesh axis: the repeated layers cut into stages, each planned on "
                         "the other axes, run by torch's schedules (autoshard.planning.pipeline)")
-    p.add_argument("--microbatches", type=int, default=None, metavar="M",
-                   help="with --pipeline: microbatches per step (default: 4 per pipeline rank, as the batch allows)")
+    p.add_argument("--microbatches", type=microbatch_count, default="auto", metavar="M",
+                   help="with --pipeline: microbatches per step, or 'auto' (default): chosen by planning the "
+                        "pipeline at a few counts within --time-limit (autoshard.planning.microbatches)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved_1f1b"),
                    help="with --pipeline: torch's schedule (default 1f1b)")
     p.add_argument("--stages-per-rank", type=int, default=1, metavar="V",
                    help="with --pipeline and interleaved_1f1b: stages per pipeline rank")
+
+
+def microbatch_count(text: str) -> int | str:
+    """``--microbatches``: a count >= 1 or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        m = int(text)
+    except ValueError:
+        m = 0
+    if m < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1 or 'auto', found {text!r}")
+    return m
 
 
 def _compute_dtype(args) -> str | None:
@@ -216,12 +230,8 @@ def _run_pipeline(model, inputs, mesh, args, pins, t0: float) -> int:
         raise AutoshardError("--pipeline plans each stage on its own: --compare and --export-problem need a plan "
                              "without --pipeline")
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    p = dict(zip(mesh.mesh_dim_names, mesh.shape)).get(args.pipeline, 1)
-    m = args.microbatches
-    if m is None:  # 4 per pipeline rank keeps 1F1B's bubble near 20%, where the batch divides
-        batch = inputs[0].shape[0]
-        m = next((k for k in (4 * p, 2 * p, p) if batch % k == 0), p)
-    pplan = plan_pipeline(model, inputs, mesh, axis=args.pipeline, microbatches=m, schedule=args.schedule,
+    pplan = plan_pipeline(model, inputs, mesh, axis=args.pipeline, microbatches=args.microbatches,
+                          schedule=args.schedule,
                           stages_per_rank=args.stages_per_rank, profile=args.profile,
                           memory_budget=args.memory_budget if args.memory_budget else "auto",
                           time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,

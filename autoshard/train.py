@@ -21,6 +21,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from autoshard.cli import microbatch_count
+
 
 def build(seed: int, dim: int, layers: int, vocab: int, model: str = "gpt2", seq: int = 16):
     """The model to train: a GPT-style decoder; (``llama``) the reference LLaMA, four query heads
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
                     help="torch.compile each rank's lowered programs with this backend (inductor, aot_eager, ...)")
     ap.add_argument("--pipeline", default=None, metavar="AXIS",
                     help="pipeline stages over this mesh axis (autoshard.planning.pipeline), run by torch's schedules")
-    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--microbatches", type=microbatch_count, default=4, help="a count, or 'auto'")
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved_1f1b"))
     ap.add_argument("--stages-per-rank", type=int, default=1)
     args = ap.parse_args(argv)

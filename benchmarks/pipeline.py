@@ -5,7 +5,8 @@
 A case ``MODEL:AxBxC:M`` plans LLaMA-3 shapes (meta device, h100-sxm, bf16 pricing, the
 device's memory less its reserve as the budget), each plan in a process of its own: without a
 pipeline on the mesh (A, B, C) (axes ``rep, dp, tp``, our solve); pipelined over an axis of size
-A with the stages on (B, C) (axes ``pp, dp, tp``), ``M`` microbatches, 1F1B: ours (every stage
+A with the stages on (B, C) (axes ``pp, dp, tp``), ``M`` microbatches (``auto``: each pipelined plan
+climbs to its own count, :mod:`autoshard.planning.microbatches`), 1F1B: ours (every stage
 solved) and torchtitan's hand-written FSDP + TP + PP, with and without full activation
 checkpointing (``plan_pipeline(baseline="fsdp_tp" | "fsdp_tp_ac")``, our partition). Global batch as
 in ``plan_time.py`` (70B: 512 x 2048, 405B: 1024 x 2048, 8B: 64 x 2048). Prints per case every
@@ -51,13 +52,14 @@ def run_one(case: str, kind: str, time_limit: float, schedule: str, layers=None)
                 "recompute": plan.recompute.get("mode")}
     mesh = autoshard.fake_mesh(shape, ("pp", "dp", "tp"))
     try:
-        pp = plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches=int(m), schedule=schedule,
+        pp = plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches=m if m == "auto" else int(m),
+                           schedule=schedule,
                            profile="h100-sxm", compute_dtype="bfloat16", time_limit=time_limit,
                            baseline=None if kind == "pp" else kind, layers_per_stage=layers)
     except MemoryBudgetError as exc:
         return {"step_ms": float("inf"), "seconds": time.perf_counter() - t0, "error": str(exc).splitlines()[0]}
     return {"step_ms": pp.step_us / 1e3, "seconds": time.perf_counter() - t0, "table": pp.describe(),
-            "layers": [s.layers[1] - s.layers[0] for s in pp.stages]}
+            "layers": [s.layers[1] - s.layers[0] for s in pp.stages], "microbatches": pp.microbatches}
 
 
 def main() -> None:
@@ -89,8 +91,10 @@ def main() -> None:
         worst = max(worst, ratio)
         print(f"{case}: without a pipeline {got['flat']['step_ms']:.1f} ms (recompute {got['flat']['recompute']}, "
               f"{got['flat']['seconds']:.1f} s); pipelined: ours {got['pp']['step_ms']:.1f} ms "
-              f"({got['pp']['seconds']:.1f} s), FSDP+TP+PP {got['fsdp_tp']['step_ms']:.1f} ms, "
-              f"FSDP+TP+PP+AC {got['fsdp_tp_ac']['step_ms']:.1f} ms; ours pipelined / best other {ratio:.3f}")
+              f"({got['pp']['seconds']:.1f} s, {got['pp'].get('microbatches')} microbatches), FSDP+TP+PP "
+              f"{got['fsdp_tp']['step_ms']:.1f} ms ({got['fsdp_tp'].get('microbatches')} microbatches), "
+              f"FSDP+TP+PP+AC {got['fsdp_tp_ac']['step_ms']:.1f} ms ({got['fsdp_tp_ac'].get('microbatches')} "
+              f"microbatches); ours pipelined / best other {ratio:.3f}")
         print(got["pp"].get("table") or got["pp"].get("error"))
     print(f"worst ratio ours pipelined / best of (ours without, FSDP+TP+PP, FSDP+TP+PP+AC): {worst:.3f}")
 

@@ -1,10 +1,11 @@
+import argparse
 import json
 import re
 
 import pytest
 
 import autoshard
-from autoshard.cli import main, parse_bytes
+from autoshard.cli import main, microbatch_count, parse_bytes
 
 
 def test_demo_writes_a_plan(world, tmp_path, capsys):
@@ -169,13 +170,13 @@ def test_ranks_chooses_the_mesh(world, tmp_path, monkeypatch, capsys):
 
 
 def test_demo_pipelined_writes_a_pipeline_plan(world, tmp_path, capsys):
-    """--pipeline AXIS: the stages planned on the other axes, 4 microbatches per pipeline rank by
-    default; the file is a pipelined plan that `show` prints stage by stage."""
+    """--pipeline AXIS: the stages planned on the other axes; the file is a pipelined plan that
+    `show` prints stage by stage. --microbatches takes a count or 'auto' (the default), nothing else."""
     world(64)
     out = tmp_path / "pp.json"
     rc = main(["demo", "--model", "gpt", "--layers", "4", "--dim", "64", "--heads", "4", "--vocab", "128",
-               "--batch", "64", "--seq", "16", "--mesh", "pp=4,dp=4,tp=4", "--pipeline", "pp", "--time-limit", "20",
-               "-o", str(out)])
+               "--batch", "64", "--seq", "16", "--mesh", "pp=4,dp=4,tp=4", "--pipeline", "pp", "--microbatches", "16",
+               "--time-limit", "20", "-o", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "pipeline over 'pp' (4 ranks, 4 stages), 1f1b, 16 microbatches" in text
@@ -214,3 +215,7 @@ def test_demo_pipelined_writes_a_pipeline_plan(world, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("kind: plan -> pipelined plan")
     assert main(["demo", "--model", "gpt", "--layers", "4", "--mesh", "pp=4,dp=4,tp=4", "--pipeline", "pp",
                  "--compare"]) == 2
+    assert microbatch_count("auto") == "auto" and microbatch_count("8") == 8
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected a count >= 1 or 'auto', found '{bad}'"):
+            microbatch_count(bad)

@@ -60,8 +60,12 @@ The partition is balanced by cost, not by count: the first solve cuts the layers
 ``t`` a middle layer's time (``f + b`` per layer of a middle stage) and ``e_0``, ``e_last`` the
 first and last stages' time beyond their layers, the layers are cut again to minimize
 ``max_s (n_s t + [s = 0] e_0 + [s = S-1] e_last)`` (:func:`balanced_partition`); the new cut's
-stages are solved, once, where the stages solved estimate its step shorter (:func:`_estimated`),
-and it is kept where its step, solved, is.
+stages are solved, once, where the stages solved estimate its step shorter (:func:`_estimated`)
+and the time limit leaves at least what the first round of solves took, and it is kept where its
+step, solved, is.
+
+The microbatch count ``m`` is given, or (``"auto"``) chosen by planning the pipeline at a few
+counts (:mod:`autoshard.planning.microbatches`), each in a share of the time limit.
 
 What is not modelled yet: the optimizer step, zero-bubble schedules, and the choice of gathering
 a weight per microbatch where its buffer would not fit for the whole step (a weight its view
@@ -156,6 +160,12 @@ class PipelinePlan:
 
     step_us: float = 0.0
     """The schedule's run, each rank's gradient reduction after its last backward."""
+    microbatch_search: list[dict] = field(default_factory=list)
+    """Where the microbatch count was chosen (``microbatches="auto"``,
+    :mod:`autoshard.planning.microbatches`): per count planned, in the order planned,
+    ``{"microbatches", "step_us"}`` or ``{"microbatches", "error"}`` (it broke the budget), and its
+    ``seconds``; a last ``{"stopped": why}`` where the time limit ended the climb. Empty where the
+    count was given."""
 
     def to_json(self) -> dict:
         plans = []
@@ -169,7 +179,8 @@ class PipelinePlan:
                 "step_us": round(self.step_us, 3), "schedule_run": self.run.to_json(),
                 "memory_bytes": [int(b) for b in self.memory_bytes], "budget_bytes": int(self.budget_bytes),
                 "stages": [s.to_json(index[id(s.plan)]) for s in self.stages],
-                "plans": [p.to_json() for p in plans], "seconds": round(self.seconds, 3)}
+                "plans": [p.to_json() for p in plans], "seconds": round(self.seconds, 3),
+                "microbatch_search": self.microbatch_search}
 
     @staticmethod
     def from_json(data: dict) -> "PipelinePlan":
@@ -190,7 +201,8 @@ class PipelinePlan:
                                 stages_per_rank=data["stages_per_rank"], group=data["group"], stages=stages,
                                 run=run, memory_bytes=data["memory_bytes"], budget_bytes=data["budget_bytes"],
                                 mesh_shape=data["mesh"]["shape"], axis_names=data["mesh"]["axis_names"],
-                                seconds=data.get("seconds", 0.0), step_us=data["step_us"])
+                                seconds=data.get("seconds", 0.0), step_us=data["step_us"],
+                                microbatch_search=list(data.get("microbatch_search", [])))
         except (KeyError, TypeError, IndexError) as exc:
             raise PlanError(f"pipeline plan: missing or malformed field {exc}") from None
 
@@ -226,6 +238,11 @@ class PipelinePlan:
                          f"{s.reduce_us / 1e3:>9.2f} {self.run.in_flight[s.index]:>9} "
                          f"{human_bytes(self.memory_bytes[s.rank]):>10}")
         lines.append(f"  budget {human_bytes(self.budget_bytes)} per device")
+        if self.microbatch_search:
+            tried = [f"{r['microbatches']}: " + (f"{r['step_us'] / 1e3:.1f} ms" if "step_us" in r else "does not fit")
+                     for r in self.microbatch_search if "microbatches" in r]
+            stopped = [r["stopped"] for r in self.microbatch_search if "stopped" in r]
+            lines.append(f"  microbatches chosen among {', '.join(tried)}" + (f" ({stopped[0]})" if stopped else ""))
         return "\n".join(lines)
 
 
@@ -341,14 +358,15 @@ def _send_us(plan: Plan, boundary: torch.Tensor, profile: Profile, mesh_shape, a
     return float(profile.collective_predictor("all_to_all", 2, intra)(2 * nbytes))
 
 
-def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "pp", microbatches: int,
+def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "pp", microbatches: int | str = "auto",
                   schedule: str = "1f1b", stages_per_rank: int = 1, layers_per_stage=None,
                   loss_fn=None, baseline: str | None = None, **overrides) -> PipelinePlan:
     """Plan ``model`` pipelined over mesh axis ``axis`` (module docstring). ``layers_per_stage``:
     the partition (default: balanced by cost); ``baseline``: every stage a hand-written plan
     (:func:`autoshard.planning.baselines.baseline_pins`: ``"fsdp_tp"``, ``"fsdp_tp_ac"`` ... on the
     sub-mesh, its recomputation; torchtitan's FSDP + TP + PP), the rest solved under its pins, for
-    comparison; other keywords are
+    comparison; ``microbatches``: a count, or ``"auto"`` to choose it by planning the pipeline at a
+    few (:mod:`autoshard.planning.microbatches`, within ``time_limit`` in all); other keywords are
     :class:`~autoshard.options.PlanOptions` fields for every stage's solve (``profile``,
     ``memory_budget``, ``time_limit`` ... shared by the distinct stages)."""
     from autoshard.options import resolve, resolve_budget
@@ -361,6 +379,12 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
     sub = sub_mesh(mesh, axis)
     axis_index = names.index(axis)
     p = mesh.shape[axis_index]
+    if microbatches == "auto":
+        return _choose_microbatches(model, example_inputs, mesh, p, dict(
+            axis=axis, schedule=schedule, stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage,
+            loss_fn=loss_fn, baseline=baseline), overrides)
+    if isinstance(microbatches, str) or not isinstance(microbatches, int):
+        raise ConfigError(f"microbatches: expected a count >= 1 or 'auto', found {microbatches!r}")
     check_schedule(schedule, p, microbatches, stages_per_rank)
     n_stages = p * stages_per_rank
     groups = layer_groups(model)
@@ -444,8 +468,16 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                        stages_per_rank=stages_per_rank)
         return max(run.rank_end_us[r] + sum(plans[s][4] for s in range(r, n_stages, p)) for r in range(p))
 
+    t1 = time.perf_counter()
     plans, boundaries = stage_plans(counts)
-    if layers_per_stage is None and n_stages > 2:
+    first_round = time.perf_counter() - t1
+    # A second round of solves (another cut) needs about the time the first took: where the limit
+    # leaves less, its stages would be solved in less time than the first's and lose to them.
+    rebalance = limit - (time.perf_counter() - t0) >= first_round
+    if layers_per_stage is None and n_stages > 2 and not rebalance:
+        log.info(f"pipeline: the cut balanced by cost not tried: {limit - (time.perf_counter() - t0):.1f} s "
+                 f"left of the time limit, the first round of stage solves took {first_round:.1f} s")
+    if layers_per_stage is None and n_stages > 2 and rebalance:
         per_layer = {k: (x[1] + x[2]) / counts[k] for k, x in enumerate(plans)
                      if _role(k, n_stages) == "middle"}
         t = min(per_layer.values())
@@ -516,6 +548,62 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
                         group=prefix, stages=stages, run=run, memory_bytes=memory, budget_bytes=budget or 0.0,
                         mesh_shape=list(mesh.shape), axis_names=names, seconds=time.perf_counter() - t0,
                         step_us=step)
+
+
+#: The plans a microbatch climb makes, as its time shares are cut: the start and its two
+#: neighbours, and one more step (:func:`autoshard.planning.microbatches.climb`).
+EXPECTED_CLIMB = 4
+
+
+def _choose_microbatches(model, example_inputs, mesh, p: int, fixed: dict, overrides: dict) -> PipelinePlan:
+    """``plan_pipeline`` with the microbatch count climbed to (:mod:`autoshard.planning.microbatches`):
+    each count planned in a share of what is left of the time limit, the plan of least step kept,
+    every count tried recorded in it."""
+    from autoshard.options import resolve
+    from autoshard.planning import microbatches as mbs
+
+    t0 = time.perf_counter()
+    batch = int(example_inputs[0].shape[0])
+    counts = mbs.candidates(batch, p, fixed["schedule"], fixed["stages_per_rank"])
+    limit = float(resolve(None, overrides).time_limit)
+    plans: dict[int, PipelinePlan] = {}
+    record: list[dict] = []
+    broke: list[MemoryBudgetError] = []
+
+    def step_of(m: int) -> float:
+        left = limit - (time.perf_counter() - t0)
+        spent = [r["seconds"] for r in record]
+        # A plan that would end past the limit is not started (the fastest so far says what one
+        # takes: a pipeline's plan has a floor of splitting, tracing and solving each stage that
+        # a smaller share does not lower); the first always is.
+        if spent and left < min(spent):
+            record.append({"stopped": f"the time limit ended the climb before {m} microbatches"})
+            raise StopIteration
+        share = left / max(1, EXPECTED_CLIMB - len(record))
+        t1 = time.perf_counter()
+        try:
+            got = plan_pipeline(model, example_inputs, mesh, microbatches=m, **fixed,
+                                **dict(overrides, time_limit=max(share, 1.0)))
+        except MemoryBudgetError as exc:
+            broke.append(exc)
+            record.append({"microbatches": m, "error": first_line(exc), "seconds": round(time.perf_counter() - t1, 3)})
+            log.info(f"pipeline: {m} microbatches: {first_line(exc)}")
+            return math.inf
+        plans[m] = got
+        record.append({"microbatches": m, "step_us": round(got.step_us, 3),
+                       "seconds": round(time.perf_counter() - t1, 3)})
+        log.info(f"pipeline: {m} microbatches: step {got.step_us / 1e3:.1f} ms")
+        return got.step_us
+
+    chosen, _ = mbs.climb(counts, mbs.start(counts, p), step_of)
+    if chosen not in plans:  # every count planned broke the budget
+        errors = "; ".join(f"{r['microbatches']} microbatches: {r['error']}" for r in record if "error" in r)
+        raise MemoryBudgetError(f"pipeline: no microbatch count planned fits the memory budget ({errors})",
+                                broke[0].budget_bytes, min(e.min_feasible_bytes for e in broke))
+    best = plans[chosen]
+    best.microbatch_search = record
+    best.seconds = time.perf_counter() - t0
+    return best
 
 
 def stage_plan(pplan: PipelinePlan, stage: Stage) -> Plan:
