@@ -276,8 +276,11 @@ class PlannedProgram:
             for r, part in tc.rank_parts(t, ranks).items():
                 args[r].append(part)
         locals_.clear()
-        args = {r: get(r).conform(a) for r, a in args.items()}
+        # Outside the mode: a copy that conforms a rank's part made under LocalTensorMode is a
+        # LocalTensor of every rank's copy, nested in this rank's part (found as AdamW updating
+        # FSDP-sharded weights beside experts several times per step: each op ran per inner rank).
         with tc.outside_local_tensor_mode():
+            args = {r: get(r).conform(a) for r, a in args.items()}
             outs = run_ranks(programs, args, self.mesh)
         n = len(outs[ranks[0]])
         return [tc.from_rank_parts({r: outs[r][i] for r in ranks}) for i in range(n)]
