@@ -1,6 +1,7 @@
 """The overlap objective: windows of the run hide the communication beside their compute
 (:mod:`solver.overlap`, :mod:`autoshard.planning.windows`, :mod:`autoshard.planning.overlap`)."""
 
+import dataclasses
 import itertools
 import time
 from collections import namedtuple
@@ -225,6 +226,25 @@ def test_follow_keeps_the_least_simulated_plan_of_those_it_is_given():
     w = solver.OverlapWindows(1.0, nodes=[[1]], edges=[[0]])
     sol, record = follow(problem, gp, first, 1.0, w, oracle, deadline=time.perf_counter() + 10)
     assert sol.choice.tolist() == [0, 0, 0] and record["objective_us"] == pytest.approx(110.0)
+
+
+def test_follow_keeps_one_plan_among_equals_whatever_order_they_come_in():
+    """Two plans of equal simulated step and additive cost: the one kept does not depend on which
+    the solve answered and which came as a candidate (equal-cost optima reached from different
+    bounds made different plan files of the same inputs)."""
+    problem, gp = prefetch_or_not()
+    tie = problem.with_costs(node_costs=[np.array([0.0]), np.array([100.0]), np.array([45.0, 45.0])])
+    tie = tie.with_edge_costs([np.zeros((1, 2)), np.zeros((1, 2))])
+    gp = SimpleNamespace(**{**vars(gp), "problem": tie})
+    first = solver.solve(tie, time_limit=5)
+    a, b = np.array([0, 0, 0]), np.array([0, 0, 1])
+    kept = set()
+    for answer, other in ((a, b), (b, a)):
+        sol, record = follow(tie, gp, dataclasses.replace(first, choice=answer), 1.0, None, oracle, deadline=0.0,
+                             candidates=[("other", other)])
+        assert record["simulated_us"] == pytest.approx(145.0)
+        kept.add(tuple(sol.choice.tolist()))
+    assert len(kept) == 1
 
 
 def test_overlap_relaxed_optimum_bounds_every_simulated_step(world):

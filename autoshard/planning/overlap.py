@@ -86,7 +86,7 @@ def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
         if not ev.feasible:
             continue
         us = simulated(choice)
-        if us < best_us:
+        if _before((us, float(ev.cost), choice), (best_us, float(best.cost), best.choice)):
             # The additive solve's bound and record stay: bounds of every plan's additive objective.
             best = solver.Solution(choice, float(ev.cost), solver.Status.HEURISTIC, lower_bound=first.lower_bound,
                                    peak_usage=float(ev.peak_usage), backend=first.backend, stats=first.stats,
@@ -104,6 +104,20 @@ def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
         log.info(f"overlap objective: kept {kept}, simulated {best_us / 1e3:.3f} ms "
                  f"(additive optimum {record['additive_simulated_us'] / 1e3:.3f} ms)")
     return best, record
+
+
+def _before(a: tuple[float, float, np.ndarray], b: tuple[float, float, np.ndarray]) -> bool:
+    """Whether plan ``a`` = (simulated step, additive cost, choice) is kept over ``b``: a shorter
+    step; at an equal one (to 1e-9 relative) a smaller additive cost; at both equal the choice
+    first in byte order. The last two make the plan kept among equals the same whatever order
+    the searches offered them in (equal-cost optima, reached from different bounds, made
+    different plan files of the same inputs)."""
+    tol = 1e-9 * max(abs(a[0]), abs(b[0]), 1.0)
+    if abs(a[0] - b[0]) > tol:
+        return a[0] < b[0]
+    if abs(a[1] - b[1]) > 1e-9 * max(abs(a[1]), abs(b[1]), 1.0):
+        return a[1] < b[1]
+    return a[2].tobytes() < np.asarray(b[2]).tobytes()
 
 
 def additive_solve(plan) -> float:
