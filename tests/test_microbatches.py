@@ -90,3 +90,9 @@ def test_auto_microbatches_keeps_the_least_step_among_the_counts_planned(world):
     assert f"microbatches chosen among 8: {tried[8] / 1e3:.1f} ms, 4: " in pp.describe()
     with pytest.raises(ConfigError, match=r"microbatches: expected a count >= 1 or 'auto', found 'many'"):
         plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches="many")
+    # A limit the start's plan uses up: the start is kept, and the plan says the climb was cut.
+    short = plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches="auto", profile="h100-sxm",
+                          loss_fn=lambda out: out.float().pow(2).mean(), time_limit=0.5)
+    assert short.microbatches == 8 and [r.get("microbatches") for r in short.microbatch_search] == [8, None]
+    assert short.microbatch_search[-1] == {"stopped": "the time limit ended the climb before 4 microbatches"}
+    assert "(the time limit ended the climb before 4 microbatches)" in short.describe()
