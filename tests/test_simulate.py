@@ -43,18 +43,22 @@ def test_simulated_step_prices_the_programs_that_run(world):
     assert passes.step_us >= passes.compute_us
 
 
+def _llama_on_eight(world, profile: str):
+    """A planner of a 2-layer LLaMA, batch 16 x 64, on 8 data-parallel ranks, no budget."""
+    world(8)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, max_seq_len=64)
+    return autoshard.Planner(model, (torch.randint(0, 512, (16, 64)),), autoshard.fake_mesh((8,), ("dp",)),
+                             profile=profile, time_limit=10, memory_budget=None)
+
+
 def test_plan_simulation_overlaps_parameter_and_gradient_moves(world):
     """At plan time, on the planned graph: a plan's predicted step is its simulation, never
     above its additive step and never below its compute; an FSDP plan's gathers run ahead and
     its gradient reductions beside the backward, so part of its communication is hidden; a plan
     with no communication simulates to its additive step. The profile's overlap share moves the
     step between the additive one (0) and the perfectly overlapped walk (1), linearly."""
-    world(8)
-    torch.manual_seed(0)
-    model = llama("tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512, max_seq_len=64)
-    inputs = (torch.randint(0, 512, (16, 64)),)
-    mesh = autoshard.fake_mesh((8,), ("dp",))
-    planner = autoshard.Planner(model, inputs, mesh, profile="h100-sxm", time_limit=10, memory_budget=None)
+    planner = _llama_on_eight(world, "h100-sxm")
     fsdp = planner.solve(pins={"*": "S(0)"}, input_specs=["S(0)"])
     # Nothing sharded, additively: no communication (the overlap objective may shard activations).
     alone = planner.solve(pins={"*": "R"}, input_specs=["R"], overlap_objective=False)
@@ -233,3 +237,33 @@ def test_plan_simulation_waits_for_the_host_where_the_ops_are_small(world):
     assert hosted.summary["simulated"]["host_idle_us"] > 0
     assert hosted.summary["compute_us"] == plain.summary["compute_us"]
     assert hosted.summary["simulated"]["exposed_comm_us"] == 0
+
+
+def test_window_terms_and_the_walk_trace_account_for_every_cost_of_a_plan(world):
+    """The diagnostic of objective against walk (benchmarks/objective_gap.py): each node's compute
+    in one window, each move hideable in one window or exposed in one; with no host floors the
+    windows' parts add up to the objective at share 1; the trace covers the walk's nodes in order
+    and ends within its step; a plan another planner made has no choice here."""
+    from autoshard.errors import ConfigError
+    from autoshard.planning.simulate import walk_trace
+    from autoshard.planning.windows import overlap_windows, window_terms
+
+    planner = _llama_on_eight(world, "cpu-gloo")
+    plan = planner.solve(pins={"*": "S(0)"}, input_specs=["S(0)"])
+    _, gp = planner.variant(plan.recompute["mode"])
+    choice = planner.choice_of(plan)
+    terms = window_terms(gp, choice)
+    p = gp.problem
+    compute = sum(float(p.node_costs[v][choice[v]]) for v in range(p.num_nodes))
+    moves = sum(float(p.edge_costs[k][choice[e[0]], choice[e[1]]]) for k, e in enumerate(p.edges))
+    assert terms["compute"].sum() == pytest.approx(compute) and moves > 0
+    assert terms["exposed"].sum() + terms["hideable"].sum() == pytest.approx(moves)
+    assert terms["hideable"].sum() > 0 and not terms["floor"].any()
+    assert overlap_windows(gp, 1.0).cost(p, choice) == pytest.approx(terms["objective"].sum())
+    timeline, trace = walk_trace(gp, choice)
+    assert sorted(v for v, *_ in trace) == list(range(len(gp.nodes)))
+    assert all(b <= a for _, b, a, _ in trace) and trace[-1][2] <= timeline.step_us + 1e-6
+    assert timeline.step_us == pytest.approx(simulate_plan(gp, choice, 1.0).step_us)
+    other = _llama_on_eight(world, "cpu-gloo")
+    with pytest.raises(ConfigError, match="not made by this planner"):
+        other.choice_of(plan)

@@ -65,7 +65,7 @@ and the time limit leaves at least what the first round of solves took, and it i
 step, solved, is.
 
 The microbatch count ``m`` is given, or (``"auto"``) chosen by planning the pipeline at a few
-counts (:mod:`autoshard.planning.microbatches`), each in a share of the time limit.
+counts (:mod:`autoshard.planning.microbatches`, :func:`_choose_microbatches`) within the time limit.
 
 What is not modelled yet: the optimizer step, zero-bubble schedules, and the choice of gathering
 a weight per microbatch where its buffer would not fit for the whole step (a weight its view
@@ -383,7 +383,7 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, mesh, *, axis: str = "
         return _choose_microbatches(model, example_inputs, mesh, p, dict(
             axis=axis, schedule=schedule, stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage,
             loss_fn=loss_fn, baseline=baseline), overrides)
-    if isinstance(microbatches, str) or not isinstance(microbatches, int):
+    if not isinstance(microbatches, int):
         raise ConfigError(f"microbatches: expected a count >= 1 or 'auto', found {microbatches!r}")
     check_schedule(schedule, p, microbatches, stages_per_rank)
     n_stages = p * stages_per_rank
@@ -558,10 +558,10 @@ CLIMB_SHARE = 0.5
 def _choose_microbatches(model, example_inputs, mesh, p: int, fixed: dict, overrides: dict) -> PipelinePlan:
     """``plan_pipeline`` with the microbatch count climbed to (:mod:`autoshard.planning.microbatches`):
     the start planned within the whole time limit, as a count given would be (it is the plan kept
-    where the limit ends the climb: LLaMA-70B's start planned in a quarter of the limit had no time
-    for its cost-balanced cut and lost 4% to hand-written FSDP+TP+PP), each later count in half of
-    what is left, the last the limit affords in all of it; the plan of least step kept, every count
-    tried recorded in it."""
+    where the limit ends the climb, and in a smaller share its cost-balanced cut has no time:
+    LLaMA-70B's stages cut evenly are 4% slower), each later count in half of what is left, the
+    last the limit affords in all of it; the plan of least step kept, every count tried recorded
+    in it."""
     from autoshard.options import resolve
     from autoshard.planning import microbatches as mbs
 

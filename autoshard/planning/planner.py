@@ -685,6 +685,18 @@ class Planner:
                                   f"entries), found shape {np.shape(choice)}")
             self._hints.append((name, np.asarray(choice)))
 
+    def choice_of(self, plan: Plan) -> np.ndarray:
+        """The solver's choice, per node of the problem of ``plan``'s recompute mode
+        (:meth:`variant`), behind a plan this planner made (a solve's, or a hand-written one's
+        from :meth:`compare`)."""
+        for made, choice in self._plans.values():
+            if made is plan:
+                return np.asarray(choice)
+        for seed in self._seeds.values():
+            if isinstance(seed[0], HandWritten) and seed[0].__dict__.get("plan") is plan:
+                return np.asarray(seed[0].choice)
+        raise ConfigError("choice_of: the plan was not made by this planner")
+
     def known_choices(self) -> list[tuple[str, np.ndarray]]:
         """The plans found so far on this planner, in any mode and under any pins (the solves',
         the memory-free optima, the hand-written plans, the hints given): starts that bound a

@@ -237,6 +237,16 @@ def problem_buckets(gp, choice) -> Buckets | None:
     return plan_buckets(gp, choice, run_order(gp), gp.topo, gp.profile, gp.bucket_mb)
 
 
+def walk_trace(gp, choice) -> tuple[Timeline, list[tuple[int, float, float, float]]]:
+    """The perfectly overlapped walk of :func:`simulate_plan` (the problem's buckets) and, per node
+    in the order it ran, ``(node, compute clock before, after, how long the compute stream waited
+    for its inputs or the host)``: where a plan's step goes, window by window
+    (``benchmarks/objective_gap.py``)."""
+    walk = _Walk(gp, choice, problem_buckets(gp, choice))
+    walk.trace = []
+    return walk.run(), walk.trace
+
+
 def _walk(gp, choice, buckets: Buckets | None = None) -> Timeline:
     """:func:`simulate_plan` hiding perfectly."""
     return _Walk(gp, choice, buckets).run()
@@ -277,6 +287,9 @@ class _Walk:
         self.later: list[tuple[int, float]] = []
         """Edges of the backward program, their inputs made before it starts."""
         self.in_backward = False
+        self.trace: list[tuple[int, float, float, float]] | None = None
+        """Where asked for (:func:`walk_trace`): per node in run order, the compute clock before
+        and after it and how long the compute stream waited for it."""
 
     def advance(self, k: int, i: int, t: float) -> None:
         """Edge ``k``'s collectives from its ``i``-th on, the one before done at ``t``: alone
@@ -382,7 +395,11 @@ class _Walk:
                 self.in_backward = True
                 self.release_backward()
             self.t_host += self.host[v]
+            before = self.t_compute
             end = self.compute(v, self.inputs_arrive(v), v == last)
+            if self.trace is not None:  # a view waits for nothing on the compute stream
+                ran = self.t_compute - before
+                self.trace.append((v, before, self.t_compute, max(0.0, ran - float(self.costs[v][self.choice[v]]))))
             self.send_gradients(v, end)
         self.release_backward()  # a graph with no backward node
         tl.step_us = max(self.t_compute, self.t_comm)

@@ -45,22 +45,54 @@ def overlap_windows(gp, share: float) -> solver.OverlapWindows | None:
     if share <= 0:
         return None
     segment, count = segments(gp)
-    release, deadline = reach(gp, segment, count)
     nodes = [[] for _ in range(count)]
     for v, s in enumerate(segment.tolist()):
         nodes[s].append(v)
     edges = [[] for _ in range(count)]
-    for k, e in enumerate(gp.edges):
-        r = release[e.producer]
-        d = count if e.arg < 0 else deadline[e.consumer]
-        if d == count and r + 1 < count:
-            edges[r + 1].append(k)
-        elif d < count and d - 1 > r:
-            edges[d - 1].append(k)
+    for k, w in enumerate(edge_windows(gp, segment, count)):
+        if w >= 0:
+            edges[w].append(k)
     issue = gp.issue_us()
     floor = [sum(issue[v] for v in members) for members in nodes]
     windows = solver.OverlapWindows.merged(gp.problem, share, nodes, edges, floor)
     return windows if len(windows) else None
+
+
+def edge_windows(gp, segment: np.ndarray, count: int) -> list[int]:
+    """Per planned edge, the window whose compute it may run beside (module doc), -1 where none
+    (exposed)."""
+    release, deadline = reach(gp, segment, count)
+    out = []
+    for e in gp.edges:
+        r = release[e.producer]
+        d = count if e.arg < 0 else deadline[e.consumer]
+        out.append(r + 1 if d == count and r + 1 < count else d - 1 if d < count and d - 1 > r else -1)
+    return out
+
+
+def window_terms(gp, choice) -> dict[str, np.ndarray]:
+    """``choice``'s terms per window of the run, the windows not merged: ``compute`` (``C_w``),
+    ``floor`` (``I_w``), ``hideable`` (``H_w``), ``exposed`` (the moves into the window's nodes
+    that no window may hide), ``objective`` (the window's share of the overlap objective with every
+    hideable move hidden: ``S_w + exposed_w + H_w - min(S_w, H_w)``), and ``segment`` (each node's
+    window). A diagnostic of the objective against the walk (``benchmarks/objective_gap.py``)."""
+    segment, count = segments(gp)
+    problem = gp.problem
+    choice = np.asarray(choice)
+    compute, floor, hideable, exposed = (np.zeros(count) for _ in range(4))
+    issue = gp.issue_us()
+    for v in range(len(gp.nodes)):
+        compute[segment[v]] += float(problem.node_costs[v][choice[v]])
+        floor[segment[v]] += issue[v]
+    for k, (e, w) in enumerate(zip(gp.edges, edge_windows(gp, segment, count))):
+        us = float(problem.edge_costs[k][choice[e.producer], choice[e.consumer]])
+        if w >= 0:
+            hideable[w] += us
+        else:
+            exposed[segment[e.consumer if e.arg >= 0 else e.producer]] += us
+    span = np.maximum(compute, floor)
+    return {"compute": compute, "floor": floor, "hideable": hideable, "exposed": exposed, "segment": segment,
+            "objective": span + exposed + hideable - np.minimum(span, hideable)}
 
 
 def segments(gp) -> tuple[np.ndarray, int]:
