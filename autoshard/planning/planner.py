@@ -181,6 +181,8 @@ class Planner:
         self._variants: dict[str, tuple[Recompute, GraphProblem]] = {"none": (NONE, gp)}
         self._choices: dict[str, Recompute] = {"none": NONE}
         self._plans: dict[str, tuple[Plan, object]] = {}
+        self._made: list[tuple[Plan, object]] = []
+        """Every solve's (plan, choice), those a faster hand-written plan replaced in ``_plans`` too."""
         self._free: dict[str, solver.MemoryFree] = {}
         """Memory-free optima that are proved and fit their budget, by problem: a solve of that
         problem has its answer (:meth:`memory_free`)."""
@@ -306,6 +308,7 @@ class Planner:
         started = time.perf_counter()
         result = self._within_account(opts, started)
         self._plans[key] = result
+        self._made.append(result)
         return result[0]
 
     def _within_account(self, opts: PlanOptions, started: float) -> tuple[Plan, object]:
@@ -689,7 +692,7 @@ class Planner:
         """The solver's choice, per node of the problem of ``plan``'s recompute mode
         (:meth:`variant`), behind a plan this planner made (a solve's, or a hand-written one's
         from :meth:`compare`)."""
-        for made, choice in self._plans.values():
+        for made, choice in [*self._plans.values(), *self._made]:
             if made is plan:
                 return np.asarray(choice)
         for seed in self._seeds.values():
