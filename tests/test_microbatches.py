@@ -75,8 +75,9 @@ def test_auto_microbatches_keeps_the_least_step_among_the_counts_planned(world):
                       max_seq_len=64)
     tokens = torch.empty(16, 64, dtype=torch.long, device="meta")
     mesh = autoshard.fake_mesh((2, 2, 2), ("pp", "dp", "tp"))
+    # A limit no count's plan comes near, however loaded the machine: the climb ends by its rule.
     pp = plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches="auto", profile="h100-sxm",
-                       loss_fn=lambda out: out.float().pow(2).mean(), time_limit=30)
+                       loss_fn=lambda out: out.float().pow(2).mean(), time_limit=600)
     tried = {r["microbatches"]: r["step_us"] for r in pp.microbatch_search}
     assert list(tried)[:3] == [8, 4, 16]
     assert tried[pp.microbatches] == min(tried.values()) == pytest.approx(pp.step_us, abs=1e-3)
