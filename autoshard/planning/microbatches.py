@@ -103,7 +103,8 @@ def climb(counts: list[int], first: int, step_of: Callable[[int], float]) -> tup
 
 
 def _unvisited_side(counts: list[int], k: int, steps: dict[int, float]) -> int | None:
-    """The nearest unplanned index beyond ``k``'s planned neighbours, more microbatches first."""
+    """The nearest index not planned yet above ``k`` (more microbatches), else below it; None
+    where every count is planned."""
     for j in list(range(k + 1, len(counts))) + list(range(k - 1, -1, -1)):
         if counts[j] not in steps:
             return j
