@@ -121,6 +121,43 @@ def test_windows_solve_is_never_worse_than_its_start_and_its_bound_holds(seed):
     assert answer.candidates[0][1].tobytes() == answer.best[1].tobytes()
 
 
+def test_windows_weights_move_in_a_box_that_halves_after_each_solve_without_a_better_dual(monkeypatch):
+    """Kelley's step within a box around the weights of the best dual value: the first solve's
+    proved bound moves the center there; each later solve proves nothing (its dual does not
+    rise), so the box halves each time, and every weight stays within it."""
+    import solver.overlap as so
+
+    problem = random_problem(np.random.default_rng(21), n=7)
+    m = problem.num_edges
+    w = solver.OverlapWindows(0.9, nodes=[[0, 1, 2], [3, 4]], edges=[list(range(0, m, 2)), list(range(1, m, 2))],
+                              floor=[0.0, 30.0])
+    boxes = []
+    real = so._next_weights
+
+    def spy(planes, windows, center=None, radius=1.0):
+        a, b, top = real(planes, windows, center, radius)
+        if center is not None:
+            boxes.append((np.concatenate(center), radius, np.concatenate([a, b])))
+        return a, b, top
+
+    solves = []
+
+    def first_proves(weighed, seconds, starts):
+        sol = solver.solve(weighed, time_limit=seconds, starts=starts)
+        solves.append(sol)
+        return sol if len(solves) == 1 else dataclasses.replace(sol, lower_bound=None)
+
+    monkeypatch.setattr(so, "_next_weights", spy)
+    first = solver.solve(problem, time_limit=5)
+    answer = solver.solve_windows(problem, w, first_proves, time.perf_counter() + 20,
+                                  starts=[("additive", first.choice)], stall=99, max_solves=5)
+    assert len(answer.record) == 5 and answer.record[0]["dual_us"] is not None
+    assert [r for _, r, _ in boxes] == [1.0, 1.0, 0.5, 0.25, 0.125]
+    for center, radius, weights in boxes:
+        assert np.all(np.abs(weights - center) <= radius + 1e-9)
+    assert all(np.array_equal(boxes[1][0], c) for c, _, _ in boxes[2:])  # no better dual: the center stays
+
+
 def test_equal_windows_merge_into_their_union_and_the_objective_stays():
     """Two tied layers: their windows are one function of the choice, merged (one weight)."""
     problem = solver.Problem(
