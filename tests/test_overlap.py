@@ -121,41 +121,33 @@ def test_windows_solve_is_never_worse_than_its_start_and_its_bound_holds(seed):
     assert answer.candidates[0][1].tobytes() == answer.best[1].tobytes()
 
 
-def test_windows_weights_move_in_a_box_that_halves_after_each_solve_without_a_better_dual(monkeypatch):
+def test_windows_weights_move_in_a_box_that_halves_after_each_solve_without_a_better_dual():
     """Kelley's step within a box around the weights of the best dual value: the first solve's
-    proved bound moves the center there; each later solve proves nothing (its dual does not
-    rise), so the box halves each time, and every weight stays within it."""
-    import solver.overlap as so
-
+    proved bound makes its weights the center; no later solve proves a bound (its dual does not
+    rise), so the box (half-width 1 at first) halves after each: the third solve's weights lie
+    within 1/2 of the first's, the fourth's within 1/4, the fifth's within 1/8. The weights are
+    read off each weighed problem (window w's node costs times a_w, its edges' times
+    2 - eta - a_w - b_w)."""
     problem = random_problem(np.random.default_rng(21), n=7)
-    m = problem.num_edges
-    w = solver.OverlapWindows(0.9, nodes=[[0, 1, 2], [3, 4]], edges=[list(range(0, m, 2)), list(range(1, m, 2))],
-                              floor=[0.0, 30.0])
-    boxes = []
-    real = so._next_weights
-
-    def spy(planes, windows, center=None, radius=1.0):
-        a, b, top = real(planes, windows, center, radius)
-        if center is not None:
-            boxes.append((np.concatenate(center), radius, np.concatenate([a, b])))
-        return a, b, top
-
-    solves = []
+    m, eta = problem.num_edges, 0.9
+    nodes, edges = [[0, 1, 2], [3, 4]], [list(range(0, m, 2)), list(range(1, m, 2))]
+    w = solver.OverlapWindows(eta, nodes=nodes, edges=edges, floor=[0.0, 30.0])
+    weights = []
 
     def first_proves(weighed, seconds, starts):
+        a = [weighed.node_costs[ns[0]][0] / problem.node_costs[ns[0]][0] for ns in nodes]
+        scale = [weighed.edge_costs[es[0]][0, 0] / problem.edge_costs[es[0]][0, 0] for es in edges]
+        weights.append(np.array(a + [2 - eta - x - s for x, s in zip(a, scale)]))
         sol = solver.solve(weighed, time_limit=seconds, starts=starts)
-        solves.append(sol)
-        return sol if len(solves) == 1 else dataclasses.replace(sol, lower_bound=None)
+        return sol if len(weights) == 1 else dataclasses.replace(sol, lower_bound=None)
 
-    monkeypatch.setattr(so, "_next_weights", spy)
     first = solver.solve(problem, time_limit=5)
     answer = solver.solve_windows(problem, w, first_proves, time.perf_counter() + 20,
                                   starts=[("additive", first.choice)], stall=99, max_solves=5)
     assert len(answer.record) == 5 and answer.record[0]["dual_us"] is not None
-    assert [r for _, r, _ in boxes] == [1.0, 1.0, 0.5, 0.25, 0.125]
-    for center, radius, weights in boxes:
-        assert np.all(np.abs(weights - center) <= radius + 1e-9)
-    assert all(np.array_equal(boxes[1][0], c) for c, _, _ in boxes[2:])  # no better dual: the center stays
+    assert all(r["dual_us"] is None for r in answer.record[1:])
+    for k, radius in ((2, 0.5), (3, 0.25), (4, 0.125)):
+        assert np.abs(weights[k] - weights[0]).max() <= radius + 1e-6, (k, weights[k], weights[0])
 
 
 def test_equal_windows_merge_into_their_union_and_the_objective_stays():
