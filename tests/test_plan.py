@@ -350,6 +350,34 @@ def test_a_hand_written_plan_predicted_faster_than_the_proved_optimum_is_the_pla
     assert autoshard.Plan.from_json(json.loads(json.dumps(plan.to_json()))).summary.solve_alone == alone
 
 
+def test_the_safety_net_solved_ahead_in_a_worker_gives_the_plan_it_gives_in_process(world, monkeypatch):
+    """Where the solve proves its additive plan, the hand-written plans are solved in a worker
+    forked before the overlap objective's rounds; the plan (here TP's, predicted faster than the
+    solve's) is the one the net gives solved after the solve in this process, apart from timings."""
+    from autoshard.planfile import without_timings
+    from autoshard.planning.netahead import NetAhead
+
+    world(4)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128,
+                  attention="math")
+    inputs = (torch.randint(0, 2048, (16, 128)),)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    forked, start = [], NetAhead.start
+
+    def spy(self):
+        start(self)
+        forked.append(self.pool is not None)
+
+    monkeypatch.setattr(NetAhead, "start", spy)
+    ahead = autoshard.plan(model, inputs, mesh, profile="cpu-gloo", time_limit=10, memory_budget=None)
+    assert forked == [True]
+    monkeypatch.setattr(NetAhead, "start", lambda self: None)
+    here = autoshard.plan(model, inputs, mesh, profile="cpu-gloo", time_limit=10, memory_budget=None)
+    assert ahead.solver["source"].startswith("baseline tp ")
+    assert without_timings(ahead.to_json()) == without_timings(here.to_json())
+
+
 def test_hand_written_plans_whose_floor_reaches_the_best_found_are_not_solved(world, monkeypatch):
     """Every step holds its compute, and a recomputing plan its recomputed copies' too: bounded
     by compute alone, FSDP+TP with full recomputation cannot beat the best hand-written plan

@@ -38,6 +38,7 @@ from autoshard.planning.baselines import (
     baseline_recompute,
     baselines_for,
 )
+from autoshard.planning.netahead import NOT_STARTED, NetAhead
 from autoshard.planning.overlap import additive_solve, follow, relaxed
 from autoshard.planning.pins import resolve_pins, to_spec
 from autoshard.planning.problem import (
@@ -195,6 +196,8 @@ class Planner:
         overlap objective starts from (:meth:`_with_windows`)."""
         self._hints: list[tuple[str, np.ndarray]] = []
         """Plans of this model on this mesh found by another planner (:meth:`hint`)."""
+        self._net: NetAhead | None = None
+        """The safety net of the plan being solved, where it may run ahead (:mod:`.netahead`)."""
         self._seeds: dict[str, tuple[HandWritten | str, float, bool]] = {}
         """Hand-written plans by options: (the plan or why it failed, the seconds it was given,
         whether more time cannot change it: proved optimal, or not writable for this model)."""
@@ -382,14 +385,28 @@ class Planner:
         """One plan under ``opts``, its memory rows limited by ``opts.memory_budget``, in what is
         left of ``opts.time_limit`` since ``started``."""
         left = max(1.0, opts.time_limit - (time.perf_counter() - started))
-        if opts.recompute != "auto":
-            result = self._solve_mode(opts, left)
-        elif not self.traced.layer_groups or self._budget(opts) is None:  # nothing to trade memory for
-            result = self._solve_mode(opts.replace(recompute="none"), left)
-        else:
-            result = self._solve_auto(opts.replace(time_limit=left))
-        left = opts.time_limit - (time.perf_counter() - started)
-        return self._or_hand_written(opts, result, max(1.0, min(BASELINES_SHARE * opts.time_limit, left)))
+        net = BASELINES_SHARE * opts.time_limit
+        if opts.seed_baselines and opts.input_specs is None and opts.overlap_objective:
+            # The net's budget is what it gets after the solve when the solve ends by its work,
+            # as it does where the net starts ahead (the solve proved its additive plan).
+            def ahead() -> tuple[str, float] | None:  # runs in the worker: its name and step come back
+                found = self._hand_written_of(opts, max(1.0, net), float("inf"))
+                return None if found is None else (found[0], found[1].step_us)
+
+            self._net = NetAhead(ahead)
+        try:
+            if opts.recompute != "auto":
+                result = self._solve_mode(opts, left)
+            elif not self.traced.layer_groups or self._budget(opts) is None:  # nothing to trade memory for
+                result = self._solve_mode(opts.replace(recompute="none"), left)
+            else:
+                result = self._solve_auto(opts.replace(time_limit=left))
+            left = opts.time_limit - (time.perf_counter() - started)
+            return self._or_hand_written(opts, result, max(1.0, min(net, left)))
+        finally:
+            if self._net is not None:
+                self._net.close()
+                self._net = None
 
     def _or_hand_written(self, opts: PlanOptions, result: tuple[Plan, object],
                          seconds: float) -> tuple[Plan, object]:
@@ -403,13 +420,15 @@ class Planner:
                                     "source": plan.solver.get("source"), "seeded": "seeds" in plan.solver}
         if "seeds" in plan.solver or not opts.seed_baselines or opts.input_specs is not None:
             return result
-        # Bounded by compute alone: the bounds of the additive step bound no step the buckets
-        # price (a TP plan's collectives, merged, cost a fraction of its additive communication on
-        # gloo), while every step holds its compute (a recomputing plan: its copies' too).
-        compute = self.cheapest_bound(**_solve_fields(opts.replace(recompute="none")))
-        found = self.hand_written(seconds, additive_floor_us=compute, compute_floor_us=compute,
-                                  below=plan.summary.step_us,
-                                  **{f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"})
+        ahead = self._net.answer() if self._net is not None else NOT_STARTED
+        if ahead is NOT_STARTED:
+            found = self._hand_written_of(opts, seconds, plan.summary.step_us)
+        elif ahead is None or ahead[1] >= plan.summary.step_us - 1e-3:
+            found = None
+        else:  # solved ahead in the worker: solved again here (the same pinned solve) to assemble it
+            seed = self._baselines([ahead[0]], self._options({f: getattr(opts, f) for f in SOLVE_FIELDS
+                                                              if f != "time_limit"}), seconds)[ahead[0]]
+            found = (ahead[0], seed) if isinstance(seed, HandWritten) else None
         if found is None or found[1].step_us >= plan.summary.step_us - 1e-3:
             return result
         name, seed = found
@@ -417,6 +436,16 @@ class Planner:
         taken = seed.as_ours(name, f"predicted faster than the solve's plan, {plan.summary.step_us / 1e3:.3f} ms")
         taken.summary.solve_alone = plan.summary.solve_alone
         return taken, seed.choice
+
+    def _hand_written_of(self, opts: PlanOptions, seconds: float, below: float):
+        """:meth:`hand_written` under ``opts``'s solve fields, in ``seconds``, bounded as the safety
+        net bounds it: by compute alone (the bounds of the additive step bound no step the buckets
+        price: a TP plan's collectives, merged, cost a fraction of its additive communication on
+        gloo, while every step holds its compute; a recomputing plan its copies' too)."""
+        compute = self.cheapest_bound(**_solve_fields(opts.replace(recompute="none")))
+        found = self.hand_written(seconds, additive_floor_us=compute, compute_floor_us=compute, below=below,
+                                  **{f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"})
+        return found
 
     def _solve_auto(self, opts: PlanOptions) -> tuple[Plan, object]:
         """``recompute="auto"``: the cheapest of the three modes, each solved in an equal share of
@@ -799,6 +828,8 @@ class Planner:
 
         # Where memory binds, a weighed solve is a search of seconds (LLaMA-70B: 2.5-4 s), not a
         # proof of a fraction of one: the decomposition stops at its first solve without gain.
+        if windows is not None and free_stage and not asked and self._net is not None:
+            self._net.start()  # nothing of the rounds depends on the hand-written plans: they run beside
         sol, overlap = follow(problem, gp, sol, self.profile.overlap, windows, solve_weighed, t1 + time_limit,
                               candidates=starts + asked + pool, simulated=simulated,
                               stall=solver.overlap.STALL if free_stage else 1)
