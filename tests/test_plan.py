@@ -322,18 +322,22 @@ def test_every_fallback_is_counted_in_the_summary(mesh64, monkeypatch, caplog):
     assert "rule of aten.relu.default raised" in logged and "FLOPs of aten.mm.default could not be counted" in logged
 
 
+def _where_a_hand_written_plan_wins(world):
+    """(model, inputs, mesh): a 2-layer LLaMA with math attention on (2, 2), where the additive
+    optimum and the simulated step disagree and a hand-written plan is predicted faster than the
+    solve's (with the fused kernel this model's solve is itself the fastest plan)."""
+    world(4)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128,
+                  attention="math")
+    return model, (torch.randint(0, 2048, (16, 128)),), autoshard.fake_mesh((2, 2), ("dp", "tp"))
+
+
 def test_a_hand_written_plan_predicted_faster_than_the_proved_optimum_is_the_plan(world):
     """The safety net: on the additive objective the solve proves its optimum, but the predicted
     step is simulated (buckets, overlap), which a hand-written plan can beat: ``plan()`` weighs
     them and answers with it, labelled; without seeds the solve's own plan comes back."""
-    world(4)
-    torch.manual_seed(0)
-    # Math attention: a case where the additive optimum and the simulated step disagree (with the
-    # fused kernel this model's solve is itself the fastest plan).
-    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128,
-                  attention="math")
-    inputs = (torch.randint(0, 2048, (16, 128)),)
-    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    model, inputs, mesh = _where_a_hand_written_plan_wins(world)
     own = autoshard.plan(model, inputs, mesh, profile="cpu-gloo", time_limit=10, memory_budget=None,
                          seed_baselines=False, overlap_objective=False)
     assert own.solver["status"] == "optimal" and not own.solver["source"].startswith("baseline")
@@ -357,12 +361,7 @@ def test_the_safety_net_solved_ahead_in_a_worker_gives_the_plan_it_gives_in_proc
     from autoshard.planfile import without_timings
     from autoshard.planning.netahead import NetAhead
 
-    world(4)
-    torch.manual_seed(0)
-    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128,
-                  attention="math")
-    inputs = (torch.randint(0, 2048, (16, 128)),)
-    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    model, inputs, mesh = _where_a_hand_written_plan_wins(world)
     forked, start = [], NetAhead.start
 
     def spy(self):
