@@ -387,10 +387,11 @@ class Planner:
         left = max(1.0, opts.time_limit - (time.perf_counter() - started))
         net = BASELINES_SHARE * opts.time_limit
         if opts.seed_baselines and opts.input_specs is None and opts.overlap_objective:
-            # The net's budget is what it gets after the solve when the solve ends by its work,
-            # as it does where the net starts ahead (the solve proved its additive plan).
             def ahead() -> tuple[str, float] | None:  # runs in the worker: its name and step come back
-                found = self._hand_written_of(opts, max(1.0, net), float("inf"))
+                # Its share of the limit, within what is left of the limit when it starts (after
+                # the solve it had that share within what the solve left).
+                left_now = opts.time_limit - (time.perf_counter() - started)
+                found = self._hand_written_of(opts, max(1.0, min(net, left_now)), float("inf"))
                 return None if found is None else (found[0], found[1].step_us)
 
             self._net = NetAhead(ahead)
