@@ -280,11 +280,12 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
     center, radius = (a, b), RADIUS
     for i in range(max_solves):
         if planes:
-            top = _next_weights(planes, windows)[2]
+            a, b, top = _next_weights(planes, windows)
             if dual is not None and top - dual <= gap * max(abs(top), 1e-9):
                 stopped = "converged"
                 break
-            a, b, _ = _next_weights(planes, windows, center, radius)
+            if radius < 1.0:  # a box of half-width 1 holds the whole polytope: Kelley's step is the step
+                a, b, _ = _next_weights(planes, windows, center, radius)
         left = deadline - time.perf_counter()
         if left < MIN_ORACLE_SECONDS:
             stopped = "time limit"

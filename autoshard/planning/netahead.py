@@ -6,13 +6,13 @@ FSDP+TP+AC, each solved under its pins: :meth:`Planner.hand_written
 faster. Where the solve's cheap stages proved its additive plan (memory does not bind), nothing
 of the solve depends on them, and the overlap objective's rounds that follow run on one core:
 the hand-written plans are then solved in a worker forked at that point, on another core, and
-only the faster one's name and step come back (LLaMA-8B on (8, 8): 2.5-3 s of a 12 s plan ran
-after the rounds). The answer is the one the in-process net gives: the same pinned solves in the
+only the faster one's name and step come back (LLaMA-8B on (8, 8): the net is 2.5-3 s of
+solves). The answer is the one the in-process net gives: the same pinned solves in the
 same time, from the same state; where the worker's plan is faster the planner solves that one
 plan again under its pins, in process, to assemble it.
 
 No worker where none can be forked (one core, a real process group, a process that is itself a
-forked worker: a mesh search's, a pipeline stage's): the net then runs after the solve, as before.
+forked worker: a mesh search's, a pipeline stage's): the net then runs after the solve.
 """
 
 from __future__ import annotations

@@ -388,8 +388,8 @@ class Planner:
         net = BASELINES_SHARE * opts.time_limit
         if opts.seed_baselines and opts.input_specs is None and opts.overlap_objective:
             def ahead() -> tuple[str, float] | None:  # runs in the worker: its name and step come back
-                # Its share of the limit, within what is left of the limit when it starts (after
-                # the solve it had that share within what the solve left).
+                # Its share of the limit, within what is left of the limit when it starts (the
+                # net solved after the solve gets it within what the solve left).
                 left_now = opts.time_limit - (time.perf_counter() - started)
                 found = self._hand_written_of(opts, max(1.0, min(net, left_now)), float("inf"))
                 return None if found is None else (found[0], found[1].step_us)
@@ -427,8 +427,7 @@ class Planner:
         elif ahead is None or ahead[1] >= plan.summary.step_us - 1e-3:
             found = None
         else:  # solved ahead in the worker: solved again here (the same pinned solve) to assemble it
-            seed = self._baselines([ahead[0]], self._options({f: getattr(opts, f) for f in SOLVE_FIELDS
-                                                              if f != "time_limit"}), seconds)[ahead[0]]
+            seed = self._baselines([ahead[0]], self._options(_net_fields(opts)), seconds)[ahead[0]]
             found = (ahead[0], seed) if isinstance(seed, HandWritten) else None
         if found is None or found[1].step_us >= plan.summary.step_us - 1e-3:
             return result
@@ -444,9 +443,8 @@ class Planner:
         price: a TP plan's collectives, merged, cost a fraction of its additive communication on
         gloo, while every step holds its compute; a recomputing plan its copies' too)."""
         compute = self.cheapest_bound(**_solve_fields(opts.replace(recompute="none")))
-        found = self.hand_written(seconds, additive_floor_us=compute, compute_floor_us=compute, below=below,
-                                  **{f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"})
-        return found
+        return self.hand_written(seconds, additive_floor_us=compute, compute_floor_us=compute, below=below,
+                                 **_net_fields(opts))
 
     def _solve_auto(self, opts: PlanOptions) -> tuple[Plan, object]:
         """``recompute="auto"``: the cheapest of the three modes, each solved in an equal share of
@@ -869,6 +867,12 @@ def _solve_fields(opts: PlanOptions) -> dict:
     """The fields of ``opts`` that shape the solver's problem."""
     return {"pins": opts.pins, "input_specs": opts.input_specs, "memory_budget": opts.memory_budget,
             "recompute": opts.recompute}
+
+
+def _net_fields(opts: PlanOptions) -> dict:
+    """The options the safety net's hand-written plans are solved under: ``opts``'s solve fields
+    but its time limit (the net has its own share)."""
+    return {f: getattr(opts, f) for f in SOLVE_FIELDS if f != "time_limit"}
 
 
 def _project(choice, gp: GraphProblem) -> np.ndarray:
