@@ -76,6 +76,16 @@ class ExactModel:
     def choice(self, picked) -> np.ndarray:
         return np.array([self.allowed[h][picked[self.index[h]]] for h in self.rep.tolist()], dtype=np.int64)
 
+    def values(self, choice: np.ndarray) -> np.ndarray:
+        """A choice of the problem as a value per network variable (its tie group's head's
+        strategy); a strategy the network dropped (dominated) becomes the variable's cheapest value."""
+        heads = np.nonzero(self.index >= 0)[0]
+        picked = np.empty(heads.size, dtype=np.int64)
+        for h in heads.tolist():
+            var, where = int(self.index[h]), np.nonzero(self.allowed[h] == choice[h])[0]
+            picked[var] = int(where[0]) if where.size else int(np.argmin(self.costs[var]))
+        return picked
+
     @property
     def entries(self) -> int:
         """Cost-table entries, unary and pairwise: the network's size, what a search step costs."""

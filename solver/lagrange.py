@@ -15,7 +15,7 @@ the inner minimum is a pairwise problem of the same graph whose node costs carry
 their bytes over their lifetime: toulbar2 on the tie quotient, as the memory-free stage
 (:func:`solver.cfn.solve_pairwise`; its rounding ``slack`` taken off keeps the bound valid).
 Each round's minimizer ``x_mu`` is a candidate where it fits, and is otherwise repaired into the
-limit (:func:`solver.heuristic.repair_memory`, then a local search). The prices follow the
+limit (the caller's repair: :mod:`solver.rowrepair` in :func:`solver.solve`). The prices follow the
 projected subgradient ``g_k = U_k(x_mu) - M`` (0 where ``mu_k = 0`` and ``g_k < 0``: such a
 segment stays unpriced, so it takes no share of the step) with Polyak's step toward the best
 feasible cost ``UB``:
@@ -85,10 +85,11 @@ class LagrangeRounds:
     known to fit (inf: none); :attr:`answer` is what the rounds found."""
 
     def __init__(self, problem: Problem, free: np.ndarray, free_bound: float, upper: float = math.inf,
-                 gap: float = 1e-6, max_rounds: int = MAX_ROUNDS):
+                 gap: float = 1e-6, max_rounds: int = MAX_ROUNDS, repair=None):
         if problem.usage_limit is None:
             raise ValueError("LagrangeRounds needs a memory limit (problem.usage_limit is None)")
         self.problem, self.gap, self.max_rounds = problem, gap, max_rounds
+        self.repair = repair or _repair_nodes(problem)
         self.q, self.group = quotient(problem)
         self.mem = Memory(problem, free)
         self.members: list[list[int]] = [[] for _ in range(self.q.num_nodes)]
@@ -174,10 +175,8 @@ class LagrangeRounds:
         if fits:
             found = self._offer(choice)
         else:
-            until = min(deadline, time.perf_counter() + REPAIR_SECONDS)
-            fixed = heuristic.repair_memory(problem, choice, until)
-            found = fixed is not None and self._offer(
-                heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until))
+            fixed = self.repair(choice, min(deadline, time.perf_counter() + REPAIR_SECONDS))
+            found = fixed is not None and self._offer(fixed)
         if log.isEnabledFor(logging.DEBUG):  # the plan's cost is one more evaluation: only when shown
             log.debug(f"lagrange round {ans.rounds}: bound {ans.lower:.6g}, plan {evaluate(problem, choice).cost:.6g} "
                       f"({'fits' if fits else f'{usage.max() - limit:.4g} over'}), best {self.best:.6g}")
@@ -195,10 +194,20 @@ class LagrangeRounds:
         return self.done
 
 
+def _repair_nodes(problem: Problem):
+    def repair(choice: np.ndarray, until: float) -> np.ndarray | None:
+        fixed = heuristic.repair_memory(problem, choice, until)
+        return None if fixed is None else heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until)
+    return repair
+
+
 def lagrange_memory(problem: Problem, free: np.ndarray, free_bound: float, deadline: float,
-                    upper: float = math.inf, gap: float = 1e-6, max_rounds: int = MAX_ROUNDS) -> LagrangeAnswer:
-    """:class:`LagrangeRounds` run to their end, alone."""
-    rounds = LagrangeRounds(problem, free, free_bound, upper, gap, max_rounds)
+                    upper: float = math.inf, gap: float = 1e-6, max_rounds: int = MAX_ROUNDS,
+                    repair=None) -> LagrangeAnswer:
+    """:class:`LagrangeRounds` run to their end, alone. ``repair(choice, until)``: a round's plan
+    that breaks the limit moved into it (None: nothing found); node by node
+    (:func:`solver.heuristic.repair_memory`, then a local search) unless given."""
+    rounds = LagrangeRounds(problem, free, free_bound, upper, gap, max_rounds, repair)
     while not rounds.step(deadline):
         pass
     return rounds.answer

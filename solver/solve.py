@@ -13,8 +13,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from solver import cfn, heuristic, highs_model, ilp, lns, weights
+from solver import cfn, heuristic, highs_model, ilp, lns, rowrepair, weights
 from solver.clock import WorkClock
+from solver.core import cost_scale
 from solver.evaluate import evaluate, memory_profile
 from solver.exact import build_exact
 from solver.exact import finish as exact_answer
@@ -26,6 +27,7 @@ from solver.memrows import RowsTooLarge
 from solver.milp_child import MilpChild
 from solver.problem import FORBIDDEN, Problem, ProvedInfeasible
 from solver.quotient import quotient, tie_heads
+from solver.rowrepair import RowNetwork
 from solver.schedule import DEFAULT as DEFAULT_SCHEDULE
 from solver.schedule import Schedule
 from solver.stall import DEFAULT_STALL, StallRule
@@ -396,12 +398,10 @@ def solve(
         t_late = time.perf_counter()
         _offer_starts(run, late_starts())
         run.t0 += time.perf_counter() - t_late
-    model = None
-    groups = len(np.unique(tie_heads(problem)))
-    if exact and problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
-        model = _exact_model(problem, run.inc.cost if run.inc.feasible else None)
+    model = _network(run) if exact else None
     if model is None:
         return _milp_or_weights(run)
+    model = dataclasses.replace(model, scale=cost_scale(problem, run.inc.cost if run.inc.feasible else np.inf))
     return _exact_stage(run, model)
 
 
@@ -424,6 +424,10 @@ class _Run:
     free_upper: tuple[float, np.ndarray] | None = None
     """The least cost of the starts, memory ignored, and its choice: the memory-free search's
     first upper bound."""
+    model: object = None
+    """The exact network, once built (:func:`_network`; False: it cannot be)."""
+    repairer: tuple | None = None
+    """:func:`_repairer`'s answer, once made."""
     free: tuple[np.ndarray, float] | None = None
     """The memory-free optimum, proved, where it breaks the limit, and its bound: where the
     Lagrangian stage starts."""
@@ -542,16 +546,7 @@ def _pairwise_stage(run: _Run) -> Solution | None:
     if proved and not ev.feasible:
         run.free = (choice, bound)
     if not ev.feasible:
-        # Where memory binds, the memory-free optimum given up a little at a time is often a far
-        # better start than the least-usage one (LLaMA-8B at sequence 8192: 3.6 s against 210 s).
-        until, t1 = run.deadline("repair"), time.perf_counter()
-        fixed = heuristic.repair_memory(run.problem, choice, until)
-        if fixed is not None:
-            fixed = heuristic.local_search(run.problem, fixed, max_rounds=1000, deadline=until)
-            run.inc.offer(fixed, "repair")
-        log.info(f"repair of the memory-free optimum: "
-                 f"{'nothing fits' if fixed is None else f'cost {evaluate(run.problem, fixed).cost:.6g}'} "
-                 f"after {time.perf_counter() - t1:.2f}s")
+        _repair_stage(run, choice)
     if not proved:
         return None
     run.bound = bound
@@ -565,6 +560,60 @@ def _pairwise_stage(run: _Run) -> Solution | None:
     return None
 
 
+def _repair_stage(run: _Run, choice: np.ndarray) -> None:
+    """Where memory binds, the memory-free optimum given up a little at a time is often a far
+    better start than the least-usage one (LLaMA-8B at sequence 8192: 3.6 s against 210 s): on
+    the exact network's rows where it can be built (:mod:`solver.rowrepair`: moves of whole tie
+    groups carrying the views that must follow them), else node by node
+    (:func:`solver.heuristic.repair_memory`)."""
+    until, t1 = run.deadline("repair"), time.perf_counter()
+    repair, how = _repairer(run)
+    fixed = repair(choice, until)
+    if fixed is not None:
+        run.inc.offer(fixed, "repair")
+    log.info(f"repair of the memory-free optimum ({how}): "
+             f"{'nothing fits' if fixed is None else f'cost {evaluate(run.problem, fixed).cost:.6g}'} "
+             f"after {time.perf_counter() - t1:.2f}s")
+
+
+def _repairer(run: _Run):
+    """``repair(choice, until)``: ``choice`` moved into the memory limit, then improved (None
+    where nothing fits), and how: on the exact network's rows where it can be built, else node
+    by node."""
+    if run.repairer is not None:
+        return run.repairer
+    problem, model = run.problem, _network(run)
+    if model is None:
+        def nodes(choice, until):
+            fixed = heuristic.repair_memory(problem, choice, until)
+            return None if fixed is None else heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until)
+        run.repairer = nodes, "nodes"
+        return run.repairer
+    net = RowNetwork(model.costs, model.tables, model.rows)
+
+    def rows(choice, until):
+        picked, _ = rowrepair.repair(net, model.values(choice), until)
+        if picked is None:
+            return None
+        fixed = model.choice(rowrepair.descend(net, picked, until))
+        return heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until)
+    run.repairer = rows, "rows"
+    return run.repairer
+
+
+def _network(run: _Run):
+    """The exact network of ``run``'s problem (:mod:`solver.exact`), built once; None where
+    there is no memory limit, no toulbar2, a quotient past ``PAIRWISE_MAX_NODES`` groups or
+    too many rows. Its integer scale is set where the exact search starts."""
+    if run.model is None:
+        problem = run.problem
+        groups = len(np.unique(tie_heads(problem)))
+        run.model = False
+        if problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
+            run.model = _exact_model(problem, None) or False
+    return run.model or None
+
+
 def _lagrange_stage(run: _Run) -> Solution | None:
     """Memory priced into pairwise solves from the memory-free optimum (:mod:`solver.lagrange`),
     round by round until they stop paying: their plans offered, their bound taken; the answer
@@ -572,6 +621,7 @@ def _lagrange_stage(run: _Run) -> Solution | None:
     (8, 8) in 1.7 s, where the exact search took 3.5)."""
     t1 = time.perf_counter()
     ans = lagrange_memory(run.problem, run.free[0], run.free[1], run.deadline("lagrange"), upper=run.inc.cost,
+                          repair=_repairer(run)[0],
                           gap=run.mip_gap)
     for plan in ans.plans:
         run.inc.offer(plan, "lagrange")
