@@ -566,9 +566,13 @@ def _repair_stage(run: _Run, choice: np.ndarray) -> None:
     the exact network's rows where it can be built (:mod:`solver.rowrepair`: moves of whole tie
     groups carrying the views that must follow them), else node by node
     (:func:`solver.heuristic.repair_memory`)."""
-    until, t1 = run.deadline("repair"), time.perf_counter()
+    t1 = time.perf_counter()
     repair, how = _repairer(run)
-    fixed = repair(choice, until)
+    # The rows' repair ends by its work (every move removes excess), in a fraction of a second
+    # on the planner's networks: the whole limit guards it, so a share of the time cut short
+    # by the network's build (1.5 s on LLaMA-70B) does not decide whether a plan fits.
+    fixed = repair(choice, run.deadline("repair") if how == "nodes" else run.t0 + run.time_limit)
+    how = run.stats.pop("repaired_by", how)
     if fixed is not None:
         run.inc.offer(fixed, "repair")
     log.info(f"repair of the memory-free optimum ({how}): "
@@ -578,15 +582,16 @@ def _repair_stage(run: _Run, choice: np.ndarray) -> None:
 
 def _repairer(run: _Run):
     """``repair(choice, until)``: ``choice`` moved into the memory limit, then improved (None
-    where nothing fits), and how: on the exact network's rows where it can be built, else node
-    by node."""
+    where nothing fits), and how: on the exact network's rows where it can be built, else (or
+    where that finds nothing) node by node."""
     if run.repairer is not None:
         return run.repairer
     problem, model = run.problem, _network(run)
+
+    def nodes(choice, until):
+        fixed = heuristic.repair_memory(problem, choice, until)
+        return None if fixed is None else heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until)
     if model is None:
-        def nodes(choice, until):
-            fixed = heuristic.repair_memory(problem, choice, until)
-            return None if fixed is None else heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until)
         run.repairer = nodes, "nodes"
         return run.repairer
     net = RowNetwork(model.costs, model.tables, model.rows)
@@ -594,9 +599,11 @@ def _repairer(run: _Run):
     def rows(choice, until):
         picked, _ = rowrepair.repair(net, model.values(choice), until)
         if picked is None:
-            return None
-        fixed = model.choice(rowrepair.descend(net, picked, until))
-        return heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until)
+            # Node by node where whole groups cannot move (pins may hold a chain's neighbour),
+            # in the nodes' share of the time.
+            run.stats["repaired_by"] = "nodes: the rows' repair found nothing"
+            return nodes(choice, min(until, max(run.deadline("repair"), time.perf_counter() + 1.0)))
+        return model.choice(rowrepair.descend(net, picked, until))
     run.repairer = rows, "rows"
     return run.repairer
 
@@ -610,7 +617,7 @@ def _network(run: _Run):
         groups = len(np.unique(tie_heads(problem)))
         run.model = False
         if problem.usage_limit is not None and cfn.available() and groups <= PAIRWISE_MAX_NODES:
-            run.model = _exact_model(problem, None) or False
+            run.model = _exact_model(problem, 1.0) or False  # any reference: the scale is set later
     return run.model or None
 
 

@@ -182,13 +182,19 @@ def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
 
 
 class HandWritten:
-    """A hand-written plan solved under its pins: its predicted step, the solver's choice and
-    status, and the plan, assembled when first asked for (as a start for our solve only the
-    choice is needed; assembling LLaMA-70B's plan takes 0.6 s). ``settled``: whether more time
-    would not change it (:func:`autoshard.planning.planner.settled`)."""
+    """A plan solved (a hand-written one under its pins; a recompute mode's, compared with the
+    others' before one is kept): its predicted step, the solver's choice and status, and the
+    plan, assembled when first asked for (as a start for our solve only the choice is needed;
+    assembling LLaMA-70B's plan takes 1-2 s). ``settled``: whether more time would not change it
+    (:func:`autoshard.planning.planner.settled`); ``additive_us``: the cost of the additive
+    solve's answer; ``memory_free_bound``: that solve's proved memory-free optimum (None: none)."""
 
-    def __init__(self, step_us: float, choice, status: str, assemble, settled: bool = False):
+    def __init__(self, step_us: float, choice, status: str, assemble, settled: bool = False,
+                 additive_us: float | None = None, memory_free_bound: float | None = None):
         self.step_us, self.choice, self.status, self.settled = step_us, choice, status, settled
+        self.additive_us, self.memory_free_bound = additive_us, memory_free_bound
+        self.seeds: dict | None = None
+        """The hand-written plans the solve started from, by name: their steps (None: failed)."""
         self._assemble = assemble
 
     @functools.cached_property
