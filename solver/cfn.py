@@ -135,7 +135,7 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
                upper: float | None, rows: Sequence[KnapsackRow], add: int = LAZY_ADD, on_answer=None,
                stop=None, method: str = "vns", progress: bool = False, restarts: int | None = None,
                posted: Sequence[int] = (), round_seconds: float | None = None,
-               on_clock=None) -> tuple[list[int] | None, bool, float]:
+               on_clock=None, on_round=None) -> tuple[list[int] | None, bool, float]:
     """:func:`solve_tables` with the memory rows posted as its answers break them: (the best
     answer that holds every row or None, proved, gap), as :func:`solve_tables` answers.
 
@@ -161,7 +161,8 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
     runs out of them (the tail's proof is far: LLaMA-70B's networks) turns the search into the
     rounds without ``restarts`` for the rest, whose answers DGVNS finds by the time it has
     (``on_clock()`` is called then: the answer now hangs on the clock). ``posted``: rows posted
-    from the first round on (all of them: a network whose rows are few).
+    from the first round on (all of them: a network whose rows are few). ``on_round()`` is
+    called after each round (the first one's end is when the search is ready: its network posted).
     ``stop()`` (checked between rounds) or ``seconds`` end either. Posting the rows is what
     toulbar2's preprocessing pays for: LLaMA-70B on (4, 16, 8) has 225 rows, 4.2 s of
     preprocessing before DGVNS's first answer with all of them (5.9756e6 after 15 s); with 10
@@ -192,6 +193,8 @@ def solve_lazy(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
                                            [rows[k] for k in posted], method=method, progress=progress,
                                            restarts=restarts if work else None)
         ran_out = time.process_time() - started >= 0.9 * max(1, int(limit))
+        if on_round is not None:
+            on_round()
         if work and ran_out:
             # Too far from a proof to end by its work: DGVNS's anytime answers serve better (on
             # LLaMA-70B's unseeded solve, rounds ended by proofs gave a plan 2.4x FSDP+TP+AC's).

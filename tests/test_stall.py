@@ -516,3 +516,31 @@ def test_dgvns_answers_are_dropped_where_branch_and_bound_beside_it_proved(monke
         offered.clear()
         solve_module._offer_dgvns(run, None, None, found, SimpleNamespace(proved=proved, picked=picked), under_dgvns)
         assert bool(offered) == expect, (proved, picked, under_dgvns)
+
+
+def test_a_search_from_a_given_answer_stalls_after_as_long_again_as_it_took_to_get_ready():
+    p = Progress(StallRule(min_seconds=2.0, patience=1.0, from_ready=True))
+    p.begin(0.0)
+    p.known(100.0)
+    assert p.stalls_at() == math.inf  # not ready yet: only the deadline bounds it
+    p.ready(5.0)  # 5 s to post the network
+    assert p.stalls_at() == 10.0 and not p.stalled(9.9) and p.stalled(10.0)
+    p.ready(7.0)  # a later round's end is not a second event
+    assert p.stalls_at() == 10.0
+    assert p.incumbent(90.0, 8.0)  # a better answer counts: patience runs from it
+    assert p.stalls_at() == 16.0
+    q = Progress(StallRule(min_seconds=2.0))
+    q.begin(0.0)
+    q.ready(0.5)  # ready at once: min_seconds still holds
+    assert q.stalls_at() == 2.5
+
+
+def test_the_watcher_marks_readiness_only_where_the_rule_asks_and_an_answer_was_given():
+    from solver.exact_child import mark_ready
+
+    for from_ready, best, phase, expect in ((True, 100.0, "vns", 1.0), (False, 100.0, "vns", None),
+                                            (True, math.inf, "vns", None), (True, 100.0, "hbfs", None)):
+        p = Progress(StallRule(from_ready=from_ready))
+        p.begin(0.0)
+        mark_ready(phase, p, best, 1.0)
+        assert p.last == expect, (from_ready, best, phase)

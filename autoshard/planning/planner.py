@@ -78,8 +78,10 @@ ACCOUNT_ROUNDS = 3
 #: to it as its optimum.
 ROUND_GAP = 1e-3
 #: The stall rule of those solves: a plane needs a good plan, not a proof of it (LLaMA-70B on
-#: (8, 8, 8): the exact search found its answer in a second and proved it in four).
-ORACLE_STALL = StallRule(patience=0.5, min_seconds=1.0)
+#: (8, 8, 8): the exact search found its answer in a second and proved it in four), and a search
+#: that finds nothing better than its start ends soon after it is ready: the next weights are
+#: the better use of the time.
+ORACLE_STALL = StallRule(patience=0.5, min_seconds=1.0, from_ready=True)
 
 
 @fewer_gc_passes()
