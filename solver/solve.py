@@ -630,6 +630,7 @@ def _lagrange_stage(run: _Run) -> Solution | None:
     ans = lagrange_memory(run.problem, run.free[0], run.free[1], run.deadline("lagrange"), upper=run.inc.cost,
                           repair=_repairer(run)[0],
                           gap=run.mip_gap)
+    run.stats.pop("repaired_by", None)  # the rounds' repairs are not the repair stage's
     for plan in ans.plans:
         run.inc.offer(plan, "lagrange")
     run.raise_bound(ans.lower if math.isfinite(ans.lower) else None)
