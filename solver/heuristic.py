@@ -150,3 +150,9 @@ def repair_memory(problem: Problem, choice: np.ndarray, deadline: float,
         mem.move(g, int(choice[g[0]]), i)
         choice[g] = i
     return None
+
+
+def repair_and_polish(problem: Problem, choice: np.ndarray, deadline: float) -> np.ndarray | None:
+    """:func:`repair_memory`, then :func:`local_search` from its answer (None where nothing fits)."""
+    fixed = repair_memory(problem, choice, deadline)
+    return None if fixed is None else local_search(problem, fixed, max_rounds=1000, deadline=deadline)

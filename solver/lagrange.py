@@ -36,6 +36,7 @@ where the gap asked is one it can prove (``LAGRANGE_MIN_GAP``: the overlap objec
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -89,7 +90,7 @@ class LagrangeRounds:
         if problem.usage_limit is None:
             raise ValueError("LagrangeRounds needs a memory limit (problem.usage_limit is None)")
         self.problem, self.gap, self.max_rounds = problem, gap, max_rounds
-        self.repair = repair or _repair_nodes(problem)
+        self.repair = repair or functools.partial(heuristic.repair_and_polish, problem)
         self.q, self.group = quotient(problem)
         self.mem = Memory(problem, free)
         self.members: list[list[int]] = [[] for _ in range(self.q.num_nodes)]
@@ -194,19 +195,12 @@ class LagrangeRounds:
         return self.done
 
 
-def _repair_nodes(problem: Problem):
-    def repair(choice: np.ndarray, until: float) -> np.ndarray | None:
-        fixed = heuristic.repair_memory(problem, choice, until)
-        return None if fixed is None else heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until)
-    return repair
-
-
 def lagrange_memory(problem: Problem, free: np.ndarray, free_bound: float, deadline: float,
                     upper: float = math.inf, gap: float = 1e-6, max_rounds: int = MAX_ROUNDS,
                     repair=None) -> LagrangeAnswer:
     """:class:`LagrangeRounds` run to their end, alone. ``repair(choice, until)``: a round's plan
     that breaks the limit moved into it (None: nothing found); node by node
-    (:func:`solver.heuristic.repair_memory`, then a local search) unless given."""
+    (:func:`solver.heuristic.repair_and_polish`) unless given."""
     rounds = LagrangeRounds(problem, free, free_bound, upper, gap, max_rounds, repair)
     while not rounds.step(deadline):
         pass

@@ -70,11 +70,14 @@ class RowNetwork:
                 u[rows] += self.weights[v][:, x[v]]
         return u
 
-    def delta(self, x: np.ndarray, v: int) -> np.ndarray:
-        """Per value of ``v``, the cost change of setting it there (the others as in ``x``)."""
+    def delta(self, x: np.ndarray, v: int, hard_as_free: bool = False) -> np.ndarray:
+        """Per value of ``v``, the cost change of setting it there (the others as in ``x``);
+        ``hard_as_free``: a forbidden pair counts nothing (what the move costs once the
+        neighbours it forbids have moved along)."""
         d = self.costs[v] - self.costs[v][x[v]]
         for u, m in self.neighbours[v]:
-            d = d + (m[:, x[u]] - m[x[v], x[u]])
+            col = m[:, x[u]] - m[x[v], x[u]]
+            d = d + (np.where(m[:, x[u]] >= _HARD, 0.0, col) if hard_as_free else col)
         return d
 
     def shift(self, u: np.ndarray, x: np.ndarray, moves: list[tuple[int, int]]) -> np.ndarray:
@@ -160,10 +163,7 @@ def repair(net: RowNetwork, x: np.ndarray, deadline: float,
             forbidden = np.nonzero((removed > 0) & (dc >= _HARD))[0]
             if forbidden.size:
                 # The cost without the forbidden pairs ranks which to try as chains.
-                hopeful = net.costs[v] - net.costs[v][x[v]]
-                for z, m in net.neighbours[v]:
-                    col = m[:, x[z]]
-                    hopeful = hopeful + np.where(col >= _HARD, 0.0, col - m[x[v], x[z]])
+                hopeful = net.delta(x, v, hard_as_free=True)
                 order = forbidden[np.argsort(hopeful[forbidden] / removed[forbidden], kind="stable")]
                 for s in order[:CHAINS_PER_VARIABLE].tolist():
                     moves = _chain(net, x, v, s)

@@ -426,8 +426,8 @@ class _Run:
     first upper bound."""
     model: object = None
     """The exact network, once built (:func:`_network`; False: it cannot be)."""
-    repairer: tuple | None = None
-    """:func:`_repairer`'s answer, once made."""
+    repairer: object = None
+    """Its :class:`_Repairer`, once made."""
     free: tuple[np.ndarray, float] | None = None
     """The memory-free optimum, proved, where it breaks the limit, and its bound: where the
     Lagrangian stage starts."""
@@ -562,49 +562,50 @@ def _pairwise_stage(run: _Run) -> Solution | None:
 
 def _repair_stage(run: _Run, choice: np.ndarray) -> None:
     """Where memory binds, the memory-free optimum given up a little at a time is often a far
-    better start than the least-usage one (LLaMA-8B at sequence 8192: 3.6 s against 210 s): on
-    the exact network's rows where it can be built (:mod:`solver.rowrepair`: moves of whole tie
-    groups carrying the views that must follow them), else node by node
-    (:func:`solver.heuristic.repair_memory`)."""
+    better start than the least-usage one (LLaMA-8B at sequence 8192: 3.6 s against 210 s), by
+    :class:`_Repairer`."""
     t1 = time.perf_counter()
-    repair, how = _repairer(run)
+    repair = _repairer(run)
     # The rows' repair ends by its work (every move removes excess), in a fraction of a second
     # on the planner's networks: the whole limit guards it, so a share of the time cut short
     # by the network's build (1.5 s on LLaMA-70B) does not decide whether a plan fits.
-    fixed = repair(choice, run.deadline("repair") if how == "nodes" else run.t0 + run.time_limit)
-    how = run.stats.pop("repaired_by", how)
+    fixed = repair(choice, run.t0 + run.time_limit if repair.net is not None else run.deadline("repair"))
     if fixed is not None:
         run.inc.offer(fixed, "repair")
-    log.info(f"repair of the memory-free optimum ({how}): "
+    log.info(f"repair of the memory-free optimum ({repair.how}): "
              f"{'nothing fits' if fixed is None else f'cost {evaluate(run.problem, fixed).cost:.6g}'} "
              f"after {time.perf_counter() - t1:.2f}s")
 
 
-def _repairer(run: _Run):
+class _Repairer:
     """``repair(choice, until)``: ``choice`` moved into the memory limit, then improved (None
-    where nothing fits), and how: on the exact network's rows where it can be built, else (or
-    where that finds nothing) node by node."""
-    if run.repairer is not None:
-        return run.repairer
-    problem, model = run.problem, _network(run)
+    where nothing fits): on the exact network's rows (:mod:`solver.rowrepair`: moves of whole tie
+    groups carrying the views that must follow them) where it can be built, else, or where that
+    finds nothing (pins may hold a chain's neighbour), node by node
+    (:func:`solver.heuristic.repair_and_polish`, in the repair stage's share of the time).
+    :attr:`how` says which answered last."""
 
-    def nodes(choice, until):
-        fixed = heuristic.repair_memory(problem, choice, until)
-        return None if fixed is None else heuristic.local_search(problem, fixed, max_rounds=1000, deadline=until)
-    if model is None:
-        run.repairer = nodes, "nodes"
-        return run.repairer
-    net = RowNetwork(model.costs, model.tables, model.rows)
+    def __init__(self, run: _Run):
+        self.run, self.model = run, _network(run)
+        self.net = None if self.model is None else RowNetwork(self.model.costs, self.model.tables, self.model.rows)
+        self.how = "rows" if self.net is not None else "nodes"
 
-    def rows(choice, until):
-        picked, _ = rowrepair.repair(net, model.values(choice), until)
-        if picked is None:
-            # Node by node where whole groups cannot move (pins may hold a chain's neighbour),
-            # in the nodes' share of the time.
-            run.stats["repaired_by"] = "nodes: the rows' repair found nothing"
-            return nodes(choice, min(until, max(run.deadline("repair"), time.perf_counter() + 1.0)))
-        return model.choice(rowrepair.descend(net, picked, until))
-    run.repairer = rows, "rows"
+    def __call__(self, choice: np.ndarray, until: float) -> np.ndarray | None:
+        run = self.run
+        if self.net is not None:
+            picked, _ = rowrepair.repair(self.net, self.model.values(choice), until)
+            if picked is not None:
+                self.how = "rows"
+                return self.model.choice(rowrepair.descend(self.net, picked, until))
+            self.how = "nodes: the rows' repair found nothing"
+            until = min(until, max(run.deadline("repair"), time.perf_counter() + 1.0))
+        return heuristic.repair_and_polish(run.problem, choice, until)
+
+
+def _repairer(run: _Run) -> _Repairer:
+    """``run``'s :class:`_Repairer`, made once."""
+    if run.repairer is None:
+        run.repairer = _Repairer(run)
     return run.repairer
 
 
@@ -628,9 +629,7 @@ def _lagrange_stage(run: _Run) -> Solution | None:
     (8, 8) in 1.7 s, where the exact search took 3.5)."""
     t1 = time.perf_counter()
     ans = lagrange_memory(run.problem, run.free[0], run.free[1], run.deadline("lagrange"), upper=run.inc.cost,
-                          repair=_repairer(run)[0],
-                          gap=run.mip_gap)
-    run.stats.pop("repaired_by", None)  # the rounds' repairs are not the repair stage's
+                          repair=_repairer(run), gap=run.mip_gap)
     for plan in ans.plans:
         run.inc.offer(plan, "lagrange")
     run.raise_bound(ans.lower if math.isfinite(ans.lower) else None)
