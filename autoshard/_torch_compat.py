@@ -167,6 +167,9 @@ def _op_strategy(op, schema: OpSchema, mesh, out_meta):
     prop = sharding_propagator()
     if op in prop.op_single_dim_strategy_funcs:
         info = prop.op_single_dim_strategy_funcs[op]
+        # Rules over lists of optional tensors (index, index_put) read their arguments flattened,
+        # as DTensor's dispatch gives them: the list's tensors are inputs like the others.
+        schema.schema_info = schema.schema_info or prop.op_to_schema_info_for_single_dim_strategy.get(op)
         fast = expand_placements(op, schema, info, mesh, out_meta) if FAST_EXPANSION else None
         if fast is not None:
             return fast
@@ -282,6 +285,16 @@ def expand_placements(op, schema: OpSchema, info, mesh, out_meta) -> PlacedStrat
             outs = PlacedSpec(specs[0])
         out.append(PlacedStrategy(outs, [PlacedSpec(s) for s in ins]))
     return PlacedStrategies(out)
+
+
+def register_pointwise(op) -> None:
+    """Register DTensor's own elementwise rule for ``op`` (every input and the output sharded
+    alike, broadcasting as DTensor's pointwise ops do; no partial input) unless DTensor has a
+    rule: for elementwise ops that lack ``torch.Tag.pointwise``."""
+    from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
+
+    if not has_rule(op):
+        _register_single_dim_pointwise(op)
 
 
 def register_single_dim_rule(op, rule, static_from: int | None = None) -> None:

@@ -176,3 +176,46 @@ def test_auto_parallel_plans_and_applies_in_one_call(world):
         for fqn, p in sharded.named_parameters():
             torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
     assert any("S(" in str(sharded._autoshard_plan.param_spec(f)) for f in sharded._autoshard_plan.params)
+
+
+class _Bucketed(torch.nn.Module):
+    """A linear layer whose output is scaled by its bucket among fixed boundaries
+    (``searchsorted``: an op DTensor has no sharding rule for) and by its floor quotient by 0.25
+    (``floor_divide``: elementwise, its rule registered by :mod:`autoshard.graph.elementwise`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 32)
+        self.register_buffer("edges", torch.linspace(-1, 1, 9))
+
+    def forward(self, x):
+        y = self.proj(x)
+        bucket = torch.searchsorted(self.edges, y.detach().contiguous())
+        quotient = torch.floor_divide(y.detach(), 0.25)
+        return y * (1 + bucket.to(y.dtype) / 8) + quotient
+
+
+@pytest.mark.parametrize("op, planned", [("aten.searchsorted.Tensor", False), ("aten.floor_divide.Scalar", True)])
+def test_ops_without_a_dtensor_rule_run_replicated_and_elementwise_ones_are_planned(world, op, planned):
+    """An op DTensor has no rule for is planned replicated, counted in the plan's summary, and run
+    replicated on each rank's full inputs; an elementwise op DTensor lacks a rule for is planned
+    like any pointwise op (sharded). Either way the lowered step gives the single-device loss
+    and gradients."""
+    world(4)
+    torch.manual_seed(0)
+    model, x = _Bucketed(), torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    fallback = plan.summary["fallback_ops"]
+    assert (op in fallback) is not planned, fallback
+    if planned:
+        name = next(n for n, e in plan.nodes.items() if n.startswith("floor_divide"))
+        assert "S(" in "".join(plan.nodes[name]["out"]), plan.nodes[name]
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), lm_loss)
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "tp")))
+        loss = lm_loss(sharded(x))
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)

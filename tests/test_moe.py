@@ -300,3 +300,17 @@ def test_data_dependent_routing_is_a_clear_error(world):
     with pytest.raises(autoshard.TraceError, match=r"(?s)DynamicOutputShapeException.*static shapes.*batched_mm"
                                                    r".*autoshard.models.moe.MoeLayer"):
         autoshard.plan(model, (tokens(1),), autoshard.fake_mesh((2, 2), ("dp", "tp")), memory_budget=None)
+
+
+def test_grouped_experts_in_float32_are_a_clear_error_and_plan_in_bf16(world):
+    """Hugging Face's default experts (``grouped_mm``) call torch._grouped_mm, which takes bf16 only
+    on the devices a plan is traced on: a float32 model fails with an error that says how to plan
+    it, and the same model in bf16 plans, the grouped matmul by its own sharding rule."""
+    world(4)
+    model = _hf_moe("qwen3_moe", "grouped_mm")
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    with pytest.raises(autoshard.TraceError, match=r"(?s)BF16.*grouped_mm.*bf16.*batched_mm"):
+        autoshard.plan(model, (tokens(1),), mesh, memory_budget=None)
+    plan = autoshard.plan(model.to(torch.bfloat16), (tokens(1),), mesh, memory_budget=None, seed_baselines=False)
+    assert plan.summary["graph_nodes"] > 0 and plan.params, plan.describe()
+    assert not any("grouped_mm" in op for op in plan.summary["fallback_ops"]), plan.summary["fallback_ops"]

@@ -289,6 +289,9 @@ def _hf_model(arch, dropout=0.0, attention=None):
     elif arch == "gpt_neox":  # fused qkv projection, partial rotary, parallel residual
         cfg = transformers.GPTNeoXConfig(intermediate_size=176, hidden_dropout=dropout, attention_dropout=dropout,
                                          **small)
+    elif arch == "llama4":  # complex rotary (torch.polar: no DTensor rule of its own), MoE layers
+        cfg = transformers.Llama4TextConfig(intermediate_size=176, intermediate_size_mlp=176, num_local_experts=2,
+                                            head_dim=16, num_key_value_heads=2, **small)
     else:
         raise ValueError(arch)
     if attention is not None:
@@ -319,19 +322,22 @@ def _hf_input(arch):
     return tokens()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "vit", "qwen2", "mistral", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "vit", "qwen2", "mistral", "gpt_neox", "llama4"])
 def test_hugging_face_models_run_as_planned(world, arch):
     """Real models nobody here wrote: rotary tables, positions and masks built inside forward,
     a ModelOutput, (GPT-2) an LM head tied to the embedding, (BERT) an encoder-only stack,
     (ViT) a patch convolution, (Qwen2) biased projections, (GPT-NeoX) a fused qkv and partial
-    rotary: parallelize + loss.backward() give the single-device loss and gradients, and three
-    AdamW steps the single-device parameters, with the default bucketing and overlap passes on
-    the lowered programs."""
+    rotary, (Llama 4) a complex rotary table made by an op DTensor has no rule for: parallelize +
+    loss.backward() give the single-device loss and gradients, and three AdamW steps the
+    single-device parameters, with the default bucketing and overlap passes on the lowered
+    programs."""
     world(4)
     model, x, loss_fn, plan = plan_hf(arch)
     assert any("S(" in str(plan.param_spec(f)) for f in plan.params), "the plan under test shards nothing"
     fallback = plan.summary.get("fallback_ops") or {}
     assert not any("attention" in op for op in fallback), fallback
+    if arch == "llama4":  # its complex rotary table (polar) is planned elementwise
+        assert not fallback, fallback
     ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), loss_fn)
     ref = copy.deepcopy(model)
     ref_losses, _ = reference_adamw(ref, (x,), loss_fn)

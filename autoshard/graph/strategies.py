@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import first_line
+from autoshard.graph import elementwise  # noqa: F401  (registers DTensor rules the graphs need)
 from autoshard.graph.attention import (
     heads_split_evenly,
     is_causal_cpu_kernel,
@@ -281,12 +282,13 @@ class StrategyEnumerator:
         prop = tc.sharding_propagator()
         results: list = []
         lists = [a for a in node.args if isinstance(a, (list, tuple)) and any(is_tensor(x) for x in a)]
-        if lists and not all(is_tensor(a[0]) for a in lists):
-            return []  # optional-tensor lists (index, index_put): not planned yet (fallback replicate)
+        single = op in prop.op_single_dim_strategy_funcs
+        if lists and not single and not all(is_tensor(a[0]) for a in lists):
+            return []  # an optional-tensor list an op-level rule reads: not planned (fallback replicate)
         skipped = skipped_by_cat(node)
         if skipped:
             return self._cat_without(node, targs, skipped, errors)
-        if lists:
+        if lists and not single:
             # A list of tensors (cat, stack): DTensor's rules merge the list's specs into one
             # strategy, so ask once per spec, every tensor argument of the same rank given it.
             # Tensors of other ranks in the list: DTensor's rule makes them follow the others'
@@ -301,7 +303,7 @@ class StrategyEnumerator:
                     results.append(tc.op_strategy(op, self._schema(node, [[s]] * len(targs)), self.mesh, out_meta))
                 except Exception as exc:  # a spec the rule rejects by raising
                     errors.append(exc)
-        elif op in prop.op_single_dim_strategy_funcs:
+        elif single:
             # Single-dim rules read one spec per argument only to learn which shard
             # kinds exist; the expansion itself covers every mesh axis.
             seed = [[next((s for s in c if any(d is not None for d in s.shard_dims())), c[0])] for c in cands]

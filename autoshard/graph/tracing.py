@@ -295,7 +295,7 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
         raise TraceError(
             f"{type(model).__name__}.forward failed on example inputs of shapes {shapes}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{_data_dependent_hint(exc)}"
-            f"{_flex_attention_hint(exc)}"
+            f"{_flex_attention_hint(exc)}{_grouped_mm_hint(exc)}"
         ) from exc
     return RawTrace(gm=gm, param_fqns=names_p, buffer_fqns=names_b, trainable=trainable, input_names=input_names,
                     grad_inputs=grad_inputs,
@@ -311,6 +311,16 @@ def _flex_attention_hint(exc: Exception) -> str:
             "no implementation for the CPU or meta device that a plan is traced on, and DTensor has no sharding rule "
             "for its higher-order op. Plan the model with F.scaled_dot_product_attention (is_causal=True, or a "
             "boolean/additive attn_mask for document masking): the same fused attention, planned and run as such.")
+
+
+def _grouped_mm_hint(exc: Exception) -> str:
+    """What to do about torch's grouped matmul in float32 (Hugging Face's default experts)."""
+    if "Expected inputs of BF16 type" not in str(exc):
+        return ""
+    return ("\n  torch._grouped_mm (a Hugging Face MoE's default experts, \"grouped_mm\") takes bf16 operands only, "
+            "on the CPU and meta devices a plan is traced on: build the model in bf16 (`torch_dtype=torch.bfloat16`, "
+            "or `model.to(torch.bfloat16)`), or pass `experts_implementation=\"batched_mm\"` to from_config, whose "
+            "experts run in any dtype.")
 
 
 def _data_dependent_hint(exc: Exception) -> str:

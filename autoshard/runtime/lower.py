@@ -308,6 +308,10 @@ class Lowering:
             args = ([v for a, v in zip(n.args[0], args[0]) if a not in skipped], *args[1:])
         try:
             return n.target(*args, **kwargs)
+        except NotImplementedError as exc:
+            if "sharding strategy" not in str(exc):
+                raise
+            return self._replicated_locally(n, args, kwargs)
         except (RuntimeError, ValueError) as exc:
             if n.target not in _VIEWS or not isinstance(args[0], DTensor) or "view" not in str(exc):
                 raise
@@ -318,6 +322,25 @@ class Lowering:
             t = DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
                                    shape=t.shape, stride=t.stride())
         return n.target(t, *args[1:], **kwargs)
+
+    def _replicated_locally(self, n: fx.Node, args, kwargs):
+        """An op DTensor has no sharding rule for (``aten.searchsorted``, ``aten.bincount``): the
+        planner gave it one strategy, every input and output replicated (a counted fallback), so
+        each rank runs it on its full local inputs and its outputs are replicated DTensors."""
+        replicated = [torch.distributed.tensor.Replicate()] * self.mesh.ndim
+
+        def local(v):
+            if not isinstance(v, DTensor):
+                return v
+            if not all(p.is_replicate() for p in v.placements):
+                v = v.redistribute(v.device_mesh, replicated)
+            return v.to_local()
+
+        def wrap(v):
+            return DTensor.from_local(v, self.mesh, replicated, run_check=False) if isinstance(v, torch.Tensor) else v
+
+        args, kwargs = torch.utils._pytree.tree_map(local, (args, kwargs))
+        return torch.utils._pytree.tree_map(wrap, n.target(*args, **kwargs))
 
     def _local_kernel(self, n: fx.Node, kernel, args, kwargs, entry: dict) -> tuple:
         """A traced CPU attention kernel run by the mesh's device's kernel on each rank's shards
