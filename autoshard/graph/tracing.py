@@ -19,6 +19,7 @@ from autoshard import _torch_compat as tc
 from autoshard._torch_compat import FakeTensorMode, make_fx
 from autoshard.errors import TraceError
 from autoshard.graph.layers import layer_groups, tag_layers
+from autoshard.graph.viewwrites import functionalize_view_writes
 
 PHASE = "autoshard_phase"
 """``node.meta["custom"]`` key of the step's phase that created the node."""
@@ -341,6 +342,10 @@ def finish(raw: RawTrace) -> TracedGraph:
     gm, groups, fm = raw.gm, raw.groups, raw.fake_mode
     names_p, names_b, trainable, input_names = raw.param_fqns, raw.buffer_fqns, raw.trainable, raw.input_names
     seen = {"leaves": list(raw.leaves), "tree": raw.tree, "grads": dict(raw.grads)}
+    rewritten = functionalize_view_writes(gm, fm)
+    if rewritten:
+        seen["leaves"] = [rewritten.get(v, v) if isinstance(v, fx.Node) else v for v in seen["leaves"]]
+        seen["grads"] = {k: rewritten.get(n, n) for k, n in seen["grads"].items()}
     if groups:
         replaced = _drop_hook_residue(gm)
 

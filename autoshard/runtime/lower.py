@@ -171,6 +171,18 @@ class RankProgram:
         return out
 
 
+def _mutates_constant(n: fx.Node, env: dict) -> bool:
+    """Whether ``n`` writes in place into a plain (constant) tensor."""
+    return (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable and bool(n.args)
+            and isinstance(n.args[0], fx.Node) and isinstance(env.get(n.args[0]), torch.Tensor)
+            and not isinstance(env[n.args[0]], DTensor))
+
+
+def _full(v):
+    """``v`` as every rank's full value (a DTensor gathered; anything else as it is)."""
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
 def _spec_of(t: DTensor) -> Spec:
     spec = tc.from_placements(t.placements, t.device_mesh)
     if spec is None:
@@ -270,6 +282,14 @@ class Lowering:
             # Only constants in (tensors built inside forward): every rank computes the same
             # full value; a consumer takes its planned shard of it locally.
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = n.target(*args, **kwargs)
+            return
+        if _mutates_constant(n, env):
+            # In place into a constant (a view of one: ``shifted[:, 1:] = input_ids[:, :-1]`` in
+            # Hugging Face's encoder-decoders): the write must land in the constant's own
+            # storage, where its other views and later readers see it, so the op runs on every
+            # rank's full values, the distributed ones gathered first.
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _full(env[a]))
             env[n] = n.target(*args, **kwargs)
             return
         if entry is None:
