@@ -10,7 +10,8 @@ from autoshard.graph.viewwrites import INVERTIBLE
 
 
 class _Writes(torch.nn.Module):
-    """Writes through a slice of a transposed view and through a select, reads a view made
+    """Writes through a slice of a transposed view, through a select and through a strided view of
+    a flat view, reads a view made
     before the writes after them, and a write through ``diagonal`` where ``diagonal=True``."""
 
     def __init__(self, diagonal: bool = False):
@@ -24,6 +25,7 @@ class _Writes(torch.nn.Module):
         early = buf[2]  # a view made before the writes, read after them
         buf.t()[:, 1:5] = y[:, :4] * 2  # through t, then slice
         buf[0] = y.sum(1)  # through select
+        buf.view(-1).as_strided((2, 3), (4, 1), 9).copy_(y[:2, :3] - 1)  # through view, then as_strided
         if self.diagonal:
             buf.diagonal().fill_(1.0)
         return (buf * 3).sum() + (early * early).sum() + y.pow(2).sum()
@@ -45,7 +47,8 @@ def test_writes_through_views_trace_to_the_models_values():
                      and isinstance(n.args[0], torch.fx.Node) and n.args[0].target in INVERTIBLE]
     assert not through_views, [n.name for n in through_views]
     targets = {n.target for n in tg.gm.graph.nodes}
-    assert torch.ops.aten.slice_scatter.default in targets and torch.ops.aten.select_scatter.default in targets
+    assert {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
+            torch.ops.aten.as_strided_scatter.default} <= targets
     loss, grads = _run_traced(tg, model, x)
     want = model(x)
     want.backward()

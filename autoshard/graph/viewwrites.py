@@ -15,7 +15,8 @@ wrong, silently. So each such write becomes what functionalization would make of
 
 and every reader of ``b``, of ``op_``'s output or of a view in the chain that runs after the
 write reads the rewritten value (a view of ``b`` made before the write and read after it is
-made again from ``b'``). Views are inverted by ``slice_scatter``, ``select_scatter``, or their
+made again from ``b'``). Views are inverted by ``slice_scatter``, ``select_scatter``,
+``as_strided_scatter``, or their
 own inverse view (``view``, ``unsqueeze``, ``squeeze.dim``, ``transpose``, ``permute``, ``t``,
 ``alias``); a write through any other view is a :class:`~autoshard.errors.TraceError`.
 """
@@ -31,9 +32,10 @@ _A = torch.ops.aten
 
 #: View ops a write may go through, with how to put the written view back into its base.
 INVERTIBLE = (_A.slice.Tensor, _A.select.int, _A.view.default, _A._unsafe_view.default, _A.unsqueeze.default,
-              _A.squeeze.dim, _A.transpose.int, _A.permute.default, _A.t.default, _A.alias.default)
+              _A.squeeze.dim, _A.transpose.int, _A.permute.default, _A.t.default, _A.alias.default,
+              _A.as_strided.default)
 #: Other view ops (a write through them is refused with its name).
-_OTHER_VIEWS = (_A.expand.default, _A.as_strided.default, _A.diagonal.default, _A.unfold.default,
+_OTHER_VIEWS = (_A.expand.default, _A.diagonal.default, _A.unfold.default,
                 _A.split.Tensor, _A.split_with_sizes.default, _A.unbind.int, _A.narrow.default, _A.squeeze.default,
                 _A.squeeze.dims, _A.view_as_real.default, _A.view_as_complex.default, _A.view.dtype)
 
@@ -82,6 +84,8 @@ def _inverse(view: fx.Node, base: fx.Node, written: fx.Node, graph: fx.Graph) ->
         return graph.call_function(_A.t.default, (written,))
     if op is _A.alias.default:
         return written
+    if op is _A.as_strided.default:  # autograd's backward of strided views (Swin's windows)
+        return graph.call_function(_A.as_strided_scatter.default, (base, written, *args[1:]))
     raise TraceError(f"an in-place write through the view {view.name} ({op}) cannot be planned: its base "
                      f"{base.name} would not see the write once they are placed apart; expected the write to "
                      f"go through one of {', '.join(str(v) for v in INVERTIBLE)}")
@@ -124,17 +128,31 @@ def functionalize_view_writes(gm: fx.GraphModule, fake_mode) -> dict[fx.Node, fx
 
 
 def _remake_stale_views(graph, base, new_base, after, order, made, write, fake_mode) -> None:
-    """Views of ``base`` made before the write and read after it: made again from ``new_base``."""
-    for view in [u for u in base.users if u not in made and _is_view(u) and order.get(u, -1) < after]:
-        late = [u for u in view.users if order.get(u, len(order)) > after and u not in made]
-        if not late:
+    """Views of ``base`` (through any chain of views) made before the write and read after it:
+    made again, view by view, from ``new_base``."""
+    again: dict[fx.Node, fx.Node] = {base: new_base}
+
+    def path(view: fx.Node) -> list[fx.Node] | None:
+        chain = [view]
+        while _is_view(chain[-1].args[0]):
+            chain.append(chain[-1].args[0])
+        return chain[::-1] if chain[-1].args[0] is base else None
+
+    stale = [n for n in graph.nodes if _is_view(n) and n not in made and order.get(n, len(order)) < after
+             and any(order.get(u, len(order)) > after and u not in made for u in n.users)]
+    for view in stale:
+        views = path(view)
+        if views is None:
             continue
-        with graph.inserting_before(made[-1].next):
-            again = graph.call_function(view.target, (new_base, *view.args[1:]), view.kwargs)
-        _give_meta([again], write, fake_mode)
-        made.append(again)
-        for user in late:
-            user.replace_input_with(view, again)
+        for v in views:
+            if v in again:
+                continue
+            with graph.inserting_before(made[-1].next):
+                again[v] = graph.call_function(v.target, (again[v.args[0]], *v.args[1:]), v.kwargs)
+            _give_meta([again[v]], write, fake_mode)
+            made.append(again[v])
+        for user in [u for u in view.users if order.get(u, len(order)) > after and u not in made]:
+            user.replace_input_with(view, again[view])
 
 
 def _give_meta(nodes: list[fx.Node], like: fx.Node, fake_mode) -> None:
