@@ -502,3 +502,39 @@ def test_encoder_decoders_write_their_decoder_input_through_views(world, arch):
         torch.testing.assert_close(full(loss), ref_loss.detach(), rtol=1e-5, atol=1e-6)
         for (fqn, p), (_, q) in zip(sharded.named_parameters(), ref.named_parameters()):
             torch.testing.assert_close(full(p.grad), q.grad, rtol=1e-4, atol=1e-5, msg=fqn)
+
+
+def test_outputs_the_loss_does_not_read_are_returned(world):
+    """CLIP returns ``logits_per_image`` (a transpose the contrastive loss does not read) beside its
+    own loss: the trace keeps that output although nothing in the step reads it (dropping it made
+    the lowered forward fail on a node no longer in the graph), and the sharded model returns it
+    with the single-device value, loss and gradients."""
+    transformers = pytest.importorskip("transformers")
+    world(4)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=32),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=16, patch_size=4)))
+    x = torch.randint(0, 256, (8, 16), generator=g)
+    kw = {"pixel_values": torch.randn(8, 3, 16, 16, generator=g), "return_loss": True}
+
+    def loss_fn(out):
+        return out["loss"]
+
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=loss_fn, memory_budget=None, example_kwargs=kw, seed_baselines=False)
+    ref = copy.deepcopy(model)
+    want = ref(x, **kw)
+    want["loss"].backward()
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "tp")), loss_fn=loss_fn)
+        out = sharded(x, **kw)
+        out["loss"].backward()
+        torch.testing.assert_close(full(out["loss"]), want["loss"].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(full(out["logits_per_image"]), want["logits_per_image"].detach(),
+                                   rtol=1e-5, atol=1e-5)
+        for (fqn, p), (_, q) in zip(sharded.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(full(p.grad), q.grad, rtol=1e-4, atol=1e-5, msg=fqn)
