@@ -12,7 +12,8 @@ from autoshard.graph.viewwrites import INVERTIBLE
 class _Writes(torch.nn.Module):
     """Writes through a slice of a transposed view, through a select and through a strided view of
     a flat view, reads a view made
-    before the writes after them, and a write through ``diagonal`` where ``diagonal=True``."""
+    before the writes after them, reads a view of a tensor written in place (not through a view)
+    after the write, and writes through ``diagonal`` where ``diagonal=True``."""
 
     def __init__(self, diagonal: bool = False):
         super().__init__()
@@ -28,7 +29,10 @@ class _Writes(torch.nn.Module):
         buf.view(-1).as_strided((2, 3), (4, 1), 9).copy_(y[:2, :3] - 1)  # through view, then as_strided
         if self.diagonal:
             buf.diagonal().fill_(1.0)
-        return (buf * 3).sum() + (early * early).sum() + y.pow(2).sum()
+        z = y * 1.5
+        head = z[:, :2]  # a view of z made before z is written in place, read after
+        z.mul_(2)
+        return (buf * 3).sum() + (early * early).sum() + y.pow(2).sum() + (head * z[:, 2:4]).sum()
 
 
 def _run_traced(tg, model, x):
@@ -49,6 +53,11 @@ def test_writes_through_views_trace_to_the_models_values():
     targets = {n.target for n in tg.gm.graph.nodes}
     assert {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
             torch.ops.aten.as_strided_scatter.default} <= targets
+    order = {n: k for k, n in enumerate(tg.gm.graph.nodes)}
+    for m in tg.gm.graph.nodes:  # no view of a tensor written in place is read, unwritten, after the write
+        if m.op == "call_function" and m.target._schema.is_mutable and m.args[0].op != "placeholder":
+            for view in (u for u in m.args[0].users if u.target in INVERTIBLE and order[u] < order[m]):
+                assert all(order[r] < order[m] for r in view.users), (m.name, view.name)
     loss, grads = _run_traced(tg, model, x)
     want = model(x)
     want.backward()

@@ -15,8 +15,10 @@ wrong, silently. So each such write becomes what functionalization would make of
 
 and every reader of ``b``, of ``op_``'s output or of a view in the chain that runs after the
 write reads the rewritten value (a view of ``b`` made before the write and read after it is
-made again from ``b'``). Views are inverted by ``slice_scatter``, ``select_scatter``,
-``as_strided_scatter``, or their
+made again from ``b'``). An in-place op on a base itself stays: the trace already gives its
+readers the op's output; only views of the base made before it are made again from it.
+
+Views are inverted by ``slice_scatter``, ``select_scatter``, ``as_strided_scatter``, or their
 own inverse view (``view``, ``unsqueeze``, ``squeeze.dim``, ``transpose``, ``permute``, ``t``,
 ``alias``); a write through any other view is a :class:`~autoshard.errors.TraceError`.
 """
@@ -92,17 +94,24 @@ def _inverse(view: fx.Node, base: fx.Node, written: fx.Node, graph: fx.Graph) ->
 
 
 def functionalize_view_writes(gm: fx.GraphModule, fake_mode) -> dict[fx.Node, fx.Node]:
-    """Rewrite every in-place op on a view of ``gm`` (module doc); returns each replaced node ->
-    its replacement (the in-place op -> its out-of-place result, each base -> its rewritten
-    value). New nodes carry fake values (under ``fake_mode``) and the write's meta."""
+    """Rewrite every in-place op on a view of ``gm`` (module doc), and make again every view of an
+    in-place op's base made before the op and read after it; returns each replaced node -> its
+    replacement (the in-place op -> its out-of-place result, each base -> its rewritten value).
+    New nodes carry fake values (under ``fake_mode``) and the write's meta."""
     replaced: dict[fx.Node, fx.Node] = {}
     graph = gm.graph
-    for write in [n for n in graph.nodes if _writes_in_place(n)]:
+    for write in [n for n in graph.nodes if _mutates(n)]:
+        if not _writes_in_place(write):
+            # In place on a base itself: its readers after it read the op's output already
+            # (the trace gives the mutated tensor the op's node); views made before it do not.
+            if write.args[0].op != "placeholder":
+                _remake_stale_views(graph, write.args[0], write, write, [], fake_mode)
+            continue
         chain = [write.args[0]]
         while _is_view(chain[-1].args[0]):
             chain.append(chain[-1].args[0])
         base = chain[-1].args[0]
-        order = {n: k for k, n in enumerate(graph.nodes)}
+        order = _positions(graph)
         made: list[fx.Node] = []
         with graph.inserting_before(write.next):  # in creation order, right after the write
             value = graph.call_function(_out_of_place(write.target), write.args, write.kwargs)
@@ -120,38 +129,51 @@ def functionalize_view_writes(gm: fx.GraphModule, fake_mode) -> dict[fx.Node, fx
             for user in list(old.users):
                 if user not in made and order.get(user, len(order)) > after:
                     user.replace_input_with(old, new)
-        _remake_stale_views(graph, base, new_of[base], after, order, made, write, fake_mode)
+        _remake_stale_views(graph, base, new_of[base], write, made, fake_mode, order)
         replaced[write] = new_of[chain[0]]
         replaced[base] = new_of[base]
         graph.erase_node(write)
     return replaced
 
 
-def _remake_stale_views(graph, base, new_base, after, order, made, write, fake_mode) -> None:
-    """Views of ``base`` (through any chain of views) made before the write and read after it:
-    made again, view by view, from ``new_base``."""
+def _mutates(n: fx.Node) -> bool:
+    return (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+            and bool(n.args) and isinstance(n.args[0], fx.Node))
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: k for k, n in enumerate(graph.nodes)}
+
+
+def _remake_stale_views(graph, base, new_base, write, made, fake_mode, order=None) -> None:
+    """Views of ``base`` (through any chain of views) made before ``write`` and read after it:
+    made again, view by view, from ``new_base``, right after what ``made`` holds (else after
+    ``write``), and appended to ``made``."""
+    views, todo = [], [u for u in base.users if _is_view(u) and u.args[0] is base]
+    while todo:  # every view of base, through views of views
+        v = todo.pop()
+        views.append(v)
+        todo.extend(u for u in v.users if _is_view(u) and u.args[0] is v)
+    if not views:
+        return
+    order = order if order is not None else _positions(graph)
+    after = order[write]
+
+    def late(n: fx.Node) -> list[fx.Node]:
+        return [u for u in n.users if u not in made and order.get(u, len(order)) > after]
+
     again: dict[fx.Node, fx.Node] = {base: new_base}
-
-    def path(view: fx.Node) -> list[fx.Node] | None:
-        chain = [view]
-        while _is_view(chain[-1].args[0]):
-            chain.append(chain[-1].args[0])
-        return chain[::-1] if chain[-1].args[0] is base else None
-
-    stale = [n for n in graph.nodes if _is_view(n) and n not in made and order.get(n, len(order)) < after
-             and any(order.get(u, len(order)) > after and u not in made for u in n.users)]
-    for view in stale:
-        views = path(view)
-        if views is None:
-            continue
-        for v in views:
-            if v in again:
-                continue
-            with graph.inserting_before(made[-1].next):
-                again[v] = graph.call_function(v.target, (again[v.args[0]], *v.args[1:]), v.kwargs)
-            _give_meta([again[v]], write, fake_mode)
-            made.append(again[v])
-        for user in [u for u in view.users if order.get(u, len(order)) > after and u not in made]:
+    for view in [v for v in views if v not in made and order.get(v, len(order)) < after and late(v)]:
+        path = [view]
+        while path[-1].args[0] is not base:
+            path.append(path[-1].args[0])
+        for v in reversed(path):
+            if v not in again:
+                with graph.inserting_before((made[-1] if made else write).next):
+                    again[v] = graph.call_function(v.target, (again[v.args[0]], *v.args[1:]), v.kwargs)
+                _give_meta([again[v]], write, fake_mode)
+                made.append(again[v])
+        for user in late(view):
             user.replace_input_with(view, again[view])
 
 
