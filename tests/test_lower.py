@@ -219,3 +219,39 @@ def test_ops_without_a_dtensor_rule_run_replicated_and_elementwise_ones_are_plan
         torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
         for fqn, p in sharded.named_parameters():
             torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+
+
+class _Activations(torch.nn.Module):
+    """Activations whose gradients (and hardswish itself) DTensor has no rule for."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        F = torch.nn.functional
+        h = F.softplus(h) + F.leaky_relu(h, 0.1) + F.hardswish(h) + F.hardtanh(h) + F.elu(h) + F.mish(h)
+        h = h.masked_fill(h > 3.0, torch.tensor(3.0))
+        return self.down(h)
+
+
+def test_activations_gradients_are_planned_elementwise(world):
+    """softplus, leaky_relu, hardswish, hardtanh, elu and mish (their backward ops, hardswish's
+    forward and masked_fill with a tensor value have no DTensor rule of their own) are planned as
+    elementwise ops, nothing replicated for want of a rule, and the step is the single-device one."""
+    world(4)
+    torch.manual_seed(0)
+    model, x = _Activations(), torch.randn(64, 16, generator=torch.Generator().manual_seed(3))
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    assert not plan.summary["fallback_ops"], plan.summary["fallback_ops"]
+    assert any("S(" in "".join(e["out"]) for n, e in plan.nodes.items() if "backward" in e["op"]), plan.describe()
+    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), lm_loss)
+    with LocalTensorMode(4):
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "tp")))
+        loss = lm_loss(sharded(x))
+        loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for fqn, p in sharded.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
