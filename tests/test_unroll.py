@@ -133,3 +133,31 @@ def test_planner_unroll_option(world):
     assert fast.params == whole.params
     with pytest.raises(ConfigError, match="unroll_layers"):
         autoshard.PlanOptions(unroll_layers="yes")
+
+
+class _CachedIndex(nn.Module):
+    """Adds a table built in forward by a cached static method (the way Hugging Face's BEiT
+    builds its relative position index: ``lru_cache`` keyed by the window alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    @staticmethod
+    @__import__("functools").lru_cache(maxsize=4)
+    def table(n: int) -> torch.Tensor:
+        return torch.arange(n * 8, dtype=torch.float32).reshape(n, 8) / 100
+
+    def forward(self, x):
+        return self.proj(x) + self.table(x.shape[0])
+
+
+def test_a_value_cached_in_forward_is_traced_alike_every_time():
+    """A trace leaves no fake tensor in a model's function caches: a second trace records the same
+    ops as the first (not a constant with no data, which made the planned graph and the one
+    ``parallelize`` traces differ node for node), and the model runs eagerly after a trace."""
+    model, x = _CachedIndex(), torch.randn(4, 8)
+    first, second = trace(model, (x,), None), trace(model, (x,), None)
+    assert [(n.name, n.target) for n in first.gm.graph.nodes] == [(n.name, n.target) for n in second.gm.graph.nodes]
+    assert _CachedIndex.table.cache_info().currsize == 0
+    torch.testing.assert_close(model(x), model.proj(x) + torch.arange(32.0).reshape(4, 8) / 100)

@@ -276,6 +276,7 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
         tc.node_meta_custom().pop(PHASE, None)
         return (loss, *grads)
 
+    clear_method_caches(model)  # a value cached by an earlier trace would be traced as a constant
     try:
         try:
             with fm, tc.preserve_node_meta(), tag_layers(model, groups):
@@ -291,6 +292,7 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
                 gm = make_fx(step, pre_dispatch=False)(*fparams, *fbuffers, *finputs)
         finally:
             tc.node_meta_custom().pop(PHASE, None)
+            clear_method_caches(model)  # and a fake value cached now must not reach the model's own runs
     except TraceError:
         raise
     except Exception as exc:  # the model's own error, reported with the shapes it got
@@ -304,6 +306,39 @@ def raw_trace(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable |
                     grad_inputs=grad_inputs,
                     groups=groups, leaves=seen.get("leaves", []), tree=seen.get("tree"),
                     grads=dict(seen.get("grads", {})), fake_mode=fm)
+
+
+def clear_method_caches(model: torch.nn.Module) -> int:
+    """Clear the function caches (``functools.lru_cache``, bare or wrapped as Hugging Face's
+    ``compile_compatible_method_lru_cache`` wraps it) held by the classes of ``model``'s modules;
+    returns how many were cleared.
+
+    A model may cache a tensor computed in forward (BEiT's relative position index, keyed by
+    its window size alone): traced, the cache keeps the trace's fake tensor, so the next trace
+    records it as a constant where the first recorded the ops that make it (the planned graph
+    and the one ``parallelize`` traces differ node for node), and the model's own eager runs
+    would read a tensor with no data."""
+    import functools
+
+    cleared, seen = 0, set()
+    for cls in {c for m in model.modules() for c in type(m).__mro__ if c.__module__ != "builtins"}:
+        for attr in vars(cls).values():
+            f = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+            cells = [c.cell_contents for c in (getattr(f, "__closure__", None) or ()) if _filled(c)]
+            for cache in (f, *cells):
+                if isinstance(cache, functools._lru_cache_wrapper) and id(cache) not in seen:
+                    seen.add(id(cache))
+                    cache.cache_clear()
+                    cleared += 1
+    return cleared
+
+
+def _filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def _flex_attention_hint(exc: Exception) -> str:
