@@ -5,7 +5,14 @@ import copy
 
 import pytest
 import torch
-from helpers import SHARDING_PROFILE, LocalTensorMode, full, local_mesh, reference_step
+from helpers import (
+    SHARDING_PROFILE,
+    LocalTensorMode,
+    assert_plan_matches_single_device,
+    full,
+    local_mesh,
+    reference_step,
+)
 
 import autoshard
 from autoshard.graph.tracing import trace
@@ -211,14 +218,7 @@ def test_ops_without_a_dtensor_rule_run_replicated_and_elementwise_ones_are_plan
     if planned:
         name = next(n for n, e in plan.nodes.items() if n.startswith("floor_divide"))
         assert "S(" in "".join(plan.nodes[name]["out"]), plan.nodes[name]
-    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), lm_loss)
-    with LocalTensorMode(4):
-        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "tp")))
-        loss = lm_loss(sharded(x))
-        loss.backward()
-        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
-        for fqn, p in sharded.named_parameters():
-            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
 
 
 class _Activations(torch.nn.Module):
@@ -247,11 +247,4 @@ def test_activations_gradients_are_planned_elementwise(world):
                           loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
     assert not plan.summary["fallback_ops"], plan.summary["fallback_ops"]
     assert any("S(" in "".join(e["out"]) for n, e in plan.nodes.items() if "backward" in e["op"]), plan.describe()
-    ref_loss, ref_grads = reference_step(copy.deepcopy(model), (x,), lm_loss)
-    with LocalTensorMode(4):
-        sharded = autoshard.parallelize(copy.deepcopy(model), plan, local_mesh((2, 2), ("dp", "tp")))
-        loss = lm_loss(sharded(x))
-        loss.backward()
-        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
-        for fqn, p in sharded.named_parameters():
-            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+    assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
