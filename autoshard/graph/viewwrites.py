@@ -47,9 +47,7 @@ def _is_view(n) -> bool:
 
 
 def _writes_in_place(n: fx.Node) -> bool:
-    op = n.target
-    return (n.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
-            and op._schema.name.split("::")[-1].endswith("_") and bool(n.args) and _is_view(n.args[0]))
+    return _mutates(n) and n.target._schema.name.split("::")[-1].endswith("_") and _is_view(n.args[0])
 
 
 def _out_of_place(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
