@@ -161,3 +161,29 @@ def test_a_value_cached_in_forward_is_traced_alike_every_time():
     assert [(n.name, n.target) for n in first.gm.graph.nodes] == [(n.name, n.target) for n in second.gm.graph.nodes]
     assert _CachedIndex.table.cache_info().currsize == 0
     torch.testing.assert_close(model(x), model.proj(x) + torch.arange(32.0).reshape(4, 8) / 100)
+
+
+class _Counting(nn.Module):
+    """Adds a term only on its first call: traced once as planned, then otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.proj(x)
+        return y * y.sigmoid() + y.tanh() if self.calls == 1 else y
+
+
+def test_a_model_that_traces_otherwise_than_planned_is_refused(world):
+    """A model whose graph at ``parallelize`` is not the planned one (state kept between calls)
+    gets a PlanError that says so, not other nodes' placements by name."""
+    from helpers import SHARDING_PROFILE, LocalTensorMode, local_mesh
+
+    world(4)
+    model, x = _Counting(), torch.randn(8, 8)
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          memory_budget=None, seed_baselines=False)
+    with LocalTensorMode(4), pytest.raises(autoshard.PlanError, match=r"traced otherwise than when it was planned"):
+        autoshard.parallelize(model, plan, local_mesh((2, 2), ("dp", "tp")))(x)

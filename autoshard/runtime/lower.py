@@ -240,6 +240,16 @@ class Lowering:
         if missing and plan.nodes:
             raise PlanError(f"the plan has no specs for graph nodes {missing[:5]} ({len(missing)} in all): it was "
                             "made for another model or input shape")
+        traced = {n.name for n in tg.gm.graph.nodes}
+        # The loss's nodes are named apart (tracing.finish): a plan applies with another loss.
+        absent = [name for name in plan.nodes if name not in traced and not name.startswith("loss_")]
+        if absent:
+            # Names alone can agree on graphs that differ (a node fewer shifts every later name of
+            # its op): a plan's node this trace lacks says the two graphs are not the same.
+            raise PlanError(f"the plan places graph nodes {absent[:5]} ({len(absent)} in all) that this trace of the "
+                            f"model lacks ({len(plan.nodes)} planned nodes, {len(traced)} traced): the model traced "
+                            "otherwise than when it was planned (state it keeps between calls, a cache), or the plan "
+                            "was made for another model or input shape")
 
     def _move(self, t, want: Spec):
         out = move(t, want, self.planner, self.mesh)
