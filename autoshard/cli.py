@@ -148,13 +148,16 @@ def _common(p: argparse.ArgumentParser, default_mesh: str | None, default_comput
     p.add_argument("--pipeline", default=None, metavar="AXIS",
                    help="pipeline stages over this mesh axis: the repeated layers cut into stages, each planned on "
                         "the other axes, run by torch's schedules (autoshard.planning.pipeline)")
+    p.add_argument("--allow-pipeline", default=None, metavar="AXIS",
+                   help="plan with pipeline stages over this mesh axis and without them, keep the plan predicted "
+                        "faster (both made within --time-limit; autoshard.planning.pipechoice)")
     p.add_argument("--microbatches", type=microbatch_count, default="auto", metavar="M",
-                   help="with --pipeline: microbatches per step, or 'auto' (default): chosen by planning the "
-                        "pipeline at a few counts within --time-limit (autoshard.planning.microbatches)")
+                   help="with --pipeline or --allow-pipeline: microbatches per step, or 'auto' (default): chosen "
+                        "by planning the pipeline at a few counts within --time-limit (planning/microbatches.py)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved_1f1b"),
-                   help="with --pipeline: torch's schedule (default 1f1b)")
+                   help="with --pipeline or --allow-pipeline: torch's schedule (default 1f1b)")
     p.add_argument("--stages-per-rank", type=int, default=1, metavar="V",
-                   help="with --pipeline and interleaved_1f1b: stages per pipeline rank")
+                   help="with --pipeline or --allow-pipeline and interleaved_1f1b: stages per pipeline rank")
 
 
 def microbatch_count(text: str) -> int | str:
@@ -191,7 +194,7 @@ def _run_plan(model, inputs, args) -> int:
     shape, names = autoshard.parse_mesh(args.mesh)
     mesh = autoshard.fake_mesh(shape, names)
     t0 = time.perf_counter()
-    if args.pipeline:
+    if args.pipeline or args.allow_pipeline:
         return _run_pipeline(model, inputs, mesh, args, pins, t0)
     planner = autoshard.Planner(model, inputs, mesh, profile=args.profile,
                                 memory_budget=args.memory_budget if args.memory_budget else "auto",
@@ -224,19 +227,24 @@ def _run_pipeline(model, inputs, mesh, args, pins, t0: float) -> int:
     import torch
 
     from autoshard.errors import AutoshardError
+    from autoshard.planning.pipechoice import plan_or_pipeline
     from autoshard.planning.pipeline import plan_pipeline
 
+    flag = "--pipeline" if args.pipeline else "--allow-pipeline"
+    if args.pipeline and args.allow_pipeline:
+        raise AutoshardError(f"--pipeline {args.pipeline} requires a pipeline, --allow-pipeline {args.allow_pipeline} "
+                             "lets the planner choose: give one of them")
     if args.compare or args.export_problem:
-        raise AutoshardError("--pipeline plans each stage on its own: --compare and --export-problem need a plan "
-                             "without --pipeline")
+        raise AutoshardError(f"{flag} plans each stage on its own: --compare and --export-problem need a plan "
+                             f"without {flag}")
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    pplan = plan_pipeline(model, inputs, mesh, axis=args.pipeline, microbatches=args.microbatches,
-                          schedule=args.schedule,
-                          stages_per_rank=args.stages_per_rank, profile=args.profile,
-                          memory_budget=args.memory_budget if args.memory_budget else "auto",
-                          time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,
-                          load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective,
-                          compute_dtype=_compute_dtype(args), bucket_mb=args.bucket_mb)
+    make = plan_pipeline if args.pipeline else plan_or_pipeline
+    pplan = make(model, inputs, mesh, axis=args.pipeline or args.allow_pipeline, microbatches=args.microbatches,
+                 schedule=args.schedule, stages_per_rank=args.stages_per_rank, profile=args.profile,
+                 memory_budget=args.memory_budget if args.memory_budget else "auto",
+                 time_limit=args.time_limit, pins=pins or None, recompute=args.recompute,
+                 load_imbalance=args.load_imbalance, overlap_objective=args.overlap_objective,
+                 compute_dtype=_compute_dtype(args), bucket_mb=args.bucket_mb)
     print(pplan.describe())
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     if args.output:

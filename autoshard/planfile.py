@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from autoshard.errors import PlanError
-from autoshard.plansummary import PlanSummary
+from autoshard.plansummary import PlanSummary, pipeline_choice_line
 from costmodel.spec import Spec
 
 PLAN_VERSION = 1
@@ -235,6 +235,9 @@ class Plan:
             + (f"; ended by the wall clock, not its work: {', '.join(self.solver['cut_by_clock'])} (a rerun on a "
                f"less busy machine may differ)" if self.solver.get("cut_by_clock") else ""),
         ]
+        choice = pipeline_choice_line(s.get("pipeline_choice"))
+        if choice:
+            lines.append(choice)
         alone = s.get("solve_alone")
         if alone:
             final = self.solver.get("source", "the solve")

@@ -71,6 +71,10 @@ class PlanSummary(MutableMapping):
     mesh_search: list | None = None
     """One row per mesh shape tried (``mesh="auto"``)."""
     mesh_search_seconds: float | None = None
+    pipeline_choice: dict | None = None
+    """Where pipelining over an axis was allowed (:mod:`autoshard.planning.pipechoice`): the axis,
+    each alternative (``flat``, ``pipeline``) with its step, peak or error and seconds, and which
+    was kept."""
     extra: dict = field(default_factory=dict)
     """Keys this version does not know, kept as read."""
     nulls: set = field(default_factory=set, repr=False)
@@ -132,3 +136,14 @@ class PlanSummary(MutableMapping):
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(PlanSummary) if f.name not in ("extra", "nulls"))
+
+
+def pipeline_choice_line(choice: dict | None) -> str | None:
+    """One line for ``describe()``: both alternatives and which was kept (None without a choice)."""
+    if not choice:
+        return None
+    said = [f"{'pipelined' if r['kind'] == 'pipeline' else 'without'} "
+            + (f"{r['step_us'] / 1e3:.1f} ms" if "step_us" in r else f"none ({r['error']})")
+            + f" ({r['seconds']:.1f} s)" for r in choice["alternatives"]]
+    kept = "pipelined" if choice["chosen"] == "pipeline" else "without a pipeline"
+    return f"  pipelining over {choice['axis']!r} allowed: {'; '.join(said)}; kept the plan {kept}"

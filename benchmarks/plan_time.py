@@ -1,6 +1,6 @@
 """End-to-end planning time per phase, LLaMA-3 shapes from 8B on 64 ranks to 405B on 1024.
 
-    python benchmarks/plan_time.py [--cases 8b:8x8,70b:8x8x8,405b:8x16x8,dsv3,405b-pp] [--layers N]
+    python benchmarks/plan_time.py [--cases 8b:8x8,70b:8x8x8,405b:8x16x8,dsv3,405b-pp,405b-allow-pp] [--layers N]
                                    [--time-limit 60] [--additive-objective]
 
 Each case plans a model on the meta device (no weights) for a fake mesh, h100-sxm profile,
@@ -11,7 +11,9 @@ LLaMA-3.1-405B on (8, 16, 8) with 1024 x 2048, and DeepSeek-V3 shapes (mixture o
 no memory budget (its parameters, gradients and Adam state alone need >= 84 GB per rank on
 64 ranks, even in bf16: no 64-rank plan fits 80 GB); ``405b-pp`` (not a default) is 405B
 pipelined: 8 stages over the first axis of (8, 16, 8) (axes ``pp, dp, tp``), 64 microbatches,
-1F1B, every stage solved on (16, 8) (:func:`autoshard.planning.pipeline.plan_pipeline`). Per case: seconds per phase
+1F1B, every stage solved on (16, 8) (:func:`autoshard.planning.pipeline.plan_pipeline`); ``405b-allow-pp`` (not a
+default) the same with pipelining allowed, not required: the plan without a pipeline on (8, 16, 8) made
+beside it and the faster kept (:func:`autoshard.planning.pipechoice.plan_or_pipeline`). Per case: seconds per phase
 (trace, strategies and costs, solve, plan assembly), the end-to-end total, the plan's
 predicted step, how the solve ended, and peak RSS. The solve runs until it proves its plan
 optimal or its time limit; ``solve_s`` says which.
@@ -38,9 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: case -> (model family, preset, default mesh, global batch, memory budget: None for none, else the profile's)
 CASES = {"8b": ("llama", "8b", (8, 8), 64, "profile"), "70b": ("llama", "70b", (8, 8, 8), 512, "profile"),
          "405b": ("llama", "405b", (8, 16, 8), 1024, "profile"),
-         "dsv3": ("moe", "deepseek-v3", (8, 8), 64, None), "405b-pp": ("llama", "405b", (8, 16, 8), 1024, "profile")}
+         "dsv3": ("moe", "deepseek-v3", (8, 8), 64, None), "405b-pp": ("llama", "405b", (8, 16, 8), 1024, "profile"),
+         "405b-allow-pp": ("llama", "405b", (8, 16, 8), 1024, "profile")}
 #: Pipelined cases: microbatches (1F1B over the mesh's first axis).
-PIPELINED = {"405b-pp": 64}
+PIPELINED = {"405b-pp": 64, "405b-allow-pp": 64}
 AUTOPARALLEL_8B_S = 252.0
 MESH_NAMES = {2: ("dp", "tp"), 3: ("rep", "dp", "tp")}
 
@@ -78,15 +81,20 @@ def run_one(case: str, layers: int | None, time_limit: float, profile: str, over
 
 def _pipelined(name, model, tokens, shape, profile, time_limit, t0, overlap: bool) -> dict:
     import autoshard
+    from autoshard.planning.pipechoice import plan_or_pipeline
     from autoshard.planning.pipeline import plan_pipeline
 
     mesh = autoshard.fake_mesh(shape, ("pp", "dp", "tp"))
-    pp = plan_pipeline(model, (tokens,), mesh, axis="pp", microbatches=PIPELINED[name], schedule="1f1b",
-                       profile=profile, time_limit=time_limit, compute_dtype="bfloat16", overlap_objective=overlap)
-    return dict(case=f"{name}:{'x'.join(map(str, shape))}", layers=model.cfg.n_layers,
-                total_s=round(time.perf_counter() - t0, 2), stages=len(pp.stages),
-                step_ms=round(pp.step_us / 1e3, 1),
-                peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
+    make = plan_or_pipeline if name.endswith("allow-pp") else plan_pipeline
+    pp = make(model, (tokens,), mesh, axis="pp", microbatches=PIPELINED[name], schedule="1f1b",
+              profile=profile, time_limit=time_limit, compute_dtype="bfloat16", overlap_objective=overlap)
+    row = dict(case=f"{name}:{'x'.join(map(str, shape))}", layers=model.cfg.n_layers,
+               total_s=round(time.perf_counter() - t0, 2))
+    if isinstance(pp, autoshard.Plan):  # pipelining allowed, and the plan without one kept
+        row.update(stages=1, step_ms=round(pp.summary["step_us"] / 1e3, 1), choice=pp.summary["pipeline_choice"])
+    else:
+        row.update(stages=len(pp.stages), step_ms=round(pp.step_us / 1e3, 1), choice=pp.choice or None)
+    return dict(row, peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
 
 
 def main() -> None:
@@ -122,6 +130,11 @@ def main() -> None:
         if row["case"].startswith("405b-pp"):
             print(f"405B pipelined ({row['stages']} stages): planned in {row['total_s']:.2f} s, "
                   f"{row['step_ms']:.1f} ms")
+        if row["case"].startswith("405b-allow-pp"):
+            said = "; ".join(f"{r['kind']} " + (f"{r['step_us'] / 1e3:.1f} ms" if "step_us" in r else r["error"])
+                             for r in row["choice"]["alternatives"])
+            print(f"405B, pipelining allowed: planned in {row['total_s']:.2f} s, {row['step_ms']:.1f} ms, "
+                  f"kept the {row['choice']['chosen']} plan ({said})")
     big = [r for r in rows if r["case"].startswith("70b")]
     if big:
         print(f"70B end-to-end seconds: {big[0]['total_s']:.2f}")

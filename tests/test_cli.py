@@ -169,6 +169,23 @@ def test_ranks_chooses_the_mesh(world, tmp_path, monkeypatch, capsys):
     assert "expected --mesh name=size,... (e.g. dp=8,tp=8) or --ranks N" in capsys.readouterr().err
 
 
+def test_allow_pipeline_keeps_the_faster_and_says_so(world, tmp_path, capsys):
+    """--allow-pipeline AXIS: the plan with and without stages, the faster written (here the
+    model is too small for a bubble to pay); both steps printed. With --pipeline too: refused."""
+    world(64)
+    out = tmp_path / "p.json"
+    args = ["demo", "--model", "gpt", "--layers", "4", "--dim", "64", "--heads", "4", "--vocab", "128", "--batch", "64",
+            "--seq", "16", "--mesh", "pp=4,dp=4,tp=4", "--microbatches", "16", "--time-limit", "20"]
+    assert main(args + ["--allow-pipeline", "pp", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    line = next(s for s in text.splitlines() if "pipelining over 'pp' allowed" in s)
+    assert "without " in line and "pipelined " in line and "kept the plan" in line
+    kind = json.loads(out.read_text()).get("kind", "plan")
+    assert ("kept the plan pipelined" in line) == (kind == "pipeline")
+    assert main(args + ["--allow-pipeline", "pp", "--pipeline", "pp"]) == 2
+    assert "give one of them" in capsys.readouterr().err
+
+
 def test_demo_pipelined_writes_a_pipeline_plan(world, tmp_path, capsys):
     """--pipeline AXIS: the stages planned on the other axes; the file is a pipelined plan that
     `show` prints stage by stage. --microbatches takes a count or 'auto' (the default), nothing else."""

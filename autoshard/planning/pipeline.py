@@ -87,6 +87,7 @@ from autoshard.mesh import axis_names_of
 from autoshard.planfile import Plan
 from autoshard.planning.schedule import ScheduleRun, check_schedule, simulate
 from autoshard.planning.shapebound import bounding_workers
+from autoshard.plansummary import pipeline_choice_line
 from autoshard.units import human_bytes
 from costmodel import load_profile
 from costmodel.collectives import MeshTopology
@@ -166,6 +167,9 @@ class PipelinePlan:
     ``{"microbatches", "step_us"}`` or ``{"microbatches", "error"}`` (it broke the budget), and its
     ``seconds``; a last ``{"stopped": why}`` where the time limit ended the climb. Empty where the
     count was given."""
+    choice: dict = field(default_factory=dict)
+    """Where pipelining was allowed, not required (:mod:`autoshard.planning.pipechoice`): this plan
+    and the one without a pipeline, each's step and seconds; empty where the pipeline was asked for."""
 
     def to_json(self) -> dict:
         plans = []
@@ -180,7 +184,7 @@ class PipelinePlan:
                 "memory_bytes": [int(b) for b in self.memory_bytes], "budget_bytes": int(self.budget_bytes),
                 "stages": [s.to_json(index[id(s.plan)]) for s in self.stages],
                 "plans": [p.to_json() for p in plans], "seconds": round(self.seconds, 3),
-                "microbatch_search": self.microbatch_search}
+                "microbatch_search": self.microbatch_search, "pipeline_choice": self.choice}
 
     @staticmethod
     def from_json(data: dict) -> "PipelinePlan":
@@ -202,7 +206,8 @@ class PipelinePlan:
                                 run=run, memory_bytes=data["memory_bytes"], budget_bytes=data["budget_bytes"],
                                 mesh_shape=data["mesh"]["shape"], axis_names=data["mesh"]["axis_names"],
                                 seconds=data.get("seconds", 0.0), step_us=data["step_us"],
-                                microbatch_search=list(data.get("microbatch_search", [])))
+                                microbatch_search=list(data.get("microbatch_search", [])),
+                                choice=dict(data.get("pipeline_choice") or {}))
         except (KeyError, TypeError, IndexError) as exc:
             raise PlanError(f"pipeline plan: missing or malformed field {exc}") from None
 
@@ -243,6 +248,9 @@ class PipelinePlan:
                      for r in self.microbatch_search if "microbatches" in r]
             stopped = [r["stopped"] for r in self.microbatch_search if "stopped" in r]
             lines.append(f"  microbatches chosen among {', '.join(tried)}" + (f" ({stopped[0]})" if stopped else ""))
+        choice = pipeline_choice_line(self.choice)
+        if choice:
+            lines.append(choice)
         return "\n".join(lines)
 
 
