@@ -221,6 +221,32 @@ def test_ops_without_a_dtensor_rule_run_replicated_and_elementwise_ones_are_plan
     assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
 
 
+class _Pooled(torch.nn.Module):
+    """Tokens pooled by ``AdaptiveAvgPool1d`` (Swin's classifier): traced as ``as_strided``,
+    which DTensor refuses on any placement."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+        self.pool = torch.nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, x):
+        h = self.proj(x)  # (batch, tokens, 32)
+        return self.head(torch.flatten(self.pool(h.transpose(1, 2)), 1))
+
+
+def test_as_strided_runs_replicated_as_planned(world):
+    """``as_strided`` (an adaptive pooling's, forward and backward) is planned replicated, a
+    counted fallback, and run on each rank's full inputs: the single-device loss and gradients."""
+    world(4)
+    torch.manual_seed(0)
+    model, x = _Pooled(), torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(4))
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    assert any("as_strided" in op for op in plan.summary["fallback_ops"]), plan.summary["fallback_ops"]
+    assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
+
+
 class _Activations(torch.nn.Module):
     """Activations whose gradients (and hardswish itself) DTensor has no rule for."""
 

@@ -343,6 +343,8 @@ class Lowering:
                 raise
             return self._replicated_locally(n, args, kwargs)
         except (RuntimeError, ValueError) as exc:
+            if "not supported with DTensor" in str(exc):  # as_strided: DTensor refuses it whatever the placements
+                return self._replicated_locally(n, args, kwargs)
             if n.target not in _VIEWS or not isinstance(args[0], DTensor) or "view" not in str(exc):
                 raise
         t = args[0].contiguous()
@@ -354,9 +356,10 @@ class Lowering:
         return n.target(t, *args[1:], **kwargs)
 
     def _replicated_locally(self, n: fx.Node, args, kwargs):
-        """An op DTensor has no sharding rule for (``aten.searchsorted``, ``aten.bincount``): the
-        planner gave it one strategy, every input and output replicated (a counted fallback), so
-        each rank runs it on its full local inputs and its outputs are replicated DTensors."""
+        """An op DTensor has no sharding rule for (``aten.searchsorted``, ``aten.bincount``) or
+        refuses (``aten.as_strided``: an adaptive pooling's backward): the planner gave it one
+        strategy, every input and output replicated (a counted fallback), so each rank runs it on
+        its full local inputs and its outputs are replicated DTensors."""
         replicated = [torch.distributed.tensor.Replicate()] * self.mesh.ndim
 
         def local(v):
