@@ -2,6 +2,7 @@
 exactly, the loss left to the caller."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -245,6 +246,31 @@ def test_as_strided_runs_replicated_as_planned(world):
                           loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
     assert any("as_strided" in op for op in plan.summary["fallback_ops"]), plan.summary["fallback_ops"]
     assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
+
+
+def test_no_dim_is_split_unevenly(world):
+    """A dim of 10 split over both axes of (2, 2) would be 3, 2, 3, 2 (DTensor's nested split),
+    one of 9 over an axis 5 and 4: the lowered programs got such shards wrong (a bias gradient's
+    view took another rank's size; Swin's classifier wrong gradients). No plan holds such a
+    spec, a pin asking for one is refused with what it asked, and an even split runs as planned."""
+    world(4)
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    kw = dict(profile=SHARDING_PROFILE, loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    for width, pin in ((10, "S(0)S(0)"), (9, "S(0)R")):
+        with pytest.raises(autoshard.AutoshardError, match=rf"pin '0.weight': spec {re.escape(pin)} is not a valid "
+                                                           rf"spec .*\({width}, 16\).*do not divide it"):
+            autoshard.plan(torch.nn.Sequential(torch.nn.Linear(16, width)), (x,), mesh, pins={"*": pin}, **kw)
+        model = torch.nn.Sequential(torch.nn.Linear(16, width))
+        plan = autoshard.plan(model, (x,), mesh, **kw)
+        for fqn, p in plan.params.items():
+            for d, size in enumerate(p.shape):
+                pieces = 2 ** sum(where == f"S({d})" for where in p.placements.values())
+                assert size % pieces == 0, (fqn, p.placements, p.shape)
+        assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
+    plan = autoshard.plan(torch.nn.Sequential(torch.nn.Linear(16, 8)), (x,), mesh, pins={"*": "S(0)S(0)"}, **kw)
+    assert str(plan.param_spec("0.weight")) == "S(0)S(0)"
 
 
 class _Activations(torch.nn.Module):

@@ -80,7 +80,11 @@ def all_specs(ndim: int, mesh_ndim: int, partial: bool = True, shape=None, mesh_
 
     With ``orders``, every shard order of each tensor dim sharded on several axes
     (else only the default, ascending one). With ``shape`` and ``mesh_shape``,
-    specs that shard a tensor dim into more pieces than it has elements are left out.
+    specs that split a tensor dim into pieces that do not divide it are left out: DTensor's ops
+    on uneven shards lower to per-rank programs that disagree with DTensor's own shard sizes (a
+    view of a bias gradient split 3, 2, 3, 2 took another rank's size; Swin's classifier, its 10
+    labels over 4 ranks, got wrong gradients). GPT-2's vocabulary of 50257 is therefore never
+    split: its embedding's hidden dim is.
     """
     opts = ["R"] + [f"S({d})" for d in range(ndim)] + (["P(sum)"] if partial else [])
     out = []
@@ -91,7 +95,7 @@ def all_specs(ndim: int, mesh_ndim: int, partial: bool = True, shape=None, mesh_
             for axis, d in enumerate(spec.shard_dims()):
                 if d is not None:
                     pieces[d] *= mesh_shape[axis]
-            if any(p > 1 and p > s for p, s in zip(pieces, shape)):
+            if any(s % p for p, s in zip(pieces, shape)):
                 continue
         out.append(spec)
         if orders:

@@ -121,9 +121,17 @@ def _tp_placement(p, out_dim, in_dim, kind, leaf) -> str:
 
 
 def _fsdp_dim(p, shards: int) -> str:
-    """FSDP's split of ``p`` over ``shards`` ranks: its first dim with at least that many
-    elements (FSDP2 splits dim 0 and pads; a split with empty shards is not a spec here)."""
-    return next((f"S({d})" for d, n in enumerate(p.shape) if n >= shards), "R")
+    """FSDP's split of ``p`` over ``shards`` ranks: its first dim that many ranks divide (FSDP2
+    splits dim 0 and pads; uneven shards are not planned here, so GPT-2's embedding of 50257
+    rows is split on its hidden dim)."""
+    return next((f"S({d})" for d, n in enumerate(p.shape) if n % shards == 0), "R")
+
+
+def _even(p, placement: str, pieces: int) -> str:
+    """``placement`` where it splits its dim of ``p`` into ``pieces`` that divide it, else ``R``."""
+    if placement.startswith("S(") and p.shape[int(placement[2:-1])] % pieces:
+        return "R"
+    return placement
 
 
 def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
@@ -154,7 +162,7 @@ def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
         for fqn, p, *_, kind, _leaf in _param_dims(model):
             if kind == "expert":
                 # Dim 0 is the experts' (split by EP): FSDP takes the next dim large enough.
-                fsdp = next((f"S({d})" for d in (1, 2) if p.shape[d] >= data), "R")
+                fsdp = next((f"S({d})" for d in (1, 2) if p.shape[d] % data == 0), "R")
                 pins[fqn] = Spec((fsdp,) * (mesh_ndim - 1) + ("S(0)",))
             else:
                 pins[fqn] = Spec((_fsdp_dim(p, world),) * mesh_ndim)
@@ -162,17 +170,18 @@ def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
     batch = Spec(("S(0)",) * (mesh_ndim - 1) + ("R",))
     tp_axis = mesh_ndim - 1
     for fqn, p, out_dim, in_dim, kind, leaf in _param_dims(model):
-        tp = _tp_placement(p, out_dim, in_dim, kind, leaf)
+        tp = _even(p, _tp_placement(p, out_dim, in_dim, kind, leaf), shape[-1])
         if name == "ep_tp" and kind == "expert":
             # Experts split over the data axes, each expert's hidden width over the last one.
-            pins[fqn] = Spec(("S(0)",) * (mesh_ndim - 1) + (tp,)) if mesh_ndim > 1 else Spec(("S(0)",))
+            ep = _even(p, "S(0)", world // shape[-1] if mesh_ndim > 1 else world)
+            pins[fqn] = Spec((ep,) * (mesh_ndim - 1) + (tp,)) if mesh_ndim > 1 else Spec((ep,))
             continue
         if name in ("tp", "ep_tp") or mesh_ndim == 1:
             pins[fqn] = Spec(("R",) * (mesh_ndim - 1) + (tp,))
             continue
         # FSDP on the data axes shards dim 0 after TP did (torchtitan's order: TP first).
         data = world // shape[-1]
-        dp = "S(0)" if p.shape[0] >= (data * shape[-1] if tp == "S(0)" else data) else "R"
+        dp = _even(p, "S(0)", data * shape[-1] if tp == "S(0)" else data)
         placements = (dp,) * (mesh_ndim - 1) + (tp,)
         order = ()
         if dp == "S(0)" and tp == "S(0)":

@@ -237,6 +237,12 @@ class Lowering:
         missing = [n.name for n in (tg.gm.graph.nodes if ops is None else ops)
                    if n.op == "call_function" and n.target is not operator.getitem
                    and plan.nodes.get(n.name, {}).get("op") != str(n.target)]
+        if missing and plan.nodes and all(name.startswith("loss_") for name in missing):
+            # The model's own forward and backward agree; only the loss's nodes differ.
+            raise PlanError(f"the plan has no specs for the loss's graph nodes {missing[:5]} ({len(missing)} in "
+                            "all): the step was traced with another loss than the plan's; give parallelize the "
+                            "loss_fn given to plan (a model that computes its loss from keyword inputs: the same "
+                            "keywords too)")
         if missing and plan.nodes:
             raise PlanError(f"the plan has no specs for graph nodes {missing[:5]} ({len(missing)} in all): it was "
                             "made for another model or input shape")
