@@ -80,9 +80,9 @@ def all_specs(ndim: int, mesh_ndim: int, partial: bool = True, shape=None, mesh_
 
     With ``orders``, every shard order of each tensor dim sharded on several axes
     (else only the default, ascending one). With ``shape`` and ``mesh_shape``,
-    specs that split a tensor dim into pieces that do not divide it are left out: DTensor's ops
-    on uneven shards lower to per-rank programs that disagree with DTensor's own shard sizes (a
-    view of a bias gradient split 3, 2, 3, 2 took another rank's size; Swin's classifier, its 10
+    specs that split a tensor dim into pieces that do not divide it are left out: under
+    ``LocalTensorMode`` the lowered backward of uneven shards takes one rank's shard size for
+    every rank (a view of a bias gradient split 3, 2, 3, 2 failed; Swin's classifier, its 10
     labels over 4 ranks, got wrong gradients). GPT-2's vocabulary of 50257 is therefore never
     split: its embedding's hidden dim is.
     """
