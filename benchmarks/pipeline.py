@@ -124,13 +124,14 @@ def main() -> None:
               f"microbatches); ours pipelined / best other {ratio:.3f}")
         print(got["pp"].get("table") or got["pp"].get("error"))
         if args.allow:
+            from autoshard.plansummary import pipeline_choice_line
+
             a = got["allow"]
-            said = "; ".join(f"{r['kind']} " + (f"{r['step_us'] / 1e3:.1f} ms" if "step_us" in r else r["error"])
-                             + f" ({r['seconds']:.1f} s)" for r in a["choice"]["alternatives"])
             same = (", the plan made alone" if a.get("placements") == got["flat"]["placements"] else
                     ", not the plan made alone") if a["kept"] == "flat" else ""
             print(f"{case}: pipelining allowed: kept the {a['kept']} plan{same}, {a['step_ms']:.1f} ms in "
-                  f"{a['seconds']:.1f} s ({said}); / best other {a['step_ms'] / best_other:.3f}")
+                  f"{a['seconds']:.1f} s; / best other {a['step_ms'] / best_other:.3f}\n"
+                  + pipeline_choice_line(a["choice"]))
     what = "pipelining allowed" if args.allow else "ours pipelined"
     print(f"worst ratio {what} / best of (ours without, FSDP+TP+PP, FSDP+TP+PP+AC): {worst:.3f}")
 

@@ -131,10 +131,10 @@ def main() -> None:
             print(f"405B pipelined ({row['stages']} stages): planned in {row['total_s']:.2f} s, "
                   f"{row['step_ms']:.1f} ms")
         if row["case"].startswith("405b-allow-pp"):
-            said = "; ".join(f"{r['kind']} " + (f"{r['step_us'] / 1e3:.1f} ms" if "step_us" in r else r["error"])
-                             for r in row["choice"]["alternatives"])
-            print(f"405B, pipelining allowed: planned in {row['total_s']:.2f} s, {row['step_ms']:.1f} ms, "
-                  f"kept the {row['choice']['chosen']} plan ({said})")
+            from autoshard.plansummary import pipeline_choice_line
+
+            print(f"405B, pipelining allowed: planned in {row['total_s']:.2f} s, {row['step_ms']:.1f} ms;"
+                  + pipeline_choice_line(row["choice"]))
     big = [r for r in rows if r["case"].startswith("70b")]
     if big:
         print(f"70B end-to-end seconds: {big[0]['total_s']:.2f}")
