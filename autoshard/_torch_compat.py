@@ -6,6 +6,7 @@ A torch upgrade that moves one of these touches this file only.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -368,6 +369,7 @@ def as_rank(rank: int):
     @contextlib.contextmanager
     def patched():
         saved = {name: getattr(DeviceMesh, name) for name in patches}
+        _sharding_caches_for(rank)
         try:
             for name, fn in patches.items():
                 setattr(DeviceMesh, name, fn)
@@ -375,8 +377,42 @@ def as_rank(rank: int):
         finally:
             for name, fn in saved.items():
                 setattr(DeviceMesh, name, fn)
+            _sharding_caches_for(_own_rank())
 
     return patched()
+
+
+#: Whose answers DTensor's sharding-propagation caches hold: a rank, or None (this process's own).
+_CACHES_HOLD: list = [None]
+
+
+def _own_rank() -> int | None:
+    """This process's rank where it is one rank (a real or fake process group), else None (no
+    group, or every rank at once under a LocalTensorMode, suspended or not)."""
+    try:
+        from torch.distributed._local_tensor import get_local_tensor_mode_list
+    except ImportError:
+        get_local_tensor_mode_list = list
+    if get_local_tensor_mode_list() or not dist.is_initialized():
+        return None
+    return dist.get_rank()
+
+
+def _sharding_caches_for(rank: int | None) -> None:
+    """Empty DTensor's caches of sharding propagation (Python's and the C++ fast path's) and of
+    redistribution steps where they may hold another rank's answers than ``rank``'s. Their keys
+    do not name the rank, yet with uneven shards the answers depend on it (a view's local target
+    shape, a gather's unpadding): one rank's program traced after another's took that rank's
+    shard size (a bias gradient viewed as [3] on a rank holding 2)."""
+    if _CACHES_HOLD[0] == rank:
+        return
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _CACHES_HOLD[0] = rank
 
 
 def local_shape(shape, mesh, placements) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ import re
 import torch.nn as nn
 
 from autoshard.errors import ConfigError
+from autoshard.graph.strategies import splits_fit
 from autoshard.planfile import Plan
 from costmodel.spec import Spec
 
@@ -120,18 +121,17 @@ def _tp_placement(p, out_dim, in_dim, kind, leaf) -> str:
     return "R"
 
 
-def _fsdp_dim(p, shards: int) -> str:
-    """FSDP's split of ``p`` over ``shards`` ranks: its first dim that many ranks divide (FSDP2
-    splits dim 0 and pads; uneven shards are not planned here, so GPT-2's embedding of 50257
-    rows is split on its hidden dim)."""
-    return next((f"S({d})" for d, n in enumerate(p.shape) if n % shards == 0), "R")
+def _fsdp_dim(p, mesh_shape: tuple[int, ...]) -> str:
+    """FSDP's split of ``p`` over every axis of ``mesh_shape``: its first dim the split fits
+    (:func:`~autoshard.graph.strategies.splits_fit`: FSDP2 splits dim 0 and pads, which one axis
+    may do here; over several axes the ranks must divide the dim, so GPT-2's embedding of 50257
+    rows is split on its hidden dim there)."""
+    return next((f"S({d})" for d in range(p.ndim) if _fits(p, (f"S({d})",) * len(mesh_shape), mesh_shape)), "R")
 
 
-def _even(p, placement: str, pieces: int) -> str:
-    """``placement`` where it splits its dim of ``p`` into ``pieces`` that divide it, else ``R``."""
-    if placement.startswith("S(") and p.shape[int(placement[2:-1])] % pieces:
-        return "R"
-    return placement
+def _fits(p, placements: tuple[str, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Whether ``placements`` (one per mesh axis) split ``p`` as plans may (evenly, or unevenly by one axis)."""
+    return splits_fit(Spec(placements), tuple(p.shape), mesh_shape)
 
 
 def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
@@ -145,43 +145,43 @@ def baseline_pins(name: str, model: nn.Module, mesh_ndim: int,
         raise ConfigError(f"baseline {name}: the model has no experts (3-D parameters of a module named "
                           f"'experts')")
     shape = tuple(mesh_shape) if mesh_shape is not None else (2,) * mesh_ndim
-    world = 1
-    for n in shape:
-        world *= n
     name = name.removesuffix("_ac")
     batch_all = Spec(("S(0)",) * mesh_ndim)
     pins: dict[str, Spec] = {}
     if name in ("ddp", "fsdp", "fsdp_cp"):
         for fqn, p, *_ in _param_dims(model):
-            pins[fqn] = Spec(("R",) * mesh_ndim) if name == "ddp" else Spec((_fsdp_dim(p, world),) * mesh_ndim)
+            pins[fqn] = Spec(("R",) * mesh_ndim) if name == "ddp" else Spec((_fsdp_dim(p, shape),) * mesh_ndim)
         if name == "fsdp_cp":
             return pins, [Spec(("S(0)",) * (mesh_ndim - 1) + ("S(1)",))]
         return pins, [batch_all]
     if name == "ep_fsdp":
-        data = world // shape[-1]
         for fqn, p, *_, kind, _leaf in _param_dims(model):
             if kind == "expert":
                 # Dim 0 is the experts' (split by EP): FSDP takes the next dim large enough.
-                fsdp = next((f"S({d})" for d in (1, 2) if p.shape[d] % data == 0), "R")
+                fsdp = next((f"S({d})" for d in (1, 2) if _fits(p, (f"S({d})",) * (mesh_ndim - 1) + ("S(0)",), shape)),
+                            "R")
                 pins[fqn] = Spec((fsdp,) * (mesh_ndim - 1) + ("S(0)",))
             else:
-                pins[fqn] = Spec((_fsdp_dim(p, world),) * mesh_ndim)
+                pins[fqn] = Spec((_fsdp_dim(p, shape),) * mesh_ndim)
         return pins, [batch_all]
     batch = Spec(("S(0)",) * (mesh_ndim - 1) + ("R",))
     tp_axis = mesh_ndim - 1
     for fqn, p, out_dim, in_dim, kind, leaf in _param_dims(model):
-        tp = _even(p, _tp_placement(p, out_dim, in_dim, kind, leaf), shape[-1])
+        tp = _tp_placement(p, out_dim, in_dim, kind, leaf)
+        tp = tp if _fits(p, ("R",) * (mesh_ndim - 1) + (tp,), shape) else "R"
         if name == "ep_tp" and kind == "expert":
             # Experts split over the data axes, each expert's hidden width over the last one.
-            ep = _even(p, "S(0)", world // shape[-1] if mesh_ndim > 1 else world)
-            pins[fqn] = Spec((ep,) * (mesh_ndim - 1) + (tp,)) if mesh_ndim > 1 else Spec((ep,))
+            if mesh_ndim == 1:
+                pins[fqn] = Spec(("S(0)",) if _fits(p, ("S(0)",), shape) else ("R",))
+                continue
+            ep = "S(0)" if _fits(p, ("S(0)",) * (mesh_ndim - 1) + (tp,), shape) else "R"
+            pins[fqn] = Spec((ep,) * (mesh_ndim - 1) + (tp,))
             continue
         if name in ("tp", "ep_tp") or mesh_ndim == 1:
             pins[fqn] = Spec(("R",) * (mesh_ndim - 1) + (tp,))
             continue
         # FSDP on the data axes shards dim 0 after TP did (torchtitan's order: TP first).
-        data = world // shape[-1]
-        dp = _even(p, "S(0)", data * shape[-1] if tp == "S(0)" else data)
+        dp = "S(0)" if _fits(p, ("S(0)",) * (mesh_ndim - 1) + (tp,), shape) else "R"
         placements = (dp,) * (mesh_ndim - 1) + (tp,)
         order = ()
         if dp == "S(0)" and tp == "S(0)":

@@ -611,7 +611,7 @@ def pin_indices(gp: GraphProblem, tg: TracedGraph, pins: dict[str, Spec] | None,
         if not hit:
             raise AutoshardError(
                 f"{what}: spec {spec} is not a valid spec for a tensor of shape {tuple(node.meta['val'].shape)} "
-                f"here (a tensor dim split into pieces that do not divide it? uneven shards are not planned)"
+                f"here (a dim split unevenly over several mesh axes, or into an empty piece? those are not planned)"
             )
         problem_pins[v] = hit[0]
     return problem_pins
