@@ -112,6 +112,43 @@ def test_views_of_a_gathered_bucket_member_become_reshapes():
     assert torch.equal(gm(x_val), x_val[:, 4:].reshape(12))
 
 
+def test_gathered_bucket_members_are_copied_out_contiguous():
+    """torch's CPU ``native_group_norm_backward`` reads a strided slice as if contiguous: its
+    gradient and statistics gathered in one bucket (members split along dim 1) gave gradients off
+    by tens (Wav2Vec2's feature extractor). The pass copies each member out contiguous, as FSDP2
+    copies gathered parameters out of its buffer, and the op's answer is the unbucketed one."""
+    import operator
+
+    import torch.fx as fx
+
+    from autoshard.runtime.passes import reshape_strided_bucket_slices
+
+    aten = torch.ops.aten
+    n, c, length = 4, 16, 79
+    torch.manual_seed(0)
+    x, w = torch.randn(n, c, length), torch.randn(c)
+    _, mean, rstd = aten.native_group_norm(x, w, torch.randn(c), n, c, length, c, 1e-5)
+    grad = torch.randn(n, c, length)
+    want = aten.native_group_norm_backward(grad, x, mean, rstd, w, n, c, length, c, [True, True, True])
+    bucket = torch.cat([mean.reshape(n, -1), rstd.reshape(n, -1), grad.reshape(n, -1)], 1)
+
+    g = fx.Graph()
+    b, xs, ws = g.placeholder("bucket"), g.placeholder("x"), g.placeholder("w")
+    split = g.call_function(aten.split_with_sizes.default, (b, [c, c, c * length], 1))
+    m, r, d = (g.call_function(operator.getitem, (split, k)) for k in range(3))
+    m, r = (g.call_function(aten.view.default, (t, [n, c])) for t in (m, r))
+    d = g.call_function(aten.reshape.default, (d, [n, c, length]))
+    g.output(g.call_function(aten.native_group_norm_backward.default,
+                             (d, xs, m, r, ws, n, c, length, c, [True, True, True])))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    reshape_strided_bucket_slices(gm)
+    gm.recompile()
+    clones = [u for u in gm.graph.nodes if u.target is aten.clone.default]
+    assert len(clones) == 3 and all(u.args[0].target is operator.getitem for u in clones)
+    for got, ref in zip(gm(bucket, x, w), want):
+        torch.testing.assert_close(got, ref)
+
+
 def test_no_op_moves_across_a_recomputation_and_collectives_stay_where_scheduled():
     """The overlap scheduler pulls the next layer's recomputation (independent of the pending
     wait) ahead of this layer's backward to hide a collective; the program runs it after the

@@ -112,19 +112,64 @@ class Estimator:
 _VIEW_CHAIN = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
+#: Ops through which a bucket member is only viewed, and those that read any strides.
+_VIEWS = frozenset({*_VIEW_CHAIN, torch.ops.aten.reshape.default, torch.ops.aten.t.default,
+                    torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.expand.default,
+                    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.alias.default,
+                    torch.ops.aten.detach.default})
+_READ_STRIDED = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                           torch.ops.aten.baddbmm.default, torch.ops.aten.clone.default,
+                           torch.ops.aten._to_copy.default})
+
+
+def _read_by_strided_ops(node: fx.Node) -> bool:
+    """Whether every reader of ``node``, through views, is a matmul or a copy."""
+    todo, seen = list(node.users), set()
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.target in _VIEWS:
+            todo.extend(user.users)
+        elif user.target not in _READ_STRIDED:
+            return False
+    return True
+
+
+def _copied_out(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """A contiguous copy of ``node`` that its readers read instead."""
+    users = list(node.users)
+    with gm.graph.inserting_after(node):
+        out = gm.graph.call_function(torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+    out.meta = dict(node.meta)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        out.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+    for user in users:
+        user.replace_input_with(node, out)
+    return out
+
+
 def reshape_strided_bucket_slices(gm: fx.GraphModule) -> int:
     """A gathered bucket is split into its members along dim 1 (one row per rank): each member
-    is a strided slice, and a ``view`` the program recorded on the contiguous tensor the member
-    replaced (merging its rank rows) fails on it ("view size is not compatible"). Those views
-    become ``reshape``s, which copy only where a view cannot express the shape. Returns how
-    many were changed."""
+    is a strided slice. A member read by anything but views, matmuls and copies is copied out
+    contiguous (as FSDP2 copies gathered parameters out of its buffer): kernels that take a
+    strided slice as if contiguous give wrong answers (torch's CPU ``native_group_norm_backward``,
+    its gradient and statistics gathered in one bucket: Wav2Vec2's feature extractor got
+    group-norm gradients off by 50); matmuls read strides, and weights that only they read stay
+    views of the bucket, which the memory account holds as long as they are read. A ``view``
+    the program recorded on the contiguous tensor the member replaced becomes a ``reshape``,
+    which copies only where a view cannot express the shape. Returns how many views were
+    changed."""
     changed = 0
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         src = node.args[0] if node.target is operator.getitem else None
         if not (isinstance(src, fx.Node) and src.target is torch.ops.aten.split_with_sizes.default
                 and (src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)) != 0):
             continue
-        todo = list(node.users)
+        out = node if _read_by_strided_ops(node) else _copied_out(gm, node)
+        todo = list(out.users)
         while todo:
             user = todo.pop()
             if user.target in _VIEW_CHAIN:
