@@ -101,3 +101,28 @@ def test_mesh_signature_reads_divisibility_by_every_product_of_axes(world):
     assert mesh_signature(mm, args, (2, 4, 8)) != mesh_signature(mm, args, (2, 2, 16))
     # 12 into 8 pieces fits, into 16 it does not: (2, 4, 8) against (2, 4, 16) on 128 ranks.
     assert mesh_signature(mm, args, (2, 4, 8)) != mesh_signature(mm, args, (2, 4, 16))
+    # Sizes 3, 7, 9 and their runs: neither 4 nor 5 divides one, and each fits both or neither;
+    # but 9 rows into 4 pieces leave one empty (3, 3, 3, 0), into 5 none (2, 2, 2, 2, 1), and 7
+    # the other way round: one axis may split them unevenly on one mesh and not the other.
+    tg = trace(torch.nn.Linear(7, 9), (torch.randn(3, 7),), lambda out: out.sum())
+    mm = next(n for n in tg.gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.addmm.default)
+    assert mesh_signature(mm, list(mm.all_input_nodes), (4,)) != mesh_signature(mm, list(mm.all_input_nodes), (5,))
+
+
+def test_uneven_splits_only_over_one_axis_and_never_empty():
+    """A dim split into pieces that do not divide it is planned only when one mesh axis splits
+    it (DTensor's ceil split: 9 over 2 is 5 and 4) and no piece is empty (3 over 4 would leave
+    one rank none); over several axes the uneven pieces nest (10 over (2, 2): 3, 2, 3, 2), which
+    DTensor's flattened gather assembles wrongly, so those are left out. Axes of size 1 split
+    nothing."""
+    from autoshard.graph.strategies import all_specs, splits_fit
+    from costmodel import Spec
+
+    assert splits_fit(Spec(("S(0)", "R")), (9, 16), (2, 2))
+    assert splits_fit(Spec(("S(0)", "S(0)")), (12, 16), (2, 2))
+    assert not splits_fit(Spec(("S(0)", "S(0)")), (10, 16), (2, 2))
+    assert not splits_fit(Spec(("S(0)",)), (3, 16), (4,))
+    assert not splits_fit(Spec(("S(0)",)), (1, 16), (2,))
+    assert splits_fit(Spec(("S(0)", "S(0)")), (9, 16), (1, 2))
+    specs = {str(s) for s in all_specs(2, 2, shape=(10, 16), mesh_shape=(2, 2))}
+    assert {"S(0)R", "RS(0)", "S(0)S(1)", "S(1)S(1)"} <= specs and "S(0)S(0)" not in specs

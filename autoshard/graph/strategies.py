@@ -150,9 +150,10 @@ def _dim_products(shape) -> set[int]:
 def mesh_signature(node: fx.Node, targs: list[fx.Node], mesh_shape: tuple[int, ...]) -> tuple:
     """What a node's strategies depend on of the mesh beyond its number of axes: for each size
     ``s`` among its tensors' dims and runs of adjacent dims, and each product ``P`` of a subset
-    of the mesh's axes, whether ``P`` divides ``s`` and whether ``s >= P``. DTensor's rules read
-    the mesh's sizes only so (a dim shardable into ``P`` pieces, evenly, a view's split of a
-    merged dim), as does :func:`all_specs`' filter; two meshes of as many axes with the same
+    of the mesh's axes, whether ``P`` divides ``s``, whether ``s >= P`` and whether DTensor's
+    split of ``s`` into ``P`` pieces leaves none empty. DTensor's rules read the mesh's sizes only
+    so (a dim shardable into ``P`` pieces, evenly, a view's split of a merged dim), as does
+    :func:`all_specs`' filter (:func:`splits_fit`); two meshes of as many axes with the same
     signature give the node the same strategies."""
     vals = [_val(a) for a in targs]
     out = _val(node)
@@ -160,7 +161,7 @@ def mesh_signature(node: fx.Node, targs: list[fx.Node], mesh_shape: tuple[int, .
     sizes = sorted(set().union(*(_dim_products(tuple(v.shape)) for v in vals)))
     products = [math.prod(mesh_shape[a] for a in range(len(mesh_shape)) if mask >> a & 1)
                 for mask in range(1, 2 ** len(mesh_shape))]
-    return tuple((s, tuple((s % p == 0, s >= p) for p in products)) for s in sizes)
+    return tuple((s, tuple((s % p == 0, s >= p, -(-s // p) * (p - 1) < s) for p in products)) for s in sizes)
 
 
 #: Strategies enumerated in this process, for every mesh: (the node's key, the mesh's number of
