@@ -126,3 +126,32 @@ def test_uneven_splits_only_over_one_axis_and_never_empty():
     assert splits_fit(Spec(("S(0)", "S(0)")), (9, 16), (1, 2))
     specs = {str(s) for s in all_specs(2, 2, shape=(10, 16), mesh_shape=(2, 2))}
     assert {"S(0)R", "RS(0)", "S(0)S(1)", "S(1)S(1)"} <= specs and "S(0)S(0)" not in specs
+
+
+def test_no_strategy_splits_a_dim_so_that_a_piece_is_empty(world):
+    """A view of rows split four ways, (128, 32) as (2, 64, 32): DTensor's rule keeps the split on
+    the leading 2 (a piece empty; SegFormer's decode head, whose lowered view then failed).
+    No strategy of the planner holds such a spec, on its inputs or its outputs."""
+    from autoshard.graph.strategies import splits_fit
+
+    world(4)
+    tg = trace(_Rows(), (torch.randn(2, 64, 16),), lambda out: out.sum())
+    enum = StrategyEnumerator(autoshard.fake_mesh((2, 2), ("dp", "tp")))
+    views = [n for n in tg.gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.view.default
+             and tuple(n.meta["val"].shape) == (2, 64, 32)]
+    assert views
+    for node in views:
+        strategies = enum.for_node(node).strategies
+        assert strategies and not enum.for_node(node).fallback
+        for st in strategies:
+            assert splits_fit(st.outs[0], (2, 64, 32), (2, 2)), (node.name, st)
+            assert splits_fit(st.ins[0], tuple(node.args[0].meta["val"].shape), (2, 2)), (node.name, st)
+
+
+class _Rows(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        return self.proj(x.reshape(-1, 16)).view(2, 64, 32)

@@ -346,11 +346,23 @@ class StrategyEnumerator:
                         results.append(tc.op_strategy(op, self._schema(node, [[s]] + cands[1:]), self.mesh, out_meta))
                     except Exception as exc:  # a spec the rule rejects by raising
                         errors.append(exc)
-        out = [st for st in self._collect(results, node, targs) if executable(planned, st, self.mesh_shape, targs)]
+        out = [st for st in self._collect(results, node, targs)
+               if executable(planned, st, self.mesh_shape, targs) and self._fits(planned, st, targs)]
         out += ring_strategies(planned, out, targs, self.mesh_shape)
         if not self.partial_inputs:
             out = [st for st in out if not any(i.partial_axes() for i in st.ins)]
         return out
+
+    def _fits(self, node: fx.Node, st: Strategy, targs: list[fx.Node]) -> bool:
+        """Whether every spec of ``st`` splits its tensor as plans may (:func:`splits_fit`): a rule
+        checks its inputs only for a shard per rank, and a view's output may split a dim its input
+        did not (a (128, 32) value split 4 ways by rows viewed as (2, 64, 32) keeps the split on
+        the 2: a piece empty, and the lowered view failed)."""
+        val = _val(node)
+        vals = list(val) if isinstance(val, (tuple, list)) else [val]
+        pairs = list(zip(st.outs, vals)) + [(spec, _val(a)) for spec, a in zip(st.ins, targs)]
+        return all(spec is None or not isinstance(v, torch.Tensor) or splits_fit(spec, tuple(v.shape), self.mesh_shape)
+                   for spec, v in pairs)
 
     def _cat_without(self, node: fx.Node, targs: list[fx.Node], skipped: list[fx.Node],
                      errors: list[Exception]) -> list[Strategy]:
