@@ -309,3 +309,29 @@ def test_activations_gradients_are_planned_elementwise(world):
     assert not plan.summary["fallback_ops"], plan.summary["fallback_ops"]
     assert any("S(" in "".join(e["out"]) for n, e in plan.nodes.items() if "backward" in e["op"]), plan.describe()
     assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
+
+
+class _Shuffled(torch.nn.Module):
+    """ViTMAE's masking in small: a permutation of each row's tokens drawn by ``torch.rand``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        ids = torch.rand(x.shape[0], x.shape[1], device=x.device).argsort(-1)
+        return self.out(torch.relu(h.gather(1, ids[..., None].expand_as(h))))
+
+
+def test_random_factories_draw_one_value_on_every_rank(world):
+    """``torch.rand`` reads no tensor: lowered as a constant built inside forward, each rank drew
+    its own on its generator, so the ranks' permutations of the same rows differed and tokens
+    were lost and doubled (ViTMAE's gradients). Drawn whole with one key, every rank shuffles
+    alike, and the loss (the same for any permutation) and gradients are the single-device ones."""
+    world(4)
+    torch.manual_seed(0)
+    model, x = _Shuffled(), torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(6))
+    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)

@@ -60,6 +60,27 @@ RANDOM_OPS = {
     _A.randn_like.default, _A.uniform_.default, _A.normal_.default,
 }
 """The random ops the lowering keys (others run on each rank's own generator)."""
+RANDOM_FACTORIES = {_A.rand.default, _A.randn.default, _A.randint.default, _A.randint.low, _A.randperm.default}
+"""Random ops that read no tensor (``torch.rand(batch, seq)``: ViTMAE's masking noise). Lowered as
+any constant built inside forward, the same full value on every rank (a consumer takes its shard
+locally), so every rank draws it whole with one key: on its own generator each drew another."""
+
+
+def run_factory(op, args: tuple, kwargs: dict, key: int) -> torch.Tensor:
+    """``op`` (one of :data:`RANDOM_FACTORIES`) drawn whole by :func:`random_fill`: the same value
+    on every rank that runs it with ``key``."""
+    fill = torch.ops.autoshard.random_fill
+    options = {k: kwargs[k] for k in ("dtype", "device") if kwargs.get(k) is not None}
+    if op is _A.randperm.default:
+        n = int(args[0])
+        u = fill(torch.empty(n, device=options.get("device")), "uniform", 0.0, key)
+        return u.argsort().to(options.get("dtype", torch.int64))
+    if op in (_A.randint.default, _A.randint.low):
+        low, high, size = (0, args[0], args[1]) if op is _A.randint.default else args[:3]
+        u = fill(torch.empty(tuple(size), device=options.get("device")), "uniform", 0.0, key)
+        return (low + (u * (high - low)).floor()).to(options.get("dtype", torch.int64))
+    like = torch.empty(tuple(args[0]), **options)
+    return fill(like, "uniform" if op is _A.rand.default else "normal", 0.0, key)
 
 
 def shard_key(ordinal: int, placements, coordinate: list[int], mesh_shape) -> int:

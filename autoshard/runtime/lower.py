@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import PlanError
@@ -298,7 +298,12 @@ class Lowering:
             # Only constants in (tensors built inside forward): every rank computes the same
             # full value; a consumer takes its planned shard of it locally.
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-            env[n] = n.target(*args, **kwargs)
+            if n.target in rng.RANDOM_FACTORIES:
+                key = rng.shard_key(self.position[n], [Replicate()] * self.mesh.ndim, self.mesh.get_coordinate(),
+                                    tuple(self.mesh.shape))
+                env[n] = rng.run_factory(n.target, args, kwargs, key)
+            else:
+                env[n] = n.target(*args, **kwargs)
             return
         if _mutates_constant(n, env):
             # In place into a constant (a view of one: ``shifted[:, 1:] = input_ids[:, :-1]`` in
