@@ -402,8 +402,8 @@ def _sharding_caches_for(rank: int | None) -> None:
     """Empty DTensor's caches of sharding propagation (Python's and the C++ fast path's) and of
     redistribution steps where they may hold another rank's answers than ``rank``'s. Their keys
     do not name the rank, yet with uneven shards the answers depend on it (a view's local target
-    shape, a gather's unpadding): one rank's program traced after another's took that rank's
-    shard size (a bias gradient viewed as [3] on a rank holding 2)."""
+    shape, a gather's unpadding): one rank's program traced after another's would take that
+    rank's shard size (a bias gradient viewed as [3] on a rank holding 2)."""
     if _CACHES_HOLD[0] == rank:
         return
     from torch.distributed.tensor import _redistribute

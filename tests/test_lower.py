@@ -32,6 +32,12 @@ def other_loss(out):
     return (out.float() * 3).sin().sum()
 
 
+def solver_plan(model, x):
+    """The solve alone's plan of ``model`` on ``x`` over a (2, 2) mesh, where sharding pays."""
+    return autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
+                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+
+
 def tiny():
     torch.manual_seed(0)
     model = llama("tiny", n_layers=2, max_seq_len=16)
@@ -212,8 +218,7 @@ def test_ops_without_a_dtensor_rule_run_replicated_and_elementwise_ones_are_plan
     world(4)
     torch.manual_seed(0)
     model, x = _Bucketed(), torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    plan = solver_plan(model, x)
     fallback = plan.summary["fallback_ops"]
     assert (op in fallback) is not planned, fallback
     if planned:
@@ -242,8 +247,7 @@ def test_as_strided_runs_replicated_as_planned(world):
     world(4)
     torch.manual_seed(0)
     model, x = _Pooled(), torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(4))
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    plan = solver_plan(model, x)
     assert any("as_strided" in op for op in plan.summary["fallback_ops"]), plan.summary["fallback_ops"]
     assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
 
@@ -252,7 +256,7 @@ def test_uneven_splits_by_one_axis_only(world):
     """A dim split unevenly by one mesh axis (9 as 5 and 4) is planned and runs as planned on
     LocalTensorMode, forward and backward (each rank's program is lowered after another's: DTensor's
     caches, whose keys do not name the rank, are emptied between them, or a bias gradient's view
-    took another rank's size). Split unevenly over several axes (10 over (2, 2): 3, 2, 3, 2, which
+    would take another rank's size). Split unevenly over several axes (10 over (2, 2): 3, 2, 3, 2, which
     DTensor's flattened gather gets wrong) or into an empty piece, a pin is refused with what it
     asked, and no plan holds such a split."""
     world(4)
@@ -304,8 +308,7 @@ def test_activations_gradients_are_planned_elementwise(world):
     world(4)
     torch.manual_seed(0)
     model, x = _Activations(), torch.randn(64, 16, generator=torch.Generator().manual_seed(3))
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    plan = solver_plan(model, x)
     assert not plan.summary["fallback_ops"], plan.summary["fallback_ops"]
     assert any("S(" in "".join(e["out"]) for n, e in plan.nodes.items() if "backward" in e["op"]), plan.describe()
     assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
@@ -325,13 +328,12 @@ class _Shuffled(torch.nn.Module):
 
 
 def test_random_factories_draw_one_value_on_every_rank(world):
-    """``torch.rand`` reads no tensor: lowered as a constant built inside forward, each rank drew
-    its own on its generator, so the ranks' permutations of the same rows differed and tokens
-    were lost and doubled (ViTMAE's gradients). Drawn whole with one key, every rank shuffles
-    alike, and the loss (the same for any permutation) and gradients are the single-device ones."""
+    """``torch.rand`` reads no tensor: every rank computes its full value, drawn with one key so
+    that every rank shuffles the same rows alike (each on its own generator would lose and double
+    tokens, as ViTMAE's masking did); the loss (the same for any permutation) and gradients are
+    the single-device ones."""
     world(4)
     torch.manual_seed(0)
     model, x = _Shuffled(), torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(6))
-    plan = autoshard.plan(model, (x,), autoshard.fake_mesh((2, 2), ("dp", "tp")), profile=SHARDING_PROFILE,
-                          loss_fn=lm_loss, memory_budget=None, seed_baselines=False)
+    plan = solver_plan(model, x)
     assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)

@@ -113,10 +113,10 @@ def test_views_of_a_gathered_bucket_member_become_reshapes():
 
 
 def test_gathered_bucket_members_are_copied_out_contiguous():
-    """torch's CPU ``native_group_norm_backward`` reads a strided slice as if contiguous: its
-    gradient and statistics gathered in one bucket (members split along dim 1) gave gradients off
-    by tens (Wav2Vec2's feature extractor). The pass copies each member out contiguous, as FSDP2
-    copies gathered parameters out of its buffer, and the op's answer is the unbucketed one."""
+    """torch's CPU ``native_group_norm_backward`` reads a strided slice as if contiguous: fed its
+    gradient and statistics as members of one gathered bucket (split along dim 1) it is off by
+    tens (Wav2Vec2's feature extractor). The pass copies each member it reads out contiguous, as
+    FSDP2 copies gathered parameters out of its buffer, and the op's answer is the unbucketed one."""
     import operator
 
     import torch.fx as fx

@@ -63,7 +63,8 @@ RANDOM_OPS = {
 RANDOM_FACTORIES = {_A.rand.default, _A.randn.default, _A.randint.default, _A.randint.low, _A.randperm.default}
 """Random ops that read no tensor (``torch.rand(batch, seq)``: ViTMAE's masking noise). Lowered as
 any constant built inside forward, the same full value on every rank (a consumer takes its shard
-locally), so every rank draws it whole with one key: on its own generator each drew another."""
+locally), so every rank draws it whole with one key: on its own generator each would draw
+another."""
 
 
 def run_factory(op, args: tuple, kwargs: dict, key: int) -> torch.Tensor:

@@ -74,6 +74,12 @@ def is_tensor(node) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def _no_empty_piece(size: int, pieces: int) -> bool:
+    """Whether DTensor's split of ``size`` into ``pieces`` (``ceil(size / pieces)`` each, the last
+    ones less) gives every piece an element."""
+    return -(-size // pieces) * (pieces - 1) < size
+
+
 def splits_fit(spec: Spec, shape, mesh_shape) -> bool:
     """Whether every dim ``spec`` splits is split evenly, or unevenly by one axis into no empty piece."""
     axes: dict[int, list[int]] = {}
@@ -82,7 +88,7 @@ def splits_fit(spec: Spec, shape, mesh_shape) -> bool:
             axes.setdefault(d, []).append(mesh_shape[axis])
     for d, sizes in axes.items():
         size, pieces = shape[d], math.prod(sizes)
-        if size % pieces and (len(sizes) > 1 or -(-size // pieces) * (pieces - 1) >= size):
+        if size % pieces and (len(sizes) > 1 or not _no_empty_piece(size, pieces)):
             return False
     return True
 
@@ -97,7 +103,7 @@ def all_specs(ndim: int, mesh_ndim: int, partial: bool = True, shape=None, mesh_
     (DTensor's split: ``ceil(size / n)`` per rank, the last ones less): GPT-2's vocabulary of 50257
     may be split over one axis of 8. Split over several axes, uneven pieces are nested (10 over
     (2, 2): 5, 5, then 3, 2, 3, 2), and DTensor's own redistribution gathers those wrongly (torch
-    2.13's flattened merge): a loss computed eagerly on such an output was wrong.
+    2.13's flattened merge), so a loss computed eagerly on such an output would be wrong.
     """
     opts = ["R"] + [f"S({d})" for d in range(ndim)] + (["P(sum)"] if partial else [])
     out = []
@@ -161,7 +167,7 @@ def mesh_signature(node: fx.Node, targs: list[fx.Node], mesh_shape: tuple[int, .
     sizes = sorted(set().union(*(_dim_products(tuple(v.shape)) for v in vals)))
     products = [math.prod(mesh_shape[a] for a in range(len(mesh_shape)) if mask >> a & 1)
                 for mask in range(1, 2 ** len(mesh_shape))]
-    return tuple((s, tuple((s % p == 0, s >= p, -(-s // p) * (p - 1) < s) for p in products)) for s in sizes)
+    return tuple((s, tuple((s % p == 0, s >= p, _no_empty_piece(s, p)) for p in products)) for s in sizes)
 
 
 #: Strategies enumerated in this process, for every mesh: (the node's key, the mesh's number of
@@ -357,7 +363,7 @@ class StrategyEnumerator:
         """Whether every spec of ``st`` splits its tensor as plans may (:func:`splits_fit`): a rule
         checks its inputs only for a shard per rank, and a view's output may split a dim its input
         did not (a (128, 32) value split 4 ways by rows viewed as (2, 64, 32) keeps the split on
-        the 2: a piece empty, and the lowered view failed)."""
+        the 2: a piece empty, which no lowered view can make)."""
         val = _val(node)
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
         pairs = list(zip(st.outs, vals)) + [(spec, _val(a)) for spec, a in zip(st.ins, targs)]

@@ -371,7 +371,7 @@ class Lowering:
         refuses (``aten.as_strided``: an adaptive pooling's backward): the planner gave it one
         strategy, every input and output replicated (a counted fallback), so each rank runs it on
         its full local inputs and its outputs are replicated DTensors."""
-        replicated = [torch.distributed.tensor.Replicate()] * self.mesh.ndim
+        replicated = [Replicate()] * self.mesh.ndim
 
         def local(v):
             if not isinstance(v, DTensor):

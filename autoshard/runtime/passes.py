@@ -156,9 +156,11 @@ def reshape_strided_bucket_slices(gm: fx.GraphModule) -> int:
     is a strided slice. A member read by anything but views, matmuls and copies is copied out
     contiguous (as FSDP2 copies gathered parameters out of its buffer): kernels that take a
     strided slice as if contiguous give wrong answers (torch's CPU ``native_group_norm_backward``,
-    its gradient and statistics gathered in one bucket: Wav2Vec2's feature extractor got
+    its gradient and statistics gathered in one bucket: Wav2Vec2's feature extractor's
     group-norm gradients off by 50); matmuls read strides, and weights that only they read stay
-    views of the bucket, which the memory account holds as long as they are read. A ``view``
+    views of the bucket, whose buffer lives while any of them is read (the memory account
+    charges each member from its own reader, not the buffer: an under-count where one bucket
+    spans many layers). A ``view``
     the program recorded on the contiguous tensor the member replaced becomes a ``reshape``,
     which copies only where a view cannot express the shape. Returns how many views were
     changed."""
