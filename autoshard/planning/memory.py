@@ -10,14 +10,14 @@ depends on a pair of choices, so it is counted here, on a chosen plan, over the 
   weight that a transpose keeps for the backward: FSDP's gathered weights held from forward to
   backward; a gathered activation read once lives for that read);
 - **gradients**: the executor moves each gradient to its parameter's spec (data parallel's
-  all-reduce, FSDP's reduce-scatter) at the end of the backward (the program's outputs; the
-  overlap scheduler defers reductions off the compute path to batch them): the unreduced value
-  (or a buffer it was gathered into) is held until then, the shard only in the optimizer step;
+  all-reduce, FSDP's reduce-scatter) as soon as its op has run, or once the last member of its
+  bucket is there: the unreduced value (or a buffer it was gathered into) is held until then,
+  the bucket's concatenated input for that moment, the shard from then into the optimizer step;
   a gradient that is one output of several (a norm's backward) holds only its own bytes;
 - **buckets**: the executor merges collectives into buckets (:mod:`autoshard.runtime.buckets`);
-  an all-reduce or reduce-scatter bucket hands back views of one flat buffer, live while any
-  member is read; an all-gather bucket's members are copied out of its buffer (a member's rows
-  are strided in it), each live to its own last read;
+  a bucket hands back views of one flat buffer, live while any member is read; a gathered
+  member that anything but matmuls and copies reads is copied out of it (its rows are strided
+  in the buffer), a buffer of its own from then to its last read;
 - **the optimizer step**, after the backward: parameters, optimizer state and gradients, plus
   the optimizer's temporaries: AdamW's denominator is one parameter's shard at a time where the
   step loops over parameters (torch's default on a CPU), every parameter's at once where it
@@ -39,6 +39,7 @@ from autoshard.graph.pricing import is_view
 from autoshard.graph.strategies import is_getitem
 from autoshard.graph.tracing import node_phase
 from autoshard.planning.problem import (
+    GRADIENT_SHARDS,
     GraphProblem,
     backward_start,
     block_bytes,
@@ -136,12 +137,18 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
     usage = np.array([p.node_usages[v][choice[v]] for v in range(n)], dtype=np.float64)
     rows_peak = _peak(lo, hi, usage)[0]
     end = int(hi.max()) if n else 0
-    # The gradients are read by their moves at the end of the backward (the program's outputs).
-    read_at_end = {gp.index[g.name]: end for g in tg.grad_of.values() if g.name in gp.index}
-    view_end = _view_ends(gp, lo, until=read_at_end)
+    buckets = problem_buckets(gp, choice)
+    move_at = _gradient_moves(gp, chosen, lo, buckets, mesh_shape)
+    # A gradient is read by its move to its parameter's spec; one already in that spec is the
+    # parameter's gradient itself, held into the optimizer step.
+    read_at = {gp.edges[k].producer: t + 1 for k, t in move_at.items()}
+    for k, e in enumerate(gp.edges):
+        if e.arg < 0 and k not in move_at:
+            read_at[e.producer] = end
+    view_end = _view_ends(gp, lo, until=read_at)
     moved = [s.moved for s in chosen]
     # Ends where a moved view's reads do not hold what it views (the same ends without one).
-    own_end = _view_ends(gp, lo, moved, until=read_at_end) if any(moved) else view_end
+    own_end = _view_ends(gp, lo, moved, until=read_at) if any(moved) else view_end
 
     grads = {live_root(g)[0] for g in tg.grad_of.values()} | grad_views(tg)
     placeholder_of = {tg.fqn_of[x.name]: x for x in tg.placeholders}
@@ -161,8 +168,11 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
             events.append((lo[v], hi[v], own, "parameters", tg.fqn_of.get(node.name, node.name)))
             if node.name in trainable:
                 param_bytes[v] = own
-                if usage[v] > own:
-                    events.append((lo[v], hi[v], usage[v] - own, "optimizer state", tg.fqn_of[node.name]))
+                # The rows charge the gradient's shard with its parameter (problem.GRADIENT_SHARDS):
+                # here it is its own event, from the gradient's move.
+                state = usage[v] - own * (1 + GRADIENT_SHARDS)
+                if state > 0:
+                    events.append((lo[v], hi[v], state, "optimizer state", tg.fqn_of[node.name]))
             continue
         if chosen[v].moved and node not in grads:
             cat = "communication buffers"  # a held view's redistributed argument
@@ -215,6 +225,8 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
     for v, node in enumerate(gp.nodes):
         if chosen[v].moved and node in grads:
             release(gp.index.get(live_root(node)[0].name, v))
+        elif node in grads and v not in gp.copy_of:
+            amend(v, last=max(hi[v], own_end[v]))  # to its move, or into the step where none moves it
     # The weights gathered once per step are dropped with the gradients' reductions.
     whole_until_step.update(event_of[v] for v in held if v in event_of)
 
@@ -222,10 +234,29 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
     # one flat buffer, which every member's view keeps alive (a layer's gathered weights live as
     # long as the last of them is read).
     bucket_of: dict[int, int] = {}
-    buckets = problem_buckets(gp, choice)
     for b, members in enumerate(buckets.members if buckets is not None else ()):
-        if buckets.kinds[b] == "all_gather":
-            continue  # its members are copies: each a buffer of its own, as unbucketed
+        if all(gp.edges[k].arg < 0 for k, _ in members):
+            # Gradients' moves: the bucket concatenates the unreduced gradients into one input.
+            at = max(move_at.get(k, end) for k, _ in members)
+            raw = sum(local_bytes(chosen[gp.edges[k].producer].outs[gp.edges[k].out],
+                                  _value(gp.nodes[gp.edges[k].producer], gp.edges[k].out), mesh_shape)
+                      for k in {k for k, _ in members})
+            events.append((at, at + 1, block_bytes(raw, caching), "communication buffers",
+                           f"bucket {b} ({len(members)} gradients)"))
+            continue
+        gathered = [k for k, _ in members if gp.edges[k].arg >= 0]
+        if buckets.kinds[b] == "all_gather" and gathered:
+            # Inductor's merge copies each member out of the flat buffer (its rows are strided
+            # there) just before the member's first reader: each copy is a buffer of its own
+            # from then to its last read, as unbucketed; the flat buffer lives from the first
+            # member's reader to the last's.
+            readers = [int(lo[gp.edges[k].consumer]) for k in gathered]
+            raw = sum(local_bytes(chosen[gp.edges[k].consumer].ins[gp.edges[k].arg],
+                                  _value(gp.nodes[gp.edges[k].producer], gp.edges[k].out), mesh_shape)
+                      for k in set(gathered))
+            events.append((min(readers), max(readers) + 1, block_bytes(raw, caching), "communication buffers",
+                           f"bucket {b} ({len(gathered)} gathered arguments)"))
+            continue
         for e, _ in members:
             if gp.edges[e].arg >= 0:
                 bucket_of.setdefault(e, b)
@@ -238,14 +269,10 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
             dst = chosen[v].outs[0]
             if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
                 continue
-            # What holds the unreduced value: a moved view's own buffer, or the value it views.
-            r = u if chosen[u].moved else gp.index.get(live_root(gp.nodes[u])[0].name, u)
-            # The executor moves the gradients at the end of the backward (the program's outputs;
-            # its overlap scheduler defers reductions off the compute path, to batch them), so
-            # the unreduced value is held to the end of the backward, the shard only in the step.
-            if r in event_of:
-                whole_until_step.add(event_of[r])
-            events.append((end, end + 1, param_bytes.get(v, 0), "gradients", f"{tg.fqn_of[gp.nodes[v].name]}.grad"))
+            # The unreduced value lives to its move (its reads through views say so); the shard
+            # the move makes, from then into the optimizer step.
+            events.append((move_at.get(e, end), end, param_bytes.get(v, 0), "gradients",
+                           f"{tg.fqn_of[gp.nodes[v].name]}.grad"))
             continue
         dst = chosen[v].ins[ae.arg]
         if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
@@ -307,6 +334,26 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
 
 def _is_view(gp: GraphProblem, v: int) -> bool:
     return gp.nodes[v].op == "call_function" and is_view(gp.nodes[v])
+
+
+def _gradient_moves(gp: GraphProblem, chosen, lo: np.ndarray, buckets, mesh_shape) -> dict[int, int]:
+    """Per gradient edge whose gradient is moved to its parameter's spec, the time of the move:
+    right after the gradient's op, or with buckets, after the op where its group is moved
+    (:attr:`~autoshard.runtime.buckets.Buckets.moved_after`), and no sooner than its bucket's
+    last member."""
+    at: dict[int, int] = {}
+    after = buckets.moved_after if buckets is not None else {}
+    for k, e in enumerate(gp.edges):
+        if e.arg < 0 and on_mesh(chosen[e.producer].outs[e.out], mesh_shape) != on_mesh(chosen[e.consumer].outs[0],
+                                                                                           mesh_shape):
+            at[k] = int(max(lo[e.producer], lo[after[k]] if k in after else 0))
+    for members in buckets.members if buckets is not None else ():
+        edges = {k for k, _ in members if k in at}
+        if edges:
+            t = max(at[k] for k in edges)
+            for k in edges:
+                at[k] = max(at[k], t)
+    return at
 
 
 def _gradient_outputs(gp: GraphProblem, tg) -> dict[int, set[int]]:

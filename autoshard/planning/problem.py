@@ -14,8 +14,10 @@ producer). Costs, all in microseconds:
   reduce-scatter).
 
 Memory (bytes per device), the terms of the solver's memory rows: each node's output shard
-is live from the node to its last use; parameters, their optimizer state and buffers for the
-whole step; gradients from their producer to the end of the step. View ops alias their input:
+is live from the node to its last use; parameters, their optimizer state, their gradients'
+shards (:data:`GRADIENT_SHARDS`) and buffers for the whole step; a gradient in the spec its op
+gives it, from its op to its move to the parameter's spec (the lowered backward moves it at
+once). View ops alias their input:
 they add nothing, and reading a view keeps its source alive (:func:`node_intervals`), except a
 forward view the backward reads whose argument arrives redistributed (``Strategy.moved``,
 :func:`held_views`): it holds that buffer, its output's shard, until its last read (a gathered
@@ -289,7 +291,7 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
     ``recomputed`` (node -> the backward node its recompute runs before), in order.
 
     An output lives from its node to its last read (through views); parameters, optimizer state
-    and buffers for the whole step, gradients and the loss to the end. Times are graph positions,
+    and buffers for the whole step, the loss to the end. Times are graph positions,
     each split into ``S`` slots when there is recomputation: a layer's recompute replays its
     nodes one slot apart, in forward order, just before the backward node that first needs them,
     so a recomputed value that only feeds the recompute dies as the replay moves on, and the
@@ -326,14 +328,17 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
             views[a] = max(views.get(a, -1), at)
             a = a.args[0]
 
+    # The program returns each gradient moved to its parameter's spec, moved as soon as its op
+    # has run: the graph's output reads it there, not at the end.
+    grads = set(tg.grad_of.values())
     for u in order:
         bwd = bool(rec) and tg.phase(u) == "backward"
         for a in u.all_input_nodes:
-            read(a, pos[u] * S, bwd)
+            read(a, pos[a] * S if u.op == "output" and a in grads else pos[u] * S, bwd)
     for n in rec:
         for a in n.all_input_nodes:
             read(a, slot[n], True)
-    held = {live_root(g)[0] for g in tg.grad_of.values()} | grad_views(tg)
+    held = set()
     if tg.loss_node is not None:
         held.add(live_root(tg.loss_node)[0])
     out = []
@@ -377,6 +382,14 @@ def _strategies_of(tg: TracedGraph, en: StrategyEnumerator):
     return nodes, strategies, per_node
 
 
+GRADIENT_SHARDS = 1
+"""Copies of a trainable parameter's shard its row holds for the whole step besides the
+parameter and its optimizer state: its gradient in the parameter's spec, which the backward
+makes by moving the gradient as soon as its op has run. Over the forward that is an over-count
+of at most every gradient's shard; the plan's account (:mod:`autoshard.planning.memory`) holds
+each shard from its move."""
+
+
 def _node_rows(tg, nodes, strategies, per_node, mesh_shape, profile, optimizer_states, scales, loss, redist):
     """Per node: its cost row (compute, plus the loss's move to a replicated scalar), its memory
     row, its compute row, and the ops whose FLOPs could not be counted."""
@@ -395,7 +408,8 @@ def _node_rows(tg, nodes, strategies, per_node, mesh_shape, profile, optimizer_s
             c = np.zeros(len(strats))
         elif n.op == "placeholder":
             kind = tg.kinds[n.name]
-            factor = 1 + (optimizer_states if kind == "param" and tg.fqn_of[n.name] in tg.grad_of else 0)
+            factor = 1 + (optimizer_states + GRADIENT_SHARDS if kind == "param" and tg.fqn_of[n.name] in tg.grad_of
+                          else 0)
             usage = block_bytes(np.array([local_bytes(s.outs[0], val, mesh_shape) for s in strats], dtype=np.float64),
                                 caching) * factor
             c = np.zeros(len(strats))

@@ -11,8 +11,9 @@ which on gloo (about a millisecond each) is most of a small model's communicatio
 :func:`plan_buckets` applies the same rules to a plan's redistributes in planned-graph order
 (:func:`autoshard.planning.simulate.run_order` gives it), with a redistribute's collectives where the
 lowered program puts them: before its consumer, in the consumer's program (forward or
-backward); the gradients' moves to their parameters' specs at the end of the backward, in the
-parameters' order (the program's outputs), where the runs are long. Each collective of a
+backward); a gradient's move to its parameter's spec right after the op that gives the gradient
+(the program's outputs, moved as soon as they are computed). A bucket of gradient moves runs once
+its last member's gradient is there: the unreduced gradients before it are held until then. Each collective of a
 redistribute of several (all_reduce over ``dp`` then over ``tp``) is a candidate of its own
 kind's run; the later ones depend on the earlier ones.
 
@@ -66,8 +67,19 @@ class Buckets:
     own_us: dict[int, float] = field(default_factory=dict)
     """Per edge of ``chains``, the rest of its redistribute's time (local steps), after its last
     collective."""
+    moved_after: dict[int, int] = field(default_factory=dict)
+    """Per gradient edge the backward moves, the node after which it moves it (its group's)."""
     saved_us: float = 0.0
     """The members' own collective times less the buckets': what bucketing saves."""
+
+
+def _value(node, out: int):
+    v = node.meta["val"]
+    return v[out] if isinstance(v, (tuple, list)) else v
+
+
+def _local_bytes(spec, t, mesh_shape) -> int:
+    return math.prod(spec.local_shape(tuple(t.shape), tuple(mesh_shape))) * t.element_size()
 
 
 class _Reach:
@@ -109,12 +121,20 @@ def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Prof
     into: dict[int, list[int]] = {}
     grads_from: dict[int, list[int]] = {}
     succ: dict[int, list[int]] = {}
+    # The backward reads a recomputed value's copy (the planned graph keeps the original's edge:
+    # the two are tied to one strategy), so a recomputed op reaches what the backward computes
+    # from its copy.
+    copy_by_original = {o: c for c, o in gp.copy_of.items()}
     for k, e in enumerate(gp.edges):
         if e.arg < 0:
             grads_from.setdefault(e.producer, []).append(k)
         else:
             into.setdefault(e.consumer, []).append(k)
-            succ.setdefault(e.producer, []).append(e.consumer)
+            u = e.producer
+            backward = e.consumer not in gp.copy_of and node_phase(gp.nodes[e.consumer]) == "backward"
+            if u in copy_by_original and backward:
+                u = copy_by_original[u]
+            succ.setdefault(u, []).append(e.consumer)
     # Per kind, its collectives in program order: (edge, index in the edge's, key, bytes).
     runs: dict[str, list[tuple[int, int, tuple, int]]] = {k: [] for k in _BUCKETED}
     steps_of: dict[int, list] = {}
@@ -140,19 +160,43 @@ def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Prof
                 op = partial_op(s.src.placements[s.axes[0]]) if s.kind != "all_gather" else None
                 runs[s.kind].append((k, i, (where, s.axes, t.dtype, op), int(s.nbytes)))
 
-    segment, inside = 0, False
+    cap = int(cap_mb * 2**20)
+    # The backward moves its gradients in groups of up to the cap, as they are computed
+    # (:meth:`autoshard.runtime.lower.Lowering.lower`): the group is moved once the next gradient
+    # would overflow it, before a recomputation starts, and at the end.
+    group: list[int] = []
+    filled = 0
+
+    def move_group(after: int, segment: int) -> None:
+        nonlocal filled
+        for k in group:
+            visit(k, (True, segment))
+            out.moved_after[k] = after
+        group.clear()
+        filled = 0
+
+    segment, inside, previous = 0, False, -1
     for v in order:
         # A recomputed layer's ops start a segment no bucket spans (module doc).
+        if v in gp.copy_of and not inside and group:
+            move_group(previous, segment)
         segment += v in gp.copy_of and not inside
         inside = v in gp.copy_of
         backward = inside or node_phase(gp.nodes[v]) == "backward"
         for k in into.get(v, ()):
             visit(k, (backward, segment))
-    # The backward program delivers the gradients last, in the parameters' order.
-    for k in sorted((k for ks in grads_from.values() for k in ks), key=lambda k: (pos[gp.edges[k].consumer], k)):
-        visit(k, (True, segment))
+        for k in grads_from.get(v, ()):
+            e = gp.edges[k]
+            if mats[k][choice[e.producer], choice[e.consumer]] <= 0:
+                continue
+            nbytes = _local_bytes(gp.strategies[v][choice[v]].outs[e.out], _value(gp.nodes[v], e.out), topo.shape)
+            if group and filled + nbytes > cap:
+                move_group(v, segment)
+            group.append(k)
+            filled += nbytes
+        previous = v
+    move_group(previous, segment)
 
-    cap = int(cap_mb * 2**20)
     for kind, seq in runs.items():
         start = 0
         while start < len(seq):

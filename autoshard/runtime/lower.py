@@ -21,6 +21,7 @@ on the outputs, and autograd hands back each output's gradient.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -224,8 +225,12 @@ def move(t, want: Spec, planner: RedistributePlanner, mesh):
 class Lowering:
     """Lowers the parts of one traced step, as planned, for one rank at a time."""
 
-    def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile: Profile | str | None = None, ops=None):
+    def __init__(self, tg: TracedGraph, plan: Plan, mesh, profile: Profile | str | None = None, ops=None,
+                 bucket_mb: float = 0.0):
         self.tg, self.plan, self.mesh = tg, plan, mesh
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        """The bucket cap the program's collectives are merged under (0: none): outputs are
+        moved in groups of up to this many bytes (:meth:`lower`)."""
         self.profile = prof = plan_profile(plan, profile)
         self.position = {n: i for i, n in enumerate(tg.gm.graph.nodes)}
         self.planner = RedistributePlanner(MeshTopology(tuple(mesh.shape), prof.devices_per_node), prof)
@@ -267,9 +272,10 @@ class Lowering:
             return self._move(v, Spec(("R",) * self.mesh.ndim))
         return v
 
-    def _run(self, ops: list[fx.Node], env: dict, recomputed: frozenset = frozenset()) -> None:
-        # Each lowered node names the planned node it runs (the moves into it included), and is
-        # marked where that node is recomputed (the bucketing pass reads the mark).
+    def _run(self, ops: list[fx.Node], env: dict, recomputed: frozenset = frozenset(),
+             after: Callable[[fx.Node], None] | None = None) -> None:
+        # Each lowered node names the planned node it runs (the moves into it and ``after`` it
+        # included), and is marked where that node is recomputed (the bucketing pass reads the mark).
         custom = tc.node_meta_custom()
         try:
             for n in ops:
@@ -278,6 +284,8 @@ class Lowering:
                     custom[tc.RECOMPUTED] = True
                 self._run_node(n, env)
                 custom.pop(tc.RECOMPUTED, None)
+                if after is not None:
+                    after(n)
         finally:
             custom.pop(tc.PLANNED, None)
             custom.pop(tc.RECOMPUTED, None)
@@ -502,20 +510,57 @@ class Lowering:
         local_strides: list[tuple | None] = []
         self.moves, self.off_plan = 0, []
 
+        # Outputs are moved to their specs as they are computed, in groups of up to the bucket
+        # cap, as DDP's reducer fills its buckets (a gradient's reduction): a group is moved once
+        # the next output would overflow it, before a recomputation starts (no bucket spans one)
+        # and at the end. Its moves are adjacent, so the bucketing pass merges them into one
+        # collective wherever they share a group, whatever the program runs between groups;
+        # moved only at the end, every unreduced gradient would be held to the end of the backward.
+        ran = set(ops)
+        due: dict[fx.Node, list[int]] = {}
+        for j, (node, want) in enumerate(zip(outputs, out_specs)):
+            if want is not None and node in ran:
+                due.setdefault(node, []).append(j)
+        before_recompute = {a for a, b in zip(ops, ops[1:]) if b in recomputed and a not in recomputed}
+
         def program(*locals_):
-            env = {}
+            env, out = {}, {}
             for node, local, pl, (shape, stride, _) in zip(inputs, locals_, placements, in_meta):
                 env[node] = local if pl is None else DTensor.from_local(local, mesh, pl, run_check=False,
                                                                         shape=shape, stride=stride)
-            self._run(ops, env, recomputed)
+            group: list[int] = []
+            filled = [0]
+
+            def move_group() -> None:
+                for j in group:
+                    out[j] = self._move(env[outputs[j]], out_specs[j])
+                group.clear()
+                filled[0] = 0
+
+            def deliver(n: fx.Node) -> None:
+                for j in due.get(n, ()):
+                    v = env[n]
+                    if not isinstance(v, DTensor) or _spec_of(v) == out_specs[j]:
+                        out[j] = v
+                        continue
+                    nbytes = v.to_local().numel() * v.element_size()
+                    if group and filled[0] + nbytes > self.bucket_bytes:
+                        move_group()
+                    group.append(j)
+                    filled[0] += nbytes
+                if n in before_recompute or self.bucket_bytes <= 0:
+                    move_group()
+
+            self._run(ops, env, recomputed, after=deliver if due else None)
+            move_group()
             result = []
             delivered.clear()
             meta.clear()
             local_strides.clear()
-            for node, want in zip(outputs, out_specs):
-                v = env[node]
+            for j, (node, want) in enumerate(zip(outputs, out_specs)):
+                v = out[j] if j in out else env[node]
                 if isinstance(v, DTensor):
-                    v = self._move(v, want) if want is not None else v
+                    v = self._move(v, want) if want is not None and j not in out else v
                     delivered.append(_spec_of(v))
                     meta.append((tuple(v.shape), tuple(v.stride())))
                     v = v.to_local()

@@ -181,6 +181,48 @@ def reshape_strided_bucket_slices(gm: fx.GraphModule) -> int:
     return changed
 
 
+#: Ops that hand back a view of (part of) their input: what a member of a bucket goes through
+#: before the program returns it.
+_ALIASING = _VIEWS | {torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
+                      torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.chunk.default,
+                      torch.ops.aten._unsafe_view.default, operator.getitem}
+
+
+def _returned(node: fx.Node) -> bool:
+    """Whether the program returns ``node`` or a view of it."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user.op == "output":
+                return True
+            if user.target in _ALIASING and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def copy_out_returned_members(gm: fx.GraphModule) -> int:
+    """A reduced bucket hands its members back as views of one flat buffer, which lives while any
+    of them does. A member the program returns (a gradient, moved to its parameter's spec as soon
+    as its op ran) lives into the optimizer step: where the bucket also holds members the
+    program reads and drops (an activation's gradient, all-reduced over the same group), the
+    returned one is copied out, so that the flat buffer dies with the others. Returns how many
+    members were copied."""
+    copied = 0
+    for node in list(gm.graph.nodes):
+        src = node.args[0] if node.target is torch.ops.aten.split_with_sizes.default else None
+        if not (isinstance(src, fx.Node) and src.target is _F.wait_tensor.default):
+            continue
+        members = [u for u in node.users if u.target is operator.getitem]
+        returned = [m for m in members if _returned(m)]
+        if returned and len(returned) < len(members):
+            for m in returned:
+                _copied_out(gm, m)
+            copied += len(returned)
+    return copied
+
+
 def _is_communication(node: fx.Node) -> bool:
     """A functional collective (:data:`KIND`) or its wait."""
     return node.op == "call_function" and (node.target in KIND or node.target is _F.wait_tensor.default)
@@ -252,6 +294,7 @@ def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bo
             # layer's recomputation would run it ahead of the previous layer's backward.
             tc.bucket_collectives(gm, bucket_mb, recompute_segments(gm))
             reshape_strided_bucket_slices(gm)
+            copy_out_returned_members(gm)
         if overlap:
             segment = recompute_segments(gm)
             gm = tc.schedule_overlap(gm, Estimator(profile).ms)

@@ -66,7 +66,8 @@ class PlannedProgram:
         self._warned_eager = False
         self.bucket_mb, self.overlap, self.with_loss = bucket_mb, overlap, with_loss
         self.split = split(tg, with_loss, Recompute(**plan.recompute))
-        self.lowering = Lowering(tg, plan, mesh, profile, ops=self.split.forward + self.split.backward)
+        self.lowering = Lowering(tg, plan, mesh, profile, ops=self.split.forward + self.split.backward,
+                                 bucket_mb=bucket_mb)
         ph = tg.placeholders
         self.inputs = ph
         specs = []
