@@ -138,7 +138,7 @@ def test_non_default_shard_order_is_chosen_when_cheaper(world):
                                      inter_node=LinkModel(1.0, 0.01))
     mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
     model, x = Scale(4096), torch.randn(2, 2, 4096)
-    kw = dict(profile=slow_links, memory_budget=65000, input_specs=["S(0)S(2)"])
+    kw = dict(profile=slow_links, memory_budget=70000, input_specs=["S(0)S(2)"])
     plan = autoshard.plan(model, (x,), mesh, **kw)
     assert plan.params["w"].placements == {"dp": "S(0)", "tp": "S(0)"}
     assert plan.params["w"].shard_order == {"0": ["tp", "dp"]}
