@@ -93,7 +93,7 @@ def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None, until: dict[int, in
     """Per node, the last time its output is read through views (its own slot + 1 at least);
     ``moved``: per node, whether it is a view whose argument was moved into a buffer of its own
     (its reads do not hold what it views: the move read that at once); ``until``: nodes read at
-    a given time besides (a gradient, by its move at the end of the backward)."""
+    a given time besides (a gradient, by its move to its parameter's spec)."""
     n = len(gp.nodes)
     # The backward reads a recomputed value's copy, not the forward's value (the planned graph
     # keeps the original's edge: the two are tied to one strategy).
@@ -289,8 +289,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
             continue
         if chosen[v].moved:  # a moved view's buffer is its own usage
             continue
-        if last >= end:  # a gradient's buffer, which its move at the end of the backward frees
-            whole_until_step.add(len(events))
+        # One read to the end is a gradient already in its parameter's spec: held into the step.
         events.append((lo[v], max(last, lo[v] + 1), block_bytes(raw, caching), "communication buffers",
                        f"{gp.nodes[u].name} -> {gp.nodes[v].name} ({src} -> {dst})"))
     for b, parts in flat.items():
