@@ -20,6 +20,7 @@ on the outputs, and autograd hands back each output's gradient.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -543,7 +544,9 @@ class Lowering:
                     if not isinstance(v, DTensor) or _spec_of(v) == out_specs[j]:
                         out[j] = v
                         continue
-                    nbytes = v.to_local().numel() * v.element_size()
+                    # The same on every rank (an uneven shard's local size is not), so that every
+                    # rank moves the same groups: their collectives must pair up.
+                    nbytes = math.prod(_spec_of(v).local_shape(tuple(v.shape), tuple(mesh.shape))) * v.element_size()
                     if group and filled[0] + nbytes > self.bucket_bytes:
                         move_group()
                     group.append(j)
