@@ -9,6 +9,7 @@ axes) is not written.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -111,3 +112,9 @@ def on_mesh(spec: Spec, mesh_shape) -> Spec:
     return Spec(tuple(p if mesh_shape[a] > 1 else "R" for a, p in enumerate(spec.placements)),
                 tuple((d, tuple(a for a in axes if a in keep)) for d, axes in spec.shard_order
                       if sum(a in keep for a in axes) > 1))
+
+
+def local_bytes(spec: Spec, t, mesh_shape) -> int:
+    """Bytes of the local shard ``spec`` gives tensor ``t`` on a mesh of ``mesh_shape`` (DTensor's
+    split: the first ranks' pieces, the same figure on every rank)."""
+    return math.prod(spec.local_shape(tuple(t.shape), tuple(mesh_shape))) * t.element_size()

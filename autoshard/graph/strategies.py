@@ -74,6 +74,12 @@ def is_tensor(node) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def output_val(node: fx.Node, out: int):
+    """The traced value of ``node``'s output ``out`` (its only one where it has one)."""
+    v = node.meta["val"]
+    return v[out] if isinstance(v, (tuple, list)) else v
+
+
 def _no_empty_piece(size: int, pieces: int) -> bool:
     """Whether DTensor's split of ``size`` into ``pieces`` (``ceil(size / pieces)`` each, the last
     ones less) gives every piece an element."""

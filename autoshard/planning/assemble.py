@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from autoshard.graph.attention import attention_summary
 from autoshard.graph.recompute import Recompute
+from autoshard.graph.strategies import output_val
 from autoshard.mesh import axis_names_of
 from autoshard.planfile import ParamPlacement, Plan
 from autoshard.planning.memory import account
@@ -56,8 +57,7 @@ def assemble_plan(model, tg, gp: GraphProblem, rc: Recompute, sol, mesh, prof: P
         comm += us
         if src == dst or us == 0:
             continue
-        t = gp.nodes[u].meta["val"]
-        t = t[ae.out] if isinstance(t, (tuple, list)) else t
+        t = output_val(gp.nodes[u], ae.out)
         steps = plan_steps(src, dst, tuple(t.shape), t.element_size(), topo, prof)
         node_name = gp.nodes[v].name if ae.arg >= 0 else tg.fqn_of[gp.nodes[v].name]
         entry = {

@@ -10,9 +10,10 @@ depends on a pair of choices, so it is counted here, on a chosen plan, over the 
   weight that a transpose keeps for the backward: FSDP's gathered weights held from forward to
   backward; a gathered activation read once lives for that read);
 - **gradients**: the executor moves each gradient to its parameter's spec (data parallel's
-  all-reduce, FSDP's reduce-scatter) as soon as its op has run, or once the last member of its
-  bucket is there: the unreduced value (or a buffer it was gathered into) is held until then,
-  the bucket's concatenated input for that moment, the shard from then into the optimizer step;
+  all-reduce, FSDP's reduce-scatter) with its group, as the backward makes them (groups of up to
+  ``bucket_mb``, :mod:`autoshard.runtime.buckets`): the unreduced value (or a buffer it was
+  gathered into) is held until then, the group's concatenated input for that moment, the shard
+  from then into the optimizer step;
   a gradient that is one output of several (a norm's backward) holds only its own bytes;
 - **buckets**: the executor merges collectives into buckets (:mod:`autoshard.runtime.buckets`);
   a bucket hands back views of one flat buffer, live while any member is read; a gathered
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from autoshard.graph.pricing import is_view
-from autoshard.graph.strategies import is_getitem
+from autoshard.graph.strategies import is_getitem, output_val
 from autoshard.graph.tracing import node_phase
 from autoshard.planning.problem import (
     GRADIENT_SHARDS,
@@ -46,10 +47,9 @@ from autoshard.planning.problem import (
     caching_allocator,
     grad_views,
     live_root,
-    local_bytes,
 )
 from autoshard.planning.simulate import problem_buckets
-from costmodel.spec import on_mesh, shard_dim
+from costmodel.spec import local_bytes, on_mesh, shard_dim
 from solver.evaluate import interval_profile
 
 CATEGORIES = ("parameters", "optimizer state", "gradients", "activations", "temporaries", "recomputed",
@@ -82,11 +82,6 @@ class MemoryAccount:
                 "peak_at": self.peak_at, "rows_peak_bytes": int(self.rows_peak_bytes),
                 "at_step": {k: int(v) for k, v in self.at_step.items() if v}, "saved_bytes": int(self.saved_bytes),
                 "largest": [[int(b), c, w] for b, c, w in self.largest]}
-
-
-def _value(node, out: int):
-    v = node.meta["val"]
-    return v[out] if isinstance(v, (tuple, list)) else v
 
 
 def _view_ends(gp: GraphProblem, lo: np.ndarray, moved=None, until: dict[int, int] | None = None) -> np.ndarray:
@@ -239,7 +234,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
             # Gradients' moves: the bucket concatenates the unreduced gradients into one input.
             at = max(move_at.get(k, end) for k, _ in members)
             raw = sum(local_bytes(chosen[gp.edges[k].producer].outs[gp.edges[k].out],
-                                  _value(gp.nodes[gp.edges[k].producer], gp.edges[k].out), mesh_shape)
+                                  output_val(gp.nodes[gp.edges[k].producer], gp.edges[k].out), mesh_shape)
                       for k in {k for k, _ in members})
             events.append((at, at + 1, block_bytes(raw, caching), "communication buffers",
                            f"bucket {b} ({len(members)} gradients)"))
@@ -252,7 +247,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
             # member's reader to the last's.
             readers = [int(lo[gp.edges[k].consumer]) for k in gathered]
             raw = sum(local_bytes(chosen[gp.edges[k].consumer].ins[gp.edges[k].arg],
-                                  _value(gp.nodes[gp.edges[k].producer], gp.edges[k].out), mesh_shape)
+                                  output_val(gp.nodes[gp.edges[k].producer], gp.edges[k].out), mesh_shape)
                       for k in set(gathered))
             events.append((min(readers), max(readers) + 1, block_bytes(raw, caching), "communication buffers",
                            f"bucket {b} ({len(gathered)} gathered arguments)"))
@@ -277,7 +272,7 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
         dst = chosen[v].ins[ae.arg]
         if on_mesh(src, mesh_shape) == on_mesh(dst, mesh_shape):
             continue
-        val = _value(gp.nodes[u], ae.out)
+        val = output_val(gp.nodes[u], ae.out)
         if _broadcast_chunk(src, dst, val):
             continue
         raw = local_bytes(dst, val, mesh_shape)

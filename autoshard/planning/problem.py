@@ -16,8 +16,8 @@ producer). Costs, all in microseconds:
 Memory (bytes per device), the terms of the solver's memory rows: each node's output shard
 is live from the node to its last use; parameters, their optimizer state, their gradients'
 shards (:data:`GRADIENT_SHARDS`) and buffers for the whole step; a gradient in the spec its op
-gives it, from its op to its move to the parameter's spec (the lowered backward moves it at
-once). View ops alias their input:
+gives it, from its op to its move to the parameter's spec (the lowered backward moves it with
+its group, at most ``bucket_mb`` later: the rows read it at its op). View ops alias their input:
 they add nothing, and reading a view keeps its source alive (:func:`node_intervals`), except a
 forward view the backward reads whose argument arrives redistributed (``Strategy.moved``,
 :func:`held_views`): it holds that buffer, its output's shard, until its last read (a gathered
@@ -49,7 +49,7 @@ from autoshard.graph.tracing import TracedGraph, node_phase
 from autoshard.planning.imbalance import expert_matmuls, imbalance_scale, move_scale, token_dims
 from costmodel import MeshTopology, Profile, RedistributePlanner, Spec, compute_time_us
 from costmodel.ops import host_kind
-from costmodel.spec import on_mesh, shard_dim
+from costmodel.spec import local_bytes, on_mesh, shard_dim
 
 
 @dataclass
@@ -159,10 +159,6 @@ def _itemsize(t: torch.Tensor) -> int:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def local_bytes(spec: Spec, t: torch.Tensor, mesh_shape) -> int:
-    return int(np.prod(spec.local_shape(tuple(t.shape), mesh_shape), dtype=np.int64)) * t.element_size()
 
 
 class _RedistCost:
@@ -328,8 +324,8 @@ def node_intervals(tg: TracedGraph, nodes: list[fx.Node], recomputed=None) -> tu
             views[a] = max(views.get(a, -1), at)
             a = a.args[0]
 
-    # The program returns each gradient moved to its parameter's spec, moved as soon as its op
-    # has run: the graph's output reads it there, not at the end.
+    # The program returns each gradient moved to its parameter's spec, moved with its group as the
+    # backward makes it: the graph's output reads it at its op, not at the end.
     grads = set(tg.grad_of.values())
     for u in order:
         bwd = bool(rec) and tg.phase(u) == "backward"
@@ -385,7 +381,7 @@ def _strategies_of(tg: TracedGraph, en: StrategyEnumerator):
 GRADIENT_SHARDS = 1
 """Copies of a trainable parameter's shard its row holds for the whole step besides the
 parameter and its optimizer state: its gradient in the parameter's spec, which the backward
-makes by moving the gradient as soon as its op has run. Over the forward that is an over-count
+makes as it makes the gradient. Over the forward that is an over-count
 of at most every gradient's shard; the plan's account (:mod:`autoshard.planning.memory`) holds
 each shard from its move."""
 

@@ -11,9 +11,11 @@ which on gloo (about a millisecond each) is most of a small model's communicatio
 :func:`plan_buckets` applies the same rules to a plan's redistributes in planned-graph order
 (:func:`autoshard.planning.simulate.run_order` gives it), with a redistribute's collectives where the
 lowered program puts them: before its consumer, in the consumer's program (forward or
-backward); a gradient's move to its parameter's spec right after the op that gives the gradient
-(the program's outputs, moved as soon as they are computed). A bucket of gradient moves runs once
-its last member's gradient is there: the unreduced gradients before it are held until then. Each collective of a
+backward); the gradients' moves to their parameters' specs in the groups the backward moves
+them in (:meth:`autoshard.runtime.lower.Lowering.lower`: up to the cap as the gradients are made,
+a group moved once the next gradient would overflow it, before a recomputation and at the end),
+each group's moves adjacent, so a bucket of them runs once the group is complete and holds the
+unreduced gradients until then. Each collective of a
 redistribute of several (all_reduce over ``dp`` then over ``tp``) is a candidate of its own
 kind's run; the later ones depend on the earlier ones.
 
@@ -38,10 +40,11 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from autoshard.graph.strategies import output_val
 from autoshard.graph.tracing import node_phase
 from costmodel import MeshTopology, plan_steps
 from costmodel.profile import Profile
-from costmodel.spec import partial_op
+from costmodel.spec import local_bytes, partial_op
 
 _BUCKETED = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -71,15 +74,6 @@ class Buckets:
     """Per gradient edge the backward moves, the node after which it moves it (its group's)."""
     saved_us: float = 0.0
     """The members' own collective times less the buckets': what bucketing saves."""
-
-
-def _value(node, out: int):
-    v = node.meta["val"]
-    return v[out] if isinstance(v, (tuple, list)) else v
-
-
-def _local_bytes(spec, t, mesh_shape) -> int:
-    return math.prod(spec.local_shape(tuple(t.shape), tuple(mesh_shape))) * t.element_size()
 
 
 class _Reach:
@@ -149,8 +143,7 @@ def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Prof
             return
         src = gp.strategies[u][choice[u]].outs[e.out]
         dst = gp.strategies[v][choice[v]].ins[e.arg] if e.arg >= 0 else gp.strategies[v][choice[v]].outs[0]
-        t = gp.nodes[u].meta["val"]
-        t = t[e.out] if isinstance(t, (tuple, list)) else t
+        t = output_val(gp.nodes[u], e.out)
         steps_of[k] = steps = plan_steps(src, dst, tuple(t.shape), t.element_size(), topo, profile)
         if backward:
             out.backward_edges.add(k)
@@ -189,7 +182,7 @@ def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Prof
             e = gp.edges[k]
             if mats[k][choice[e.producer], choice[e.consumer]] <= 0:
                 continue
-            nbytes = _local_bytes(gp.strategies[v][choice[v]].outs[e.out], _value(gp.nodes[v], e.out), topo.shape)
+            nbytes = local_bytes(gp.strategies[v][choice[v]].outs[e.out], output_val(gp.nodes[v], e.out), topo.shape)
             if group and filled + nbytes > cap:
                 move_group(v, segment)
             group.append(k)

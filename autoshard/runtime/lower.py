@@ -20,7 +20,6 @@ on the outputs, and autograd hands back each output's gradient.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from autoshard.graph.tracing import TracedGraph
 from autoshard.planfile import Plan
 from costmodel import MeshTopology, RedistributePlanner, Spec, execute_plan, group_mesh, load_profile, make_groups
 from costmodel.profile import Profile
+from costmodel.spec import local_bytes
 
 
 @dataclass
@@ -541,12 +541,13 @@ class Lowering:
             def deliver(n: fx.Node) -> None:
                 for j in due.get(n, ()):
                     v = env[n]
-                    if not isinstance(v, DTensor) or _spec_of(v) == out_specs[j]:
+                    spec = _spec_of(v) if isinstance(v, DTensor) else None
+                    if spec is None or spec == out_specs[j]:
                         out[j] = v
                         continue
                     # The same on every rank (an uneven shard's local size is not), so that every
                     # rank moves the same groups: their collectives must pair up.
-                    nbytes = math.prod(_spec_of(v).local_shape(tuple(v.shape), tuple(mesh.shape))) * v.element_size()
+                    nbytes = local_bytes(spec, v, mesh.shape)
                     if group and filled[0] + nbytes > self.bucket_bytes:
                         move_group()
                     group.append(j)

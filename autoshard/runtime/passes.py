@@ -204,8 +204,8 @@ def _returned(node: fx.Node) -> bool:
 
 def copy_out_returned_members(gm: fx.GraphModule) -> int:
     """A reduced bucket hands its members back as views of one flat buffer, which lives while any
-    of them does. A member the program returns (a gradient, moved to its parameter's spec as soon
-    as its op ran) lives into the optimizer step: where the bucket also holds members the
+    of them does. A member the program returns (a gradient, moved to its parameter's spec as the
+    backward makes it) lives into the optimizer step: where the bucket also holds members the
     program reads and drops (an activation's gradient, all-reduced over the same group), the
     returned one is copied out, so that the flat buffer dies with the others. Returns how many
     members were copied."""
