@@ -574,14 +574,15 @@ def bucket_collectives(gm, cap_mb: float, segment: dict) -> None:
     gm.recompile()
 
 
-def schedule_overlap(gm, estimate_ms):
+def schedule_overlap(gm, estimate_ms, max_increase_bytes: int = 0):
     """Inductor's overlap scheduler on ``gm`` with every runtime from ``estimate_ms(node,
     override_bytes)`` (its own roofline needs Triton and a GPU; its benchmarks a GPU; ours is the
     plan's cost model and the same on every rank, so no rank has to agree with another). Its own
     bucketing stays off: its merge of all-reduces can hand a view a non-contiguous slice of the
     bucket (seen on Qwen2: "view size is not compatible"); :func:`bucket_collectives` does not.
-    It may start a collective early only where that leaves the program's peak as it was (its
-    default allows 1 GB or 5% more, which the plan's memory account does not hold)."""
+    It may start a collective early (or wait for it late) only where that raises the program's peak
+    by at most ``max_increase_bytes`` (its default allows 1 GB or 5% more, which the plan's memory
+    account does not hold: ``max_increase_bytes`` is what the account leaves below its peak)."""
     import contextlib
 
     from torch._inductor.fx_passes import node_runtime_estimation as nre
@@ -602,7 +603,8 @@ def schedule_overlap(gm, estimate_ms):
         return osched.schedule_overlap_bucketing(
             gm, collective_bucketing=False, custom_runtime_estimation=estimate_ms,
             collective_estimator="analytical", compute_estimator="analytical",
-            pre_bucketing_fsdp_collectives=False, max_memory_increase_gb=0.0, max_memory_increase_ratio=0.0)
+            pre_bucketing_fsdp_collectives=False, max_memory_increase_gb=max(0, int(max_increase_bytes)) / 2**30,
+            max_memory_increase_ratio=0.0)
 
 
 def memory_tracker():

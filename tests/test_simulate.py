@@ -304,3 +304,26 @@ def test_window_terms_and_the_walk_trace_account_for_every_cost_of_a_plan(world)
     other = _llama_on_eight(world, "cpu-gloo")
     with pytest.raises(ConfigError, match="not made by this planner"):
         other.choice_of(plan)
+
+
+def test_collectives_start_early_in_the_memory_the_step_leaves_free(world):
+    """Where a program's own peak lies below the step's (an FSDP forward under full recomputation:
+    the backward holds more), the plan's account says by how much, and the overlap scheduler may
+    hold that much more to start the gathers early: less of the communication is exposed than
+    where it may hold nothing more, the plan's predicted peak unchanged."""
+    world(8)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=1024, vocab_size=1024, max_seq_len=64)
+    inputs = (torch.randint(0, 1024, (16, 64)),)
+    mesh = autoshard.fake_mesh((8,), ("dp",))
+    plan = autoshard.plan(model, inputs, mesh, profile="h100-sxm", time_limit=20, memory_budget=None,
+                          pins={"*": "S(0)"}, input_specs=["S(0)"], recompute="full", bucket_mb=0)
+    memory = plan.summary.memory
+    assert memory["headroom_bytes"]["forward"] > 0 and memory["headroom_bytes"]["backward"] == 0
+    tg = trace(model, inputs)
+    free = simulate_step(PlannedProgram(tg, plan, mesh, None, 0, True, False), 0)
+    held = PlannedProgram(tg, plan, mesh, None, 0, True, False)
+    held.headroom = {}  # what a plan that does not say its headroom runs
+    tight = simulate_step(held, 0)
+    assert free.comm_us == pytest.approx(tight.comm_us, rel=1e-9)
+    assert free.exposed_us < 0.8 * tight.exposed_us and free.step_us < tight.step_us

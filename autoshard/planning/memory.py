@@ -76,11 +76,17 @@ class MemoryAccount:
     saved_bytes: int = 0
     """The forward's values live when the backward starts: what the step keeps from its forward
     for its backward (a pipeline stage holds this much per microbatch in flight)."""
+    headroom_bytes: dict = field(default_factory=dict)
+    """Per program (``"forward"``, ``"backward"``), how far its own peak lies below
+    :attr:`peak_bytes`: what the executor's overlap scheduler may hold above the program's peak to
+    start collectives early and wait for them late without raising the step's
+    (:func:`autoshard.runtime.passes.optimize`)."""
 
     def to_json(self) -> dict:
         return {"peak_bytes": int(self.peak_bytes), "at_peak": {k: int(v) for k, v in self.at_peak.items() if v},
                 "peak_at": self.peak_at, "rows_peak_bytes": int(self.rows_peak_bytes),
                 "at_step": {k: int(v) for k, v in self.at_step.items() if v}, "saved_bytes": int(self.saved_bytes),
+                "headroom_bytes": {k: int(v) for k, v in self.headroom_bytes.items()},
                 "largest": [[int(b), c, w] for b, c, w in self.largest]}
 
 
@@ -323,7 +329,24 @@ def account(gp: GraphProblem, tg, choice, foreach: bool | None = None, held=()) 
         what = "every parameter's shard (foreach)" if foreach else f"{tg.fqn_of[gp.nodes[top[0]].name]}'s shard"
         largest = sorted(largest + [(step["optimizer step"], "optimizer step", what)], reverse=True)
     return MemoryAccount(peak_bytes=int(peak), at_peak=at_peak, peak_at=peak_at, rows_peak_bytes=int(rows_peak),
-                         at_step=step, largest=largest, saved_bytes=saved)
+                         at_step=step, largest=largest, saved_bytes=saved,
+                         headroom_bytes=_headroom(e_lo, e_hi, e_b, t_b, peak))
+
+
+def _headroom(lo: np.ndarray, hi: np.ndarray, nbytes: np.ndarray, t_b: int | None, peak: float) -> dict[str, int]:
+    """Per program, the step's ``peak`` less the most the program holds at once (the forward runs
+    before ``t_b``, the backward from it). The overlap scheduler may use it: a collective started
+    early holds its output that much sooner, one waited for late its input that much longer. With
+    none, an FSDP plan's gathers start only once the previous layer's memory is freed, exposed
+    (LLaMA dim 512, 4 layers, FSDP on 8 ranks, h100 profile: 650 of its 1349 us of
+    communication exposed on the lowered program, 165 where the scheduler may hold more)."""
+    times, total = interval_profile(lo, hi, nbytes)
+    out = {}
+    for name, part in (("forward", times < t_b if t_b is not None else times >= 0),
+                       ("backward", times >= t_b if t_b is not None else times < 0)):
+        if part.any():
+            out[name] = int(max(0.0, peak - float(total[part].max())))
+    return out
 
 
 def _is_view(gp: GraphProblem, v: int) -> bool:

@@ -283,9 +283,13 @@ def keep_recomputation_in_place(gm: fx.GraphModule, segment: dict[fx.Node, int])
         cursor = n
 
 
-def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bool) -> fx.GraphModule:
+def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bool,
+             headroom_bytes: int = 0) -> fx.GraphModule:
     """``gm`` with its collectives bucketed (``bucket_mb`` > 0) and overlapped (``overlap``), no op
-    moved across a recomputation (:func:`keep_recomputation_in_place`)."""
+    moved across a recomputation (:func:`keep_recomputation_in_place`). The overlap scheduler may
+    raise the program's peak by ``headroom_bytes`` to start a collective early or wait for it late:
+    the plan's account says how far the program's peak lies below the step's (another program's,
+    or the optimizer step's)."""
     # The passes trace their merge functions: an ambient LocalTensorMode would turn their
     # constants into per-rank tensors the graph module does not own.
     with tc.quiet_tracing():
@@ -297,7 +301,7 @@ def optimize(gm: fx.GraphModule, profile: Profile, bucket_mb: float, overlap: bo
             copy_out_returned_members(gm)
         if overlap:
             segment = recompute_segments(gm)
-            gm = tc.schedule_overlap(gm, Estimator(profile).ms)
+            gm = tc.schedule_overlap(gm, Estimator(profile).ms, headroom_bytes)
             keep_recomputation_in_place(gm, segment)
     gm.graph.lint()
     gm.recompile()

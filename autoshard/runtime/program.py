@@ -65,6 +65,12 @@ class PlannedProgram:
         self._callables: dict[tuple[str, int], object] = {}
         self._warned_eager = False
         self.bucket_mb, self.overlap, self.with_loss = bucket_mb, overlap, with_loss
+        memory = getattr(plan.summary, "memory", None) or {}
+        # A pipeline stage holds several microbatches' forwards at once: the one-microbatch
+        # account's headroom does not hold there.
+        self.headroom = {} if accumulate else dict(memory.get("headroom_bytes") or {})
+        """Per program, how far its peak lies below the step's in the plan's account: what the
+        overlap scheduler may hold above the program's peak (a plan that does not say: nothing)."""
         self.split = split(tg, with_loss, Recompute(**plan.recompute))
         self.lowering = Lowering(tg, plan, mesh, profile, ops=self.split.forward + self.split.backward,
                                  bucket_mb=bucket_mb)
@@ -116,7 +122,7 @@ class PlannedProgram:
             self._forward[rank] = self.lowering.lower(
                 self.inputs, self.in_specs, [_meta(n) for n in self.inputs], s.forward,
                 self.returned, out_specs + [None] * (len(self.returned) - len(self.outputs)), rank)
-            self._optimize(self._forward[rank])
+            self._optimize(self._forward[rank], "forward")
         return self._forward[rank]
 
     def forward_held_program(self, rank: int) -> RankProgram:
@@ -132,7 +138,7 @@ class PlannedProgram:
                 [_meta(n) for n in self.inputs + self.held], [n for n in self.split.forward if n not in held],
                 self.returned, [None] * len(self.returned), rank,
                 in_strides=[None] * len(self.inputs) + [fwd.out_strides[k] for k in at])
-            self._optimize(self._forward_held[rank])
+            self._optimize(self._forward_held[rank], "forward")
         return self._forward_held[rank]
 
     def end_step(self) -> None:
@@ -153,14 +159,15 @@ class PlannedProgram:
                 [None if self.accumulate else self.plan.param_spec(f) for f in self.trainable]
                 + [None] * len(s.input_grads), rank,
                 in_strides=fwd.out_strides[saved] + [None] * len(s.tangents), recomputed=s.recomputed)
-            self._optimize(self._backward[rank])
+            self._optimize(self._backward[rank], "backward")
         return self._backward[rank]
 
-    def _optimize(self, program: RankProgram) -> None:
+    def _optimize(self, program: RankProgram, part: str) -> None:
         """Bucket and overlap the program's collectives (:mod:`autoshard.runtime.passes`): the same bytes
         in fewer collectives (DDP's gradient buckets, FSDP's per-layer gathers), each started
         early and waited for late."""
-        program.gm = optimize(program.gm, self.lowering.profile, self.bucket_mb, self.overlap)
+        program.gm = optimize(program.gm, self.lowering.profile, self.bucket_mb, self.overlap,
+                              int(self.headroom.get(part, 0)))
 
     def _tangent_spec(self, k: int, d: fx.Node, fwd: RankProgram) -> Spec:
         """The spec an output's gradient enters the backward in: the one its first consumer in the
