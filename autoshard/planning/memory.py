@@ -338,8 +338,9 @@ def _headroom(lo: np.ndarray, hi: np.ndarray, nbytes: np.ndarray, t_b: int | Non
     before ``t_b``, the backward from it). The overlap scheduler may use it: a collective started
     early holds its output that much sooner, one waited for late its input that much longer. With
     none, an FSDP plan's gathers start only once the previous layer's memory is freed, exposed
-    (LLaMA dim 512, 4 layers, FSDP on 8 ranks, h100 profile: 650 of its 1349 us of
-    communication exposed on the lowered program, 165 where the scheduler may hold more)."""
+    (LLaMA dim 512, 4 layers, FSDP on 8 ranks without buckets, h100 profile: 650 of the lowered
+    programs' 1349 us of communication exposed where the scheduler may hold nothing more, 399 with
+    the forward's headroom)."""
     times, total = interval_profile(lo, hi, nbytes)
     out = {}
     for name, part in (("forward", times < t_b if t_b is not None else times >= 0),
