@@ -337,3 +337,30 @@ def test_random_factories_draw_one_value_on_every_rank(world):
     model, x = _Shuffled(), torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(6))
     plan = solver_plan(model, x)
     assert_plan_matches_single_device(model, (x,), plan, (2, 2), ("dp", "tp"), lm_loss)
+
+
+def test_ranks_lowered_in_one_process_must_issue_the_same_collectives(world):
+    """Every rank's program issues the same collectives in one order (on a (2, 2) mesh each rank's
+    groups are its own, and they still agree); where one rank's would differ (torch's passes read
+    each rank's own sizes, which an uneven shard makes differ), lowering it says which ranks part
+    and where, instead of running programs that pair mismatched collectives."""
+    from autoshard.runtime.program import PlannedProgram
+
+    world(4)
+    torch.manual_seed(0)
+    model = llama("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=16)
+    inputs = (torch.randint(0, 128, (8, 16)),)
+    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    plan = autoshard.plan(model, inputs, mesh, profile="cpu-gloo", time_limit=10, memory_budget=None,
+                          pins={"*": "S(0)S(0)"}, input_specs=["S(0)R"])
+    program = PlannedProgram(trace(model, inputs), plan, mesh, None, 25, True, False)
+    for rank in range(4):
+        program.forward_program(rank)
+        program.backward_program(rank)
+    first = program._orders["forward"][1]
+    assert first and all(len(c) >= 2 for c in first)  # kind and group size (or reduce op)
+    program._orders["forward"] = (0, first[:-1])  # as if rank 0's had one collective fewer
+    program._forward.pop(3)
+    with pytest.raises(RuntimeError, match=rf"forward programs of ranks 0 and 3 issue different collectives: "
+                                           rf"{len(first) - 1} and {len(first)}, the {len(first)}-th nothing"):
+        program.forward_program(3)

@@ -228,6 +228,18 @@ def _is_communication(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in KIND or node.target is _F.wait_tensor.default)
 
 
+def collective_order(gm: fx.GraphModule) -> list[tuple]:
+    """``gm``'s collectives in issue order, each as its kind, reduce op and group size where it
+    names them: what every rank must issue alike (the group itself differs by rank: rank 0's
+    ``tp`` group is not rank 2's)."""
+    return [(KIND[n.target], *(a for a in n.args if isinstance(a, int) and not isinstance(a, bool)
+                               or isinstance(a, str) and a in _REDUCE_OPS))
+            for n in gm.graph.nodes if n.op == "call_function" and n.target in KIND]
+
+
+_REDUCE_OPS = frozenset({"sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"})
+
+
 def recompute_segments(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Per node, how many recomputations (runs of nodes marked :data:`~autoshard._torch_compat.RECOMPUTED`)
     start at or before it in ``gm``'s order."""

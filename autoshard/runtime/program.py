@@ -28,7 +28,7 @@ from autoshard.graph.tracing import TracedGraph
 from autoshard.mesh import several_processes
 from autoshard.planfile import Plan
 from autoshard.runtime.lower import Lowering, RankProgram, split
-from autoshard.runtime.passes import optimize
+from autoshard.runtime.passes import collective_order, optimize
 from autoshard.runtime.spmd import run_ranks
 from costmodel import Spec
 
@@ -112,6 +112,8 @@ class PlannedProgram:
         forward when their stage does, not all at once)."""
         self._runs = 0
         self._backward: dict[int, RankProgram] = {}
+        self._orders: dict[str, tuple[int, list]] = {}
+        """Per program part, the first rank lowered and its collectives in issue order (:meth:`_optimize`)."""
 
     def forward_program(self, rank: int) -> RankProgram:
         if rank not in self._forward:
@@ -122,7 +124,7 @@ class PlannedProgram:
             self._forward[rank] = self.lowering.lower(
                 self.inputs, self.in_specs, [_meta(n) for n in self.inputs], s.forward,
                 self.returned, out_specs + [None] * (len(self.returned) - len(self.outputs)), rank)
-            self._optimize(self._forward[rank], "forward")
+            self._optimize(self._forward[rank], "forward", rank)
         return self._forward[rank]
 
     def forward_held_program(self, rank: int) -> RankProgram:
@@ -138,7 +140,7 @@ class PlannedProgram:
                 [_meta(n) for n in self.inputs + self.held], [n for n in self.split.forward if n not in held],
                 self.returned, [None] * len(self.returned), rank,
                 in_strides=[None] * len(self.inputs) + [fwd.out_strides[k] for k in at])
-            self._optimize(self._forward_held[rank], "forward")
+            self._optimize(self._forward_held[rank], "forward", rank, "later forward")
         return self._forward_held[rank]
 
     def end_step(self) -> None:
@@ -159,15 +161,28 @@ class PlannedProgram:
                 [None if self.accumulate else self.plan.param_spec(f) for f in self.trainable]
                 + [None] * len(s.input_grads), rank,
                 in_strides=fwd.out_strides[saved] + [None] * len(s.tangents), recomputed=s.recomputed)
-            self._optimize(self._backward[rank], "backward")
+            self._optimize(self._backward[rank], "backward", rank)
         return self._backward[rank]
 
-    def _optimize(self, program: RankProgram, part: str) -> None:
+    def _optimize(self, program: RankProgram, part: str, rank: int, name: str | None = None) -> None:
         """Bucket and overlap the program's collectives (:mod:`autoshard.runtime.passes`): the same bytes
         in fewer collectives (DDP's gradient buckets, FSDP's per-layer gathers), each started
-        early and waited for late."""
+        early and waited for late. Where this process lowers several ranks (LocalTensorMode, a
+        fake process group), every rank's program must issue the same collectives in the same
+        order: torch's passes read each rank's own sizes, which an uneven shard makes differ."""
         program.gm = optimize(program.gm, self.lowering.profile, self.bucket_mb, self.overlap,
                               int(self.headroom.get(part, 0)))
+        name = name or part
+        order = collective_order(program.gm)
+        first = self._orders.setdefault(name, (rank, order))
+        if first[1] != order:
+            at = next((i for i, (a, b) in enumerate(zip(first[1], order)) if a != b), min(len(first[1]), len(order)))
+            said = lambda o: o[at] if at < len(o) else "nothing"  # noqa: E731
+            raise RuntimeError(f"the {name} programs of ranks {first[0]} and {rank} issue different "
+                               f"collectives: {len(first[1])} and {len(order)}, the {at + 1}-th "
+                               f"{said(first[1])} on rank {first[0]} and {said(order)} on rank {rank} "
+                               f"(the passes ordered or bucketed them by each rank's own sizes: try bucket_mb=0 "
+                               f"or overlap=False)")
 
     def _tangent_spec(self, k: int, d: fx.Node, fwd: RankProgram) -> Spec:
         """The spec an output's gradient enters the backward in: the one its first consumer in the
