@@ -344,13 +344,12 @@ def test_ranks_lowered_in_one_process_must_issue_the_same_collectives(world):
     groups are its own, and they still agree); where one rank's would differ (torch's passes read
     each rank's own sizes, which an uneven shard makes differ), lowering it says which ranks part
     and where, instead of running programs that pair mismatched collectives."""
+    from helpers import tiny_llama_on_2x2
+
     from autoshard.runtime.program import PlannedProgram
 
     world(4)
-    torch.manual_seed(0)
-    model = llama("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=16)
-    inputs = (torch.randint(0, 128, (8, 16)),)
-    mesh = autoshard.fake_mesh((2, 2), ("dp", "tp"))
+    model, inputs, mesh = tiny_llama_on_2x2()
     plan = autoshard.plan(model, inputs, mesh, profile="cpu-gloo", time_limit=10, memory_budget=None,
                           pins={"*": "S(0)S(0)"}, input_specs=["S(0)R"])
     program = PlannedProgram(trace(model, inputs), plan, mesh, None, 25, True, False)
