@@ -342,12 +342,10 @@ def _headroom(lo: np.ndarray, hi: np.ndarray, nbytes: np.ndarray, t_b: int | Non
     programs' 1349 us of communication exposed where the scheduler may hold nothing more, 399 with
     the forward's headroom)."""
     times, total = interval_profile(lo, hi, nbytes)
-    out = {}
-    for name, part in (("forward", times < t_b if t_b is not None else times >= 0),
-                       ("backward", times >= t_b if t_b is not None else times < 0)):
-        if part.any():
-            out[name] = int(max(0.0, peak - float(total[part].max())))
-    return out
+    if t_b is None:  # no backward: the forward is the one program
+        return {"forward": int(max(0.0, peak - float(total.max(initial=0.0))))}
+    return {name: int(max(0.0, peak - float(total[part].max())))
+            for name, part in (("forward", times < t_b), ("backward", times >= t_b)) if part.any()}
 
 
 def _is_view(gp: GraphProblem, v: int) -> bool:
