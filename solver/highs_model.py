@@ -128,11 +128,12 @@ def drop_dominated(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
         adj.setdefault(u, []).append((v, m, False))
         adj.setdefault(v, []).append((u, m, True))
     total = 0
+    visit = set(members)
     for _ in range(rounds):
-        removed = 0
+        removed, changed = 0, []
         for v, mem in members.items():
             a = allowed[v]
-            if a.size < 2:
+            if a.size < 2 or v not in visit:
                 continue
             cols = [linear[v][a][:, None]]
             if use_usage:
@@ -143,11 +144,15 @@ def drop_dominated(problem: Problem, rep: np.ndarray, allowed: list[np.ndarray],
             keep = _undominated(np.hstack(cols))
             if not keep.all():
                 removed += int((~keep).sum())
+                changed.append(v)
                 for w in mem:
                     allowed[w] = a[keep]
         total += removed
         if not removed:
             break
+        # Only a node whose neighbour lost strategies can have new dominance (its own kept
+        # strategies beat none of each other): the others' visits would remove nothing.
+        visit = {w for v in changed for w, _, _ in adj.get(v, [])}
     return total
 
 

@@ -77,6 +77,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from solver.problem import FORBIDDEN, Problem, ProblemError
+from solver.weighing import Weighing
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,7 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
     windows.check(problem)
     from solver.evaluate import evaluate
 
+    weigh = Weighing(problem, windows)
     seen: dict[bytes, tuple[str, np.ndarray, float]] = {}
     planes: list[tuple[float, np.ndarray, np.ndarray]] = []
     record: list[dict] = []
@@ -292,7 +294,7 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
             break
         t0 = time.perf_counter()
         ordered = sorted(seen.values(), key=lambda s: s[2])[:2]
-        weighed, constant = windows.weighed(problem, a, b)
+        weighed, constant = weigh(a, b), float(np.dot(b, windows.floor))
         sol = solve(weighed, max(MIN_ORACLE_SECONDS, left / 3),
                     [(f"windows {name}", choice) for name, choice, _ in ordered])
         f = offer(f"windows {i + 1} ({sol.source})", sol.choice)

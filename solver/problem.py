@@ -61,6 +61,11 @@ class Problem:
     """Free-form label (instance name, model name) for reports."""
     node_names: list[str] | None = None
     """Optional label per node, used in error messages and reports."""
+    tie_quotient: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    """Its tie quotient, ``(quotient problem, group per node)`` as :func:`solver.quotient.quotient`
+    gives it, where whoever made the problem knew it for less than computing it
+    (:class:`solver.weighing.Weighing`); None: computed when asked. Not a constructor argument;
+    dropped by :meth:`replaced` when pins or ties change and by :meth:`with_costs`."""
 
     def __post_init__(self) -> None:
         n = len(self.node_costs)
@@ -130,6 +135,8 @@ class Problem:
         new = copy.copy(self)
         for name, value in changes.items():
             setattr(new, name, value)
+        if "pins" in changes or "ties" in changes:
+            new.tie_quotient = None  # the quotient's allowed strategies and groups follow them
         new._check_constraints()
         return new
 
@@ -168,6 +175,7 @@ class Problem:
         of the one it replaces (re-weighed costs: the rest of the arrays are shared, not
         validated again)."""
         new = copy.copy(self)
+        new.tie_quotient = None
         for label, given, old_list in (("node", node_costs, self.node_costs), ("edge", edge_costs, self.edge_costs)):
             if given is None:
                 continue

@@ -39,7 +39,10 @@ def merge_edges(problem: Problem, group: np.ndarray, linear: list[np.ndarray]) -
 
 
 def quotient(problem: Problem) -> tuple[Problem, np.ndarray]:
-    """(quotient problem, ``group[v]``: the quotient node of each original node)."""
+    """(quotient problem, ``group[v]``: the quotient node of each original node); the one the
+    problem carries where it does (:attr:`~solver.problem.Problem.tie_quotient`)."""
+    if problem.tie_quotient is not None:
+        return problem.tie_quotient
     n = problem.num_nodes
     heads, group = np.unique(tie_heads(problem), return_inverse=True)
     costs = [np.zeros(problem.num_strategies(int(h))) for h in heads]

@@ -306,3 +306,58 @@ def test_objective_is_within_five_percent_of_the_simulated_step(world, profile):
     plan = planner.solve()
     objective, step = plan.summary.overlap["objective_us"], plan.summary.step_us
     assert abs(objective / step - 1) <= 0.05, (objective, step)
+
+
+def tied_problem(rng, layers=4, k=3):
+    """A chain of ``layers`` tied layers of two nodes each, with a forbidden strategy, a
+    forbidden pair on every layer's inner edge, a pin, and an edge inside a tie group (its
+    diagonal becomes the group's cost)."""
+    n = 2 * layers + 1
+    costs = [rng.uniform(1, 20, size=k) for _ in range(n)]
+    for v in range(0, 2 * layers, 2):
+        costs[v][2] = solver.FORBIDDEN
+    edges, mats = [], []
+    for layer in range(layers):
+        u = 2 * layer
+        for a, b in ((u, u + 1), (u + 1, u + 2)):
+            edges.append((a, b))
+            mats.append(rng.uniform(0, 15, size=(k, k)))
+        mats[-2][0, 1] = 2 * solver.FORBIDDEN
+    edges.append((0, 2))  # both ends in the first tie group
+    mats.append(rng.uniform(0, 15, size=(k, k)))
+    ties = [list(range(0, 2 * layers, 2)), list(range(1, 2 * layers, 2))]
+    return solver.Problem(node_costs=costs, node_usages=[np.ones(k)] * n, intervals=[[0, 1]] * n, edges=edges,
+                          edge_costs=mats, ties=ties, pins={n - 1: 1})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_weighing_makes_the_windows_weighed_problems_and_their_tie_quotients(seed):
+    """solver.weighing.Weighing gives the weighed problem OverlapWindows.weighed defines, and
+    carries the tie quotient solver.quotient.quotient computes of it (to rounding), forbidden
+    entries forbidden, where its parts are a small enough share of the problem; a copy with
+    other pins or costs drops the carried quotient."""
+    from solver.quotient import quotient
+    from solver.weighing import Weighing
+
+    rng = np.random.default_rng(seed)
+    problem = tied_problem(rng)
+    m = problem.num_edges
+    w = solver.OverlapWindows(0.8, nodes=[[0, 1], [2, 3, 4, 5]], edges=[[0, 2], list(range(3, m, 2))],
+                              floor=[0.0, 12.0])
+    weigh = Weighing(problem, w, max_parts_share=10.0)  # so small a problem's parts are never a small share
+    assert Weighing(problem, w).tie_quotient_kept is False
+    for a, b in ((np.array([1.0, 0.2]), np.array([0.0, 0.7])), (rng.uniform(0, 0.5, 2), rng.uniform(0, 0.5, 2))):
+        expected, _ = w.weighed(problem, a, b)
+        got = weigh(a, b)
+        for x, y in zip(expected.node_costs + expected.edge_costs, got.node_costs + got.edge_costs):
+            np.testing.assert_array_equal(x, y)
+        assert got.tie_quotient is not None
+        (q, group), (q2, group2) = quotient(expected), got.tie_quotient
+        np.testing.assert_array_equal(group, group2)
+        np.testing.assert_array_equal(q.edges, q2.edges)
+        for x, y in zip(q.node_costs + q.edge_costs, q2.node_costs + q2.edge_costs):
+            np.testing.assert_array_equal(x >= solver.FORBIDDEN, y >= solver.FORBIDDEN)
+            np.testing.assert_allclose(x[x < solver.FORBIDDEN], y[y < solver.FORBIDDEN], rtol=1e-12)
+        assert got.replaced(usage_limit=5.0).tie_quotient is got.tie_quotient
+        assert got.replaced(pins={}).tie_quotient is None
+        assert got.with_costs(node_costs=got.node_costs).tie_quotient is None
