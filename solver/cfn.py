@@ -107,11 +107,16 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
         # bound when the search closes early).
         proved = proves and upper is not None and not pytoulbar2.pytb2.option.limited
         return None, proved, rounding if proved else np.inf
-    # Solve returns its incumbent on a time limit too: optimal only when the dual bound meets it.
+    # Solve returns its incumbent on a time limit too: optimal where the dual bound meets it, or
+    # where the search ended by itself: toulbar2 then prints "Optimum", but its dual bound may be
+    # its last gap line's, below the optimum (a 4-layer LLaMA's quotient: 21724058542 against
+    # 21724065283, the search closed after 128 backtracks).
     primal, dual = float(res[1]), float(net.GetDDualBound())
     if not proves:  # DGVNS's bound is not relied on: no proof, no gap
         return list(res[0]), False, np.inf
-    return list(res[0]), dual >= primal, max(0.0, primal - dual) / scale + rounding
+    if dual >= primal or not pytoulbar2.pytb2.option.limited:
+        return list(res[0]), True, rounding
+    return list(res[0]), False, (primal - dual) / scale + rounding
 
 
 #: Memory rows a lazy search (:func:`solve_lazy`) posts per round: the most broken by the

@@ -772,3 +772,19 @@ def test_dominated_strategies_are_the_ones_a_row_by_row_test_drops(seed):
     _dominance_by_rows(p, theirs, pairs)
     assert [a.tolist() for a in mine] == [a.tolist() for a in theirs]
     assert sum(a.size for a in mine) < n * k  # some were dropped: the test tests something
+
+
+def test_a_toulbar2_search_that_closes_by_itself_is_a_proof():
+    """toulbar2 ends its branch and bound ("Optimum: 21724065283") with its dual bound left at
+    its last gap line's (21724058542): a search that ended by itself, not by its limit, proved
+    its answer. The tables: a 4-layer LLaMA's tie quotient (strategies pruned by dominance)."""
+    from pathlib import Path
+
+    from solver import cfn
+
+    data = np.load(Path(__file__).parent / "data" / "toulbar2_stale_bound.npz")
+    costs = [data[f"c{i}"] for i in range(int(data["n"]))]
+    tables = {(int(u), int(v)): data[f"t{j}"] for j, (u, v) in enumerate(data["keys"].tolist())}
+    choice, proved, gap = cfn.solve_tables(costs, tables, 30, 1000.0)
+    assert proved and gap <= cfn.rounding_slack(len(costs) + len(tables), 1000.0) + 1e-12
+    assert cfn.table_cost(costs, tables, choice) == pytest.approx(21724065.283, abs=1e-3)
