@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 from helpers import SHARDING_PROFILE, LocalTensorMode, full, lift_replicated_locals, local_mesh, reference_adamw
-from test_reference_models import lm_loss, plan_tiny, tiny
+from test_reference_models import lm_loss, plan_tiny, tiny, tokens
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autoshard
@@ -171,3 +171,23 @@ def test_planned_step_runs_hugging_face_models(world, arch):
         torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6)
         for fqn, p in sharded.named_parameters():
             torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+
+
+def test_a_view_of_an_attention_output_runs_where_no_move_made_it_contiguous(world):
+    """A plan (a tiny LLaMA on (2, 2, 2), kept in tests/data) whose fused attention output reaches
+    the transpose and view that merge its heads with no redistribute between them: DTensor's
+    strides of the kernel's output are not the kernel's layout (its heads inside its sequence),
+    so the view is refused; PlannedStep views a contiguous copy, as lowering does, and trains
+    as the single device does."""
+    from pathlib import Path
+
+    world(8)
+    model, x = tiny("llama"), tokens()
+    plan = autoshard.Plan.load(Path(__file__).parent / "data" / "plan_llama_tiny_2x2x2_view_on_attention.json")
+    ref_losses, _ = reference_adamw(copy.deepcopy(model), (x,), lm_loss)
+    with LocalTensorMode(8) as mode:
+        mesh = local_mesh((2, 2, 2), ("rep", "dp", "tp"))
+        sharded = autoshard.parallelize(copy.deepcopy(model), plan, mesh)
+        lift_replicated_locals(sharded, mode)
+        step = PlannedStep(sharded, plan, mesh, (x,), lm_loss, profile=SHARDING_PROFILE, bucket_mb=0)
+        assert full(step(x)).item() == pytest.approx(ref_losses[0], rel=1e-5, abs=1e-6)

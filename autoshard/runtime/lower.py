@@ -200,6 +200,24 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def view_refused(n: fx.Node, args, exc: Exception) -> bool:
+    """Whether ``exc`` is a view op refusing its DTensor's layout: a view traced on its producer's
+    own memory layout (a fused attention kernel's output, its heads inside its sequence) that
+    the DTensor's strides (DTensor's rule's, or contiguous again after a move) do not allow."""
+    return n.target in _VIEWS and isinstance(args[0], DTensor) and "view" in str(exc)
+
+
+def contiguous(t: DTensor) -> DTensor:
+    """``t`` contiguous, its shard too: DTensor.contiguous() makes the global strides contiguous,
+    not a shard that a kernel laid out otherwise (CUDA's SDPA against the CPU kernel traced).
+    The copy a view of it costs, as ``reshape`` would make."""
+    t = t.contiguous()
+    if not t.to_local().is_contiguous():
+        t = DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
+                               shape=t.shape, stride=t.stride())
+    return t
+
+
 def move(t, want: Spec, planner: RedistributePlanner, mesh):
     """``t`` in spec ``want`` by the planner's own steps (DTensor's placement methods on the
     planned axes or flattened groups); a plain tensor (a constant or a factory op's result, the
@@ -365,15 +383,9 @@ class Lowering:
         except (RuntimeError, ValueError) as exc:
             if "not supported with DTensor" in str(exc):  # as_strided: DTensor refuses it whatever the placements
                 return self._replicated_locally(n, args, kwargs)
-            if n.target not in _VIEWS or not isinstance(args[0], DTensor) or "view" not in str(exc):
+            if not view_refused(n, args, exc):
                 raise
-        t = args[0].contiguous()
-        if not t.to_local().is_contiguous():
-            # DTensor.contiguous() makes the global strides contiguous, not a shard that a kernel laid
-            # out otherwise (CUDA's SDPA against the CPU kernel traced): that shard too.
-            t = DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
-                                   shape=t.shape, stride=t.stride())
-        return n.target(t, *args[1:], **kwargs)
+        return n.target(contiguous(args[0]), *args[1:], **kwargs)
 
     def _replicated_locally(self, n: fx.Node, args, kwargs):
         """An op DTensor has no sharding rule for (``aten.searchsorted``, ``aten.bincount``) or

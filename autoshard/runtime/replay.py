@@ -195,7 +195,14 @@ class PlannedStep:
                     return v
 
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), arg)
-                env[n] = n.target(*args, **kwargs)
+                try:
+                    env[n] = n.target(*args, **kwargs)
+                except (RuntimeError, ValueError) as exc:  # as lowering: the view views a contiguous copy
+                    from autoshard.runtime.lower import contiguous, view_refused
+
+                    if not view_refused(n, args, exc):
+                        raise
+                    env[n] = n.target(contiguous(args[0]), *args[1:], **kwargs)
                 if n in self._grad_of:
                     step = self._bucketable(env[n], self._grad_of[n])
                     if step is not None:
