@@ -76,7 +76,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from solver.problem import FORBIDDEN, Problem, ProblemError
+from solver.problem import Problem, ProblemError
 from solver.weighing import Weighing
 
 log = logging.getLogger(__name__)
@@ -195,18 +195,13 @@ class OverlapWindows:
 
     def weighed(self, problem: Problem, a: np.ndarray, b: np.ndarray) -> tuple[Problem, float]:
         """The additive problem of ``L(.; a, b)`` and its constant (module doc): ``L(x; a, b)`` is
-        that problem's cost of ``x`` plus the constant. Forbidden entries stay forbidden."""
-        node_costs, edge_costs = list(problem.node_costs), list(problem.edge_costs)
-        for w, (ns, es) in enumerate(zip(self.nodes, self.edges)):
-            edge_scale = 2.0 - self.share - a[w] - b[w]
-            for v in ns.tolist():
-                c = node_costs[v]
-                node_costs[v] = np.where(c >= FORBIDDEN, c, c * a[w])
-            for k in es.tolist():
-                m = edge_costs[k]
-                edge_costs[k] = np.where(m >= FORBIDDEN, m, m * edge_scale)
-        constant = float(np.dot(b, self.floor))
-        return problem.with_costs(node_costs=node_costs, edge_costs=edge_costs), constant
+        that problem's cost of ``x`` plus the constant. Forbidden entries stay forbidden. One
+        problem's weighed problems, round after round: :class:`solver.weighing.Weighing`."""
+        return Weighing(problem, self, max_parts_share=0.0)(a, b), self.constant(b)
+
+    def constant(self, b: np.ndarray) -> float:
+        """``L``'s constant at weights ``b``: ``sum_w b_w I_w``."""
+        return float(np.dot(b, self.floor))
 
     def plane(self, a_total: float, c: np.ndarray, h: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         """``L(x; a, b) = k + sum_w a_w p_w + b_w q_w`` for a plan of :meth:`terms` ``(a_total, c,
@@ -294,7 +289,7 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
             break
         t0 = time.perf_counter()
         ordered = sorted(seen.values(), key=lambda s: s[2])[:2]
-        weighed, constant = weigh(a, b), float(np.dot(b, windows.floor))
+        weighed, constant = weigh(a, b), windows.constant(b)
         sol = solve(weighed, max(MIN_ORACLE_SECONDS, left / 3),
                     [(f"windows {name}", choice) for name, choice, _ in ordered])
         f = offer(f"windows {i + 1} ({sol.source})", sol.choice)

@@ -3,15 +3,16 @@ r"""The weighed problems of one problem and its windows, made without copying wh
 The overlap decomposition (:func:`solver.overlap.solve_windows`) solves, round after round, the
 additive problem of ``L(.; a, b)``: node ``v`` of window ``w`` costs ``a_w c_v``, edge ``e`` of
 window ``w`` costs ``(2 - eta - a_w - b_w) M_e``, everything else as in the problem, forbidden
-entries forbidden (:meth:`solver.overlap.OverlapWindows.weighed`). Every cost is its problem's
-cost times a *scale* ``s_p`` of one of ``P = W + 1`` kinds ``p`` (window ``w``'s nodes, its
-edges, or 1 outside the windows), so everything a round derives linearly from the costs is a
-fixed combination of per-kind parts, computed once here:
+entries forbidden. Every cost is its problem's cost times a *scale* ``s_p`` of one of
+``2W + 1`` kinds ``p`` (window ``w``'s nodes, its edges, or 1 outside the windows), so
+everything a round derives linearly from the costs is a fixed combination of per-kind parts,
+computed once here:
 
 - the weighed problem's arrays: the node costs in one flat array scaled by one vector product
-  (per node, ``np.where`` cost 6,865 calls on LLaMA-8B), the windows' edges scaled, the rest
-  shared; no validation (a finite cost times a scale in ``[0, 2]`` is finite), which was
-  two-thirds of a round's construction (4.5M windowed edge entries checked for NaN);
+  (not one ``np.where`` per node: 6,865 on LLaMA-8B), the windows' edges scaled, the rest
+  shared, and nothing validated again (a finite cost times a scale in ``[0, 2]`` is finite;
+  checking LLaMA-8B's 4.5M windowed edge entries for NaN would take two-thirds of a round's
+  construction);
 - its tie quotient (:func:`solver.quotient.quotient`): a group's cost is
   ``F_g + sum_p s_p Q_(g,p)`` where ``Q_(g,p)`` sums the finite costs of the group's members
   and inner edges (their diagonals) of kind ``p`` and ``F_g`` their forbidden entries, unscaled;
@@ -44,7 +45,6 @@ class Weighing:
     def __init__(self, problem: Problem, windows, max_parts_share: float = MAX_PARTS_SHARE) -> None:
         self.problem, self.share, self.max_parts_share = problem, float(windows.share), max_parts_share
         W = len(windows)
-        self.windows = W
         n, m = problem.num_nodes, problem.num_edges
         # kinds: 0..W-1 a window's nodes, W..2W-1 its edges, 2W outside (scale 1)
         node_kind = np.full(n, 2 * W, dtype=np.int64)
@@ -60,8 +60,8 @@ class Weighing:
         self._flat_kind = np.repeat(node_kind, sizes)
         self._flat_forbidden = flat >= FORBIDDEN
         self._scaled_edges = np.nonzero(edge_kind < 2 * W)[0]
-        self._forbidden_edges = {int(k): problem.edge_costs[k] >= FORBIDDEN for k in self._scaled_edges.tolist()
-                                 if (problem.edge_costs[k] >= FORBIDDEN).any()}
+        self._forbidden_edges = {k: bad for k in self._scaled_edges.tolist()
+                                 if (bad := problem.edge_costs[k] >= FORBIDDEN).any()}
         self._quotient = self._parts()
         self.tie_quotient_kept = self._quotient is not None
         """Whether the weighed problems carry their tie quotients (module doc)."""
@@ -90,6 +90,8 @@ class Weighing:
     def _parts(self):
         """The quotient's parts (module doc), or None where they would be too large."""
         problem = self.problem
+        if self.max_parts_share <= 0:  # a one-off weighed problem: nothing to share
+            return None
         entries = sum(c.size for c in problem.node_costs) + sum(x.size for x in problem.edge_costs)
         q, group = quotient(problem)
         if sum(c.size for c in q.node_costs) + sum(x.size for x in q.edge_costs) > self.max_parts_share * entries:
