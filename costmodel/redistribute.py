@@ -23,7 +23,10 @@ flat uneven shard).
 
 Each step is costed by the collective model with the bytes it moves (the local
 buffer, the shard sizes of the other axes taken into account, uneven shards
-rounded up) on the group it uses. A partition may put a partial of a kind the
+rounded up) on the group it uses, plus the local copy DTensor makes around it
+(:meth:`RedistributePlanner.copied_bytes`: a gather along a dim other than the
+first concatenates its output, a reduce_scatter onto one chunks and concatenates
+its input, an all_to_all both), priced at the profile's copy bandwidth. A partition may put a partial of a kind the
 source or target holds on any replicated axis (one merged all_reduce through it
 can beat reducing another axis alone), but not once no partial is left or wanted.
 
@@ -88,6 +91,9 @@ class RedistributePlanner:
         self.n = len(topo.shape)
         self._costs = mesh_costs(topo, profile)
         self._time = self._costs.time
+        # read and written once each, at a copy's bandwidth (GB/s = 1e3 bytes per microsecond)
+        self._copy_us_per_byte = 2.0 / (profile.bandwidth_gbps() * 1e3)
+        self._leading: dict = {}
         self._elems: dict = self._costs.elems
         self.cache: dict = {}
         self.cost_cache: dict = {}
@@ -107,6 +113,49 @@ class RedistributePlanner:
             self._elems[key] = n
         return n
 
+    def _leading_ones(self, orders, tshape, d) -> bool:
+        """Every local dim before ``d`` has one element: a buffer cut or joined along ``d`` is
+        a view of one joined along the first dim."""
+        key = (orders, tshape, d)
+        ones = self._leading.get(key)
+        if ones is None:
+            ones = True
+            for j in range(d):
+                size = tshape[j]
+                for a in orders[j]:
+                    size = -(-size // self.shape[a])
+                if size != 1:
+                    ones = False
+                    break
+            self._leading[key] = ones
+        return ones
+
+    def copied_bytes(self, kind: str, dims: tuple[int, ...], orders, new_orders, tshape, local_bytes: int,
+                     out_bytes: int) -> int:
+        """Bytes a step's collective copies on the device besides what it moves, as DTensor's
+        functional collectives run it: NCCL gathers and scatters along the first dim, so an
+        ``all_gather`` along dim ``d > 0`` concatenates its output (unless the dims before ``d``
+        hold one element, where it is a view), a ``reduce_scatter`` onto ``d > 0`` chunks and
+        concatenates its input, and an ``all_to_all`` (``dims = (d, e)``: gathered along ``d``,
+        split along ``e``) does both, each side a view where its leading dims are ones."""
+        if kind == "all_gather":
+            d = dims[0]
+            return 0 if d == 0 or self._leading_ones(orders, tshape, d) else out_bytes
+        if kind == "reduce_scatter":
+            return local_bytes if dims[0] else 0
+        if kind == "all_to_all":
+            d, e = dims
+            split = 0 if e == 0 or self._leading_ones(orders, tshape, e) else local_bytes
+            joined = 0 if d == 0 or self._leading_ones(new_orders, tshape, d) else local_bytes
+            return split + joined
+        return 0
+
+    def _price(self, kind: str, nbytes: int, axes, copy: int) -> float:
+        """A step's time: its collective's, and its copy's (:meth:`copied_bytes`)."""
+        if not nbytes:
+            return 0.0
+        return self._time(kind, nbytes, axes) + copy * self._copy_us_per_byte
+
     def _even(self, d, axes_in_order, tshape, orders) -> bool:
         """Dim d splits evenly through its current order and then ``axes_in_order``."""
         size = tshape[d]
@@ -119,7 +168,7 @@ class RedistributePlanner:
     # -- transitions ------------------------------------------------------
     def _neighbors(self, codes, orders, tshape, item, partials):
         """Every single step from (codes, orders) as ``(kind, axes, bytes, codes', orders',
-        dims whose order changed)``; ``partials`` holds the partial codes a
+        dims whose order changed, bytes copied locally)`` (:meth:`copied_bytes`); ``partials`` holds the partial codes a
         partition may create: those of the source and target. A partial of another kind
         could only be undone by a reduction of its own; one of those kinds on another axis
         can pay (R -> P(sum) on x, then one all_reduce over x and an axis already partial
@@ -141,8 +190,9 @@ class RedistributePlanner:
             before, after = codes[:x], codes[x + 1:]
             new_orders = orders[:d] + (head,) + orders[d + 1:]
             # gather the last axis of d's order
-            append(("all_gather", (x,), local_elems(new_orders, tshape) * item, before + (R,) + after,
-                    new_orders, (d,)))
+            out_bytes = local_elems(new_orders, tshape) * item
+            copy = self.copied_bytes("all_gather", (d,), orders, new_orders, tshape, local, out_bytes) if d else 0
+            append(("all_gather", (x,), out_bytes, before + (R,) + after, new_orders, (d,), copy))
             # merged gather of the last k axes (ascending, even shards)
             if merge and len(od) > 1 and self._even_tail(d, od, tshape):
                 for k in range(2, len(od) + 1):
@@ -153,7 +203,9 @@ class RedistributePlanner:
                     c3 = list(codes)
                     for a in tail:
                         c3[a] = R
-                    append(("all_gather", tail, local_elems(no, tshape) * item, tuple(c3), no, (d,)))
+                    out_bytes = local_elems(no, tshape) * item
+                    copy = self.copied_bytes("all_gather", (d,), orders, no, tshape, local, out_bytes) if d else 0
+                    append(("all_gather", tail, out_bytes, tuple(c3), no, (d,), copy))
             # all_to_all: move the last axis of d to the end of e
             for e in range(ndim):
                 if e == d:
@@ -162,14 +214,16 @@ class RedistributePlanner:
                     no = orders[:e] + (orders[e] + (x,),) + orders[e + 1:d] + (head,) + orders[d + 1:]
                 else:
                     no = orders[:d] + (head,) + orders[d + 1:e] + (orders[e] + (x,),) + orders[e + 1:]
-                append(("all_to_all", (x,), local, before + (e,) + after, no, (d, e)))
+                append(("all_to_all", (x,), local, before + (e,) + after, no, (d, e),
+                        self.copied_bytes("all_to_all", (d, e), orders, no, tshape, local, local)))
         partial_axes = [a for a, c in enumerate(codes) if c < R]
         for x in partial_axes:
             before, after = codes[:x], codes[x + 1:]
-            append(("all_reduce", (x,), local, before + (R,) + after, orders, ()))
+            append(("all_reduce", (x,), local, before + (R,) + after, orders, (), 0))
             for d in range(ndim):
                 no = orders[:d] + (orders[d] + (x,),) + orders[d + 1:]
-                append(("reduce_scatter", (x,), local, before + (d,) + after, no, (d,)))
+                append(("reduce_scatter", (x,), local, before + (d,) + after, no, (d,),
+                        self.copied_bytes("reduce_scatter", (d,), orders, no, tshape, local, local) if d else 0))
         if merge and len(partial_axes) > 1:
             for k in range(2, len(partial_axes) + 1):
                 for group in combinations(partial_axes, k):
@@ -178,7 +232,7 @@ class RedistributePlanner:
                     c2 = list(codes)
                     for a in group:
                         c2[a] = R
-                    append(("all_reduce", group, local, tuple(c2), orders, ()))
+                    append(("all_reduce", group, local, tuple(c2), orders, (), 0))
                     for d in range(ndim):
                         if not self._even(d, group, tshape, orders):
                             continue
@@ -186,7 +240,9 @@ class RedistributePlanner:
                         c3 = list(codes)
                         for a in group:
                             c3[a] = d
-                        append(("reduce_scatter", group, local, tuple(c3), no, (d,)))
+                        append(("reduce_scatter", group, local, tuple(c3), no, (d,),
+                                self.copied_bytes("reduce_scatter", (d,), orders, no, tshape, local, local)
+                                if d else 0))
         held = None
         for x, c in enumerate(codes):
             if c != R:
@@ -194,14 +250,14 @@ class RedistributePlanner:
             before, after = codes[:x], codes[x + 1:]
             for d in range(ndim):
                 append(("chunk", (x,), 0, before + (d,) + after, orders[:d] + (orders[d] + (x,),) + orders[d + 1:],
-                        (d,)))
+                        (d,), 0))
             if partials:
                 if held is None:
                     held = {cc for cc in codes if cc < R}
                 for p in partials:
                     if frozenset(held | {p}) not in COMPATIBLE_PARTIALS:
                         continue
-                    append(("partition", (x,), 0, before + (p,) + after, orders, ()))
+                    append(("partition", (x,), 0, before + (p,) + after, orders, (), 0))
         return out
 
     def _even_tail(self, d, od, tshape) -> bool:
@@ -229,9 +285,10 @@ class RedistributePlanner:
         s0, goal = encode(src, ndim, self.n), encode(dst, ndim, self.n)
         if s0 == goal:
             return 0.0
-        for kind, axes, nbytes, c2, o2, _ in self._neighbors(*s0, tuple(tshape), itemsize, partials_of(s0[0], goal[0])):
+        for kind, axes, nbytes, c2, o2, _, copy in self._neighbors(*s0, tuple(tshape), itemsize,
+                                                                   partials_of(s0[0], goal[0])):
             if (c2, o2) == goal and len(axes) == 1:
-                return 0.0 if kind in ("chunk", "partition") else self._time(kind, nbytes, axes)
+                return 0.0 if kind in ("chunk", "partition") else self._price(kind, nbytes, axes, copy)
         raise RedistributeError(f"{src} -> {dst} is not a single step")
 
     # -- search -----------------------------------------------------------
@@ -276,8 +333,8 @@ class RedistributePlanner:
         parent = {s0: None}
         tie = 0
         # Hot loop: names bound once.
-        pop, push, best_get, time, neighbors = heapq.heappop, heapq.heappush, best.get, self._time, self._neighbors
-        by_code, order_bits, parts, price = bound.by_code, bound.order_bits, bound.parts, bound.price
+        pop, push, best_get, price, neighbors = heapq.heappop, heapq.heappush, best.get, self._price, self._neighbors
+        by_code, order_bits, parts, bound_price = bound.by_code, bound.order_bits, bound.parts, bound.price
         cover_get = cover.get
         inf, cap = math.inf, upper - 1e-9
         prune = min(goal[0]) >= R
@@ -305,10 +362,10 @@ class RedistributePlanner:
             # No partial left and none wanted: a partition could only be undone by a
             # reduction (all_reduce: back where it was; reduce_scatter: what a free chunk does).
             steps = neighbors(codes, orders, tshape, item, () if prune and min(codes) >= R else partials)
-            for kind, axes, nbytes, c2, o2, dims in steps:
+            for kind, axes, nbytes, c2, o2, dims, copy in steps:
                 nxt = (c2, o2)
                 # Local steps (no bytes) still cost a hair, so a plan never takes pointless detours.
-                us = time(kind, nbytes, axes) if nbytes else 0.0
+                us = price(kind, nbytes, axes, copy)
                 ng = g + (us or 1e-6)
                 if ng < cap and ng < best_get(nxt, inf) - 1e-12:
                     # The child's key: the parent's with the changed axes' and dims' bits
@@ -321,11 +378,11 @@ class RedistributePlanner:
                         ko ^= obits[d] ^ order_bits(d, o2[d])
                     key = kc | ko
                     hv = cover_get(key)
-                    nf = ng + (hv if hv is not None else price(key))
+                    nf = ng + (hv if hv is not None else bound_price(key))
                     if nf >= cap:
                         continue
                     best[nxt] = ng
-                    parent[nxt] = (state, kind, axes, nbytes, us)
+                    parent[nxt] = (state, kind, axes, nbytes, us, copy * self._copy_us_per_byte)
                     tie += 1
                     push(frontier, (nf, -ng, -tie, nxt))
         self.stats["expanded"] += expanded
@@ -334,7 +391,7 @@ class RedistributePlanner:
     def _direct(self, s0, goal, tshape, item) -> tuple[float, list]:
         """The plan that undoes everything the target does not hold, one axis at a time, then
         builds the target by local steps: (its cost as the search counts it, its collectives
-        as ``(kind, axis, bytes, us)``). It always applies: gathers take the last axis of an
+        as ``(kind, axis, bytes, us, of it the copy's us)``). It always applies: gathers take the last axis of an
         order, and after the reductions only partials the target holds are left, so the
         target's partitions never mix kinds."""
         orders = list(s0[1])
@@ -345,10 +402,13 @@ class RedistributePlanner:
         for d, (o, go) in enumerate(zip(s0[1], gorders)):
             k = agreed(o, go)
             for x in reversed(o[k:]):
+                before = tuple(orders)
                 orders[d] = orders[d][:-1]
-                nbytes = self._local_elems(tuple(orders), tshape) * item
-                us = self._time("all_gather", nbytes, (x,))
-                moves.append(("all_gather", x, nbytes, us))
+                after = tuple(orders)
+                nbytes = self._local_elems(after, tshape) * item
+                copy = self.copied_bytes("all_gather", (d,), before, after, tshape, 0, nbytes) * self._copy_us_per_byte
+                us = self._time("all_gather", nbytes, (x,)) + copy
+                moves.append(("all_gather", x, nbytes, us, copy))
                 g += us
             local += len(go) - k
         nbytes = self._local_elems(tuple(orders), tshape) * item
@@ -356,7 +416,7 @@ class RedistributePlanner:
             t = gcodes[x]
             if c < R and c != t:
                 us = self._time("all_reduce", nbytes, (x,))
-                moves.append(("all_reduce", x, nbytes, us))
+                moves.append(("all_reduce", x, nbytes, us, 0.0))
                 g += us
                 local += t < R
             elif c == R and t < R:
@@ -366,12 +426,13 @@ class RedistributePlanner:
     def _direct_steps(self, s0, goal, moves) -> list[Step]:
         codes, orders = list(s0[0]), list(s0[1])
         steps = []
-        for kind, x, nbytes, us in moves:
+        for kind, x, nbytes, us, copy_us in moves:
             prev = (tuple(codes), tuple(orders))
             if codes[x] >= 0:
                 orders[codes[x]] = orders[codes[x]][:-1]
             codes[x] = R
-            steps.append(Step(kind, (x,), int(nbytes), us, decode(*prev), decode(tuple(codes), tuple(orders))))
+            steps.append(Step(kind, (x,), int(nbytes), us, decode(*prev), decode(tuple(codes), tuple(orders)),
+                              copy_us))
         return steps + self._complete((tuple(codes), tuple(orders)), goal)
 
     def costs(self, src: Spec, dsts: list[Spec], tshape: tuple[int, ...], itemsize: int) -> list[float]:
@@ -439,11 +500,11 @@ class RedistributePlanner:
         source with those kinds lies in it), built on first use; ``None`` when too large."""
         key = (tshape, itemsize, partials)
         if key not in self._graphs:
-            time, neighbors = self._time, self._neighbors
+            price, neighbors = self._price, self._neighbors
 
             def steps(state):
-                return [(time(kind, nbytes, axes) if nbytes else 0.0, (c2, o2))
-                        for kind, axes, nbytes, c2, o2, _ in neighbors(*state, tshape, itemsize, partials)]
+                return [(price(kind, nbytes, axes, copy), (c2, o2))
+                        for kind, axes, nbytes, c2, o2, _, copy in neighbors(*state, tshape, itemsize, partials)]
 
             start = ((R,) * self.n, ((),) * len(tshape))
             with _no_gc():
@@ -466,9 +527,9 @@ class RedistributePlanner:
             if state in goals:
                 left -= 1
             codes, orders = state
-            for kind, axes, nbytes, c2, o2, _ in self._neighbors(codes, orders, tshape, itemsize, partials):
+            for kind, axes, nbytes, c2, o2, _, copy in self._neighbors(codes, orders, tshape, itemsize, partials):
                 nxt = (c2, o2)
-                us = self._time(kind, nbytes, axes) if nbytes else 0.0  # as _search prices steps
+                us = self._price(kind, nbytes, axes, copy)  # as _search prices steps
                 ng = g + (us or 1e-6)
                 if ng < best.get(nxt, math.inf) - 1e-12:
                     best[nxt] = ng
@@ -537,8 +598,8 @@ class RedistributePlanner:
     def _unwind(parent, state) -> list[Step]:
         steps = []
         while parent[state] is not None:
-            prev, kind, axes, nbytes, us = parent[state]
-            steps.append(Step(kind, tuple(axes), int(nbytes), us, decode(*prev), decode(*state)))
+            prev, kind, axes, nbytes, us, copy_us = parent[state]
+            steps.append(Step(kind, tuple(axes), int(nbytes), us, decode(*prev), decode(*state), copy_us))
             state = prev
         return steps[::-1]
 

@@ -40,11 +40,14 @@ class Step:
     nbytes: int
     """Bytes of the collective's full buffer, nccl-tests convention."""
     us: float
-    """Predicted time, microseconds."""
+    """Predicted time, microseconds: the collective's and :attr:`copy_us`."""
     src: Spec
     """Spec before the step."""
     dst: Spec
     """Spec after the step."""
+    copy_us: float = 0.0
+    """Of :attr:`us`, the local copy DTensor makes around the collective on the compute stream
+    (:meth:`costmodel.redistribute.RedistributePlanner.copied_bytes`)."""
 
     @property
     def axis(self) -> int:

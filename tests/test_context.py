@@ -1,6 +1,7 @@
 """Context parallelism (all-gather form): causal attention split on the sequence is planned,
 priced at its busiest rank and runs to the single-device loss and gradients."""
 
+import contextlib
 
 import pytest
 import torch
@@ -81,12 +82,14 @@ def test_context_parallel_plan_matches_single_device(world, monkeypatch, batch, 
     """CP 2 x DP 2 on LocalTensorMode: a plan that splits the causal kernels' queries on the
     sequence gives the single-device loss and gradients, balanced by the mirror exchange where
     the sequence cuts into two chunks per rank (64 over 2), in one run per rank where not (62);
-    and CP over both axes (one sequence over 4 ranks), the mirror on their flattened group."""
+    and CP over both axes (one sequence over 4 ranks), the mirror on their flattened group. Ring
+    attention is taken out of the strategies: it has its own test below."""
     calls = []
     for name in ("mirror_forward", "mirror_backward", "sequence_forward", "sequence_backward"):
         fn = getattr(attention, name)
         monkeypatch.setattr(attention, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
-    model, x, plan = _cp_plan(world, (2, 2), ("dp", "cp"), batch, seq, tokens)
+    with _causal_kernels_restricted(monkeypatch, lambda *a: not attention.is_ring(*a)):
+        model, x, plan = _cp_plan(world, (2, 2), ("dp", "cp"), batch, seq, tokens)
     specs = _query_specs(plan)
     both = tokens == "S(1)S(1)"
     assert specs and all(s == "S(2)S(2)" if both else "S(2)" in s for s in specs), specs
@@ -167,32 +170,41 @@ def test_fsdp_cp_is_a_hand_written_plan_by_name(world):
     assert got["autoshard"].summary["step_us"] <= plan.summary["step_us"] * (1 + 1e-9)
 
 
+@contextlib.contextmanager
+def _causal_kernels_restricted(monkeypatch, keep):
+    """Only the causal kernels' strategies that `keep(node, ins, targs)` accepts (and those that
+    leave the queries whole) while planning, so that a test runs the form of context parallelism
+    it is about whichever form the test profile prices lower."""
+    from autoshard.graph import strategies
+
+    real = strategies.StrategyEnumerator._enumerate
+
+    def restricted(self, node, targs, errors):
+        out = real(self, node, targs, errors)
+        if not attention.is_causal_cpu_kernel(node):
+            return out
+        return [st for st in out if not attention.query_axes(node, st.ins, targs) or keep(node, st.ins, targs)]
+
+    strategies.clear_shared_cache()
+    monkeypatch.setattr(strategies.StrategyEnumerator, "_enumerate", restricted)
+    try:
+        yield
+    finally:
+        # Later plans must not reuse the restricted strategies from the shared cache.
+        strategies.clear_shared_cache()
+
+
 def test_ring_attention_plan_matches_single_device(world, monkeypatch):
     """Ring attention (keys and values split like the queries, passed round the ring, partial
     results merged by their log-sum-exp, balanced by the mirror exchange) on CP 2 x DP 2: the
     single-device loss and gradients. The all-gather form is taken out of the strategies so
     that the plan runs the ring."""
-    from autoshard.graph import strategies
-
-    real = strategies.StrategyEnumerator._enumerate
-
-    def ring_only(self, node, targs, errors):
-        out = real(self, node, targs, errors)
-        if not attention.is_causal_cpu_kernel(node):
-            return out
-        return [st for st in out if not attention.query_axes(node, st.ins, targs)
-                or attention.is_ring(node, st.ins, targs)]
-
-    strategies.clear_shared_cache()
-    monkeypatch.setattr(strategies.StrategyEnumerator, "_enumerate", ring_only)
     calls = []
     for name in ("ring_forward", "ring_backward"):
         fn = getattr(attention, name)
         monkeypatch.setattr(attention, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
-    try:
+    with _causal_kernels_restricted(monkeypatch, attention.is_ring):
         model, x, plan = _cp_plan(world, (2, 2), ("dp", "cp"), 2, 64, "S(0)S(1)")
-    finally:
-        strategies.clear_shared_cache()
     keys = [e["in"][1 if "for_cpu_backward" not in e["op"] else 2] for e in plan.nodes.values()
             if "flash_attention_for_cpu" in e["op"]]
     assert keys and all("S(2)" in k for k in keys), keys

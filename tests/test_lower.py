@@ -133,7 +133,8 @@ def test_loss_outside_the_module_is_any_loss(world):
         loss.backward()
         torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-4)
         for fqn, p in sharded.named_parameters():
-            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=fqn)
+            # This loss's gradients reach ~150: float32 sums in another order differ by ~4e-5 there.
+            torch.testing.assert_close(full(p.grad), ref_grads[fqn], rtol=1e-4, atol=1e-4, msg=fqn)
 
 
 @pytest.mark.parametrize("shape, names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])

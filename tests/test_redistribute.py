@@ -242,3 +242,30 @@ def test_a_cpu_mesh_runs_all_to_all_as_a_gather_and_cpu_profiles_price_it_so(wor
             cpu.collective_predictor("all_gather", 4, True)(4 * nbytes)
     assert PROFILE.collective_predictor("all_to_all", 4, True)(2**20) < \
         PROFILE.collective_predictor("all_gather", 4, True)(4 * 2**20)
+
+
+@pytest.mark.parametrize("shape", [(8, 16, 4), (1, 16, 4), (4, 1, 8), (1, 1, 8)])
+def test_a_step_pays_the_copy_torch_makes_around_its_collective(shape):
+    """A gather along dim d > 0 pays a copy of its output exactly where torch's functional
+    all_gather concatenates (torch._utils._maybe_view_chunk_cat returns no view of its input), a
+    reduce_scatter onto d > 0 a copy of its input (it always concatenates chunks), read and
+    written at the profile's copy bandwidth; along dim 0 neither copies."""
+    from torch._utils import _maybe_view_chunk_cat
+
+    planner = RedistributePlanner(MeshTopology((4,), 8), PROFILE)
+    per_byte = 2.0 / (PROFILE.bandwidth_gbps() * 1e3)
+    full = 4 * int(np.prod(shape))
+    for d in range(len(shape)):
+        if shape[d] % 4:
+            continue
+        gather = planner.plan(Spec.parse(f"S({d})"), Spec.parse("R"), shape, 4).steps
+        assert [s.kind for s in gather] == ["all_gather"]
+        local = list(shape)
+        local[d] //= 4
+        res = torch.empty([4 * local[0]] + local[1:])  # NCCL's output: the shards joined along dim 0
+        viewed = d == 0 or _maybe_view_chunk_cat(res, 4, d).data_ptr() == res.data_ptr()
+        assert gather[0].copy_us == pytest.approx(0.0 if viewed else full * per_byte), (shape, d)
+        assert gather[0].us == pytest.approx(planner._time("all_gather", full, (0,)) + gather[0].copy_us)
+        scatter = planner.plan(Spec.parse("P(sum)"), Spec.parse(f"S({d})"), shape, 4).steps
+        assert [s.kind for s in scatter] == ["reduce_scatter"]
+        assert scatter[0].copy_us == pytest.approx(0.0 if d == 0 else full * per_byte), (shape, d)

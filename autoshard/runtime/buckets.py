@@ -68,8 +68,8 @@ class Buckets:
     backward_edges: set[int] = field(default_factory=set)
     """The edges of ``chains`` whose collectives run in the backward program."""
     own_us: dict[int, float] = field(default_factory=dict)
-    """Per edge of ``chains``, the rest of its redistribute's time (local steps), after its last
-    collective."""
+    """Per edge of ``chains``, the rest of its redistribute's time (local steps, the copies its
+    bucketed collectives make), after its last collective."""
     moved_after: dict[int, int] = field(default_factory=dict)
     """Per gradient edge the backward moves, the node after which it moves it (its group's)."""
     saved_us: float = 0.0
@@ -204,10 +204,14 @@ def plan_buckets(gp, choice, order: list[int], topo: MeshTopology, profile: Prof
     for k in sorted({k for members in out.members for k, _ in members}):
         e = gp.edges[k]
         steps = steps_of[k]
-        out.chains[k] = [(float(s.us), bucket_of.get((k, i), -1)) for i, s in enumerate(steps)]
-        out.own_us[k] = max(0.0, float(mats[k][choice[e.producer], choice[e.consumer]]) - sum(s.us for s in steps))
+        # A bucketed collective's local copies (a gather along a later dim concatenates its
+        # output) stay its member's own, after the bucket: the rest of the redistribute.
+        out.chains[k] = [(float(s.us - s.copy_us) if (k, i) in bucket_of else float(s.us), bucket_of.get((k, i), -1))
+                         for i, s in enumerate(steps)]
+        out.own_us[k] = max(0.0, float(mats[k][choice[e.producer], choice[e.consumer]])
+                            - sum(us for us, _ in out.chains[k]))
     for b, members in enumerate(out.members):
-        out.saved_us += sum(steps_of[k][i].us for k, i in members) - out.us[b]
+        out.saved_us += sum(steps_of[k][i].us - steps_of[k][i].copy_us for k, i in members) - out.us[b]
     return out
 
 
