@@ -22,7 +22,9 @@ beside compute really hides of it) the objective is
 
     F(x) = A(x) + sum_w (S_w(x) - C_w(x)) - eta * sum_w min(S_w(x), H_w(x))   (:meth:`OverlapWindows.cost`)
 
-(with every ``I_w = 0``: ``A(x) - eta * sum_w min(C_w(x), H_w(x))``). Windows that are one and
+(with every ``I_w = 0``: ``A(x) - eta * sum_w min(C_w(x), H_w(x))``). ``eta`` may be given per
+window (:attr:`OverlapWindows.shares`, ``eta_w``): everything below holds with ``eta_w`` in
+window ``w``'s terms and rows. Windows that are one and
 the same function of ``x`` (tied layers) are merged into one whose sets are their union and
 whose floor is their floors' sum (:meth:`OverlapWindows.merged`): ``n`` equal windows hide ``n``
 times what one does, so ``F`` is unchanged and the decomposition below has one weight for all
@@ -111,6 +113,11 @@ class OverlapWindows:
     """Per window, ``I_w >= 0``: the time it lasts whatever its compute (default: 0 each)."""
     count: tuple[int, ...] = ()
     """Per window, how many equal windows of the run it is the union of (default: 1 each)."""
+    shares: tuple[float, ...] = ()
+    """Per window, ``eta_w`` in [0, 1]: the share of its hideable communication it hides
+    (default: ``share`` each). A caller that knows a window hides less than ``share`` (the
+    planner's walk, where a window's gathers queue behind its reductions on the one
+    communication stream) weighs it by what it does hide (:meth:`with_shares`)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.share <= 1.0:
@@ -120,13 +127,16 @@ class OverlapWindows:
                                f"(expected one of each per window)")
         object.__setattr__(self, "nodes", tuple(np.asarray(n, dtype=np.int64).reshape(-1) for n in self.nodes))
         object.__setattr__(self, "edges", tuple(np.asarray(e, dtype=np.int64).reshape(-1) for e in self.edges))
-        for name, default, kind in (("floor", 0.0, float), ("count", 1, int)):
+        for name, default, kind in (("floor", 0.0, float), ("count", 1, int), ("shares", self.share, float)):
             given = getattr(self, name)
             value = tuple(kind(x) for x in given) if len(given) else (default,) * len(self.nodes)
             object.__setattr__(self, name, value)
         if len(self.floor) != len(self.nodes) or not all(np.isfinite(f) and f >= 0 for f in self.floor):
             raise ProblemError(f"OverlapWindows.floor: expected {len(self.nodes)} finite times >= 0, "
                                f"found {self.floor}")
+        if len(self.shares) != len(self.nodes) or not all(0.0 <= x <= 1.0 for x in self.shares):
+            raise ProblemError(f"OverlapWindows.shares: expected {len(self.nodes)} shares in [0, 1], "
+                               f"found {self.shares}")
         if len(self.count) != len(self.nodes) or any(int(c) < 1 for c in self.count):
             raise ProblemError(f"OverlapWindows.count: expected {len(self.nodes)} counts >= 1, found {self.count}")
         for label, sets in (("node", self.nodes), ("edge", self.edges)):
@@ -184,10 +194,20 @@ class OverlapWindows:
         return (float(c.sum() + m.sum()), np.array([c[s].sum() for s in self.nodes]),
                 np.array([m[s].sum() for s in self.edges]))
 
+    @property
+    def eta(self) -> np.ndarray:
+        """``eta_w`` per window (:attr:`shares`) as an array."""
+        return np.asarray(self.shares, dtype=np.float64)
+
+    def with_shares(self, shares) -> OverlapWindows:
+        """These windows with ``eta_w`` = ``shares[w]``."""
+        return OverlapWindows(self.share, self.nodes, self.edges, self.floor, self.count,
+                              tuple(float(x) for x in shares))
+
     def value(self, a: float, c: np.ndarray, h: np.ndarray) -> float:
         """``F`` from a plan's :meth:`terms`."""
         span = np.maximum(c, np.asarray(self.floor))
-        return float(a + (span - c).sum() - self.share * np.minimum(span, h).sum())
+        return float(a + (span - c).sum() - np.dot(self.eta, np.minimum(span, h)))
 
     def cost(self, problem: Problem, choice) -> float:
         """``F(x)`` (module doc)."""
@@ -206,7 +226,7 @@ class OverlapWindows:
     def plane(self, a_total: float, c: np.ndarray, h: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         """``L(x; a, b) = k + sum_w a_w p_w + b_w q_w`` for a plan of :meth:`terms` ``(a_total, c,
         h)``: ``(k, p, q)``."""
-        k = a_total - c.sum() - h.sum() + (2.0 - self.share) * h.sum()
+        k = a_total - c.sum() - h.sum() + np.dot(2.0 - self.eta, h)
         return float(k), c - h, np.asarray(self.floor) - h
 
 
@@ -240,21 +260,26 @@ class WindowsAnswer:
     """Per weighed solve: its plan's ``F`` (``objective_us``), its proved dual value (``dual_us``,
     None where the solve proved no bound) and its seconds."""
     stopped: str
+    weighing: Weighing | None = None
+    """The weighed problems' maker it used: another decomposition over the same windows at other
+    shares reuses it (:meth:`solver.weighing.Weighing.at_shares`)."""
 
 
 def solve_windows(problem: Problem, windows: OverlapWindows,
                   solve: Callable[[Problem, float, list], object], deadline: float,
                   starts: Sequence[tuple[str, np.ndarray]] = (), stall: int = STALL, gap: float = GAP,
-                  max_solves: int = MAX_SOLVES) -> WindowsAnswer:
+                  max_solves: int = MAX_SOLVES, weighing: Weighing | None = None) -> WindowsAnswer:
     """Minimize ``F`` by Lagrangian decomposition (module doc). ``solve(problem, seconds,
     starts)`` solves an additive problem and returns a :class:`solver.Solution` (the planner's
     solve with its backend and gap); ``starts``: plans known before (the additive optimum
     first), which give the first planes. Ends by ``deadline`` (``time.perf_counter()``
-    seconds) and after at most ``max_solves`` solves."""
+    seconds) and after at most ``max_solves`` solves. ``weighing``: an earlier answer's
+    (:attr:`WindowsAnswer.weighing`), for these windows at other shares."""
     windows.check(problem)
     from solver.evaluate import evaluate
 
-    weigh = Weighing(problem, windows)
+    # Weighing's parts depend on which window holds each node and edge, not on the shares.
+    weigh = Weighing(problem, windows) if weighing is None else weighing.at_shares(windows.eta)
     seen: dict[bytes, tuple[str, np.ndarray, float]] = {}
     planes: list[tuple[float, np.ndarray, np.ndarray]] = []
     record: list[dict] = []
@@ -273,7 +298,7 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
         offer(name, choice)
     best = min((f for _, _, f in seen.values()), default=np.inf)
     dual, stopped, dry = None, "solves", 0
-    a, b = np.full(len(windows), 1.0 - windows.share / 2), np.zeros(len(windows))
+    a, b = 1.0 - windows.eta / 2, np.zeros(len(windows))
     center, radius = (a, b), RADIUS
     for i in range(max_solves):
         if planes:
@@ -311,7 +336,7 @@ def solve_windows(problem: Problem, windows: OverlapWindows,
                 break
     ranked = sorted(seen.values(), key=lambda s: s[2])
     feasible = [(name, choice) for name, choice, f in ranked if np.isfinite(f)]
-    return WindowsAnswer(feasible[0] if feasible else None, best, dual, feasible, record, stopped)
+    return WindowsAnswer(feasible[0] if feasible else None, best, dual, feasible, record, stopped, weigh)
 
 
 def _next_weights(planes, windows: OverlapWindows, center=None, radius: float = 1.0
@@ -321,7 +346,7 @@ def _next_weights(planes, windows: OverlapWindows, center=None, radius: float = 
     radius``; and that maximum. The center satisfies the rows, so the box never empties them."""
     import highspy
 
-    W, eta = len(windows), windows.share
+    W, eta = len(windows), windows.eta
     inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -336,8 +361,8 @@ def _next_weights(planes, windows: OverlapWindows, center=None, radius: float = 
         lo, hi = np.maximum(lo, c - radius), np.minimum(hi, c + radius)
     h.addCols(n, np.concatenate([np.zeros(2 * W), [-1.0]]), np.concatenate([lo, [-inf]]),
               np.concatenate([hi, [inf]]), 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
-    for w in range(W):  # 1 - eta <= a_w + b_w <= 1
-        h.addRow(1.0 - eta, 1.0, 2, np.array([w, W + w], dtype=np.int32), np.ones(2))
+    for w in range(W):  # 1 - eta_w <= a_w + b_w <= 1
+        h.addRow(1.0 - float(eta[w]), 1.0, 2, np.array([w, W + w], dtype=np.int32), np.ones(2))
     for k, p, q in planes:  # t - sum_w (a_w p_w + b_w q_w) <= k
         h.addRow(-inf, k, n, np.arange(n, dtype=np.int32), np.concatenate([-p, -q, [1.0]]))
     h.run()

@@ -43,7 +43,7 @@ class Weighing:
     """``problem``'s weighed problems under ``windows`` (module doc); call with ``(a, b)``."""
 
     def __init__(self, problem: Problem, windows, max_parts_share: float = MAX_PARTS_SHARE) -> None:
-        self.problem, self.share, self.max_parts_share = problem, float(windows.share), max_parts_share
+        self.problem, self.eta, self.max_parts_share = problem, windows.eta, max_parts_share
         W = len(windows)
         n, m = problem.num_nodes, problem.num_edges
         # kinds: 0..W-1 a window's nodes, W..2W-1 its edges, 2W outside (scale 1)
@@ -66,10 +66,20 @@ class Weighing:
         self.tie_quotient_kept = self._quotient is not None
         """Whether the weighed problems carry their tie quotients (module doc)."""
 
+    def at_shares(self, eta: np.ndarray) -> Weighing:
+        """These weighed problems with the windows' shares ``eta`` (the parts are shared: they do
+        not depend on the shares)."""
+        eta = np.asarray(eta, dtype=np.float64)
+        if eta.shape != self.eta.shape:
+            raise ValueError(f"Weighing.at_shares: expected {self.eta.size} shares (one per window), found {eta.size}")
+        other = copy.copy(self)
+        other.eta = eta
+        return other
+
     def scales(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Per kind, its scale: ``a_w``, then ``2 - eta - a_w - b_w``, then 1."""
+        """Per kind, its scale: ``a_w``, then ``2 - eta_w - a_w - b_w``, then 1."""
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-        return np.concatenate([a, 2.0 - self.share - a - b, [1.0]])
+        return np.concatenate([a, 2.0 - self.eta - a - b, [1.0]])
 
     def __call__(self, a: np.ndarray, b: np.ndarray) -> Problem:
         """The additive problem of ``L(.; a, b)`` (without its constant), its tie quotient carried."""

@@ -78,19 +78,25 @@ def random_problem(rng, n=6, k=3):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_objective_is_the_largest_of_its_weighed_additive_problems(seed):
+@pytest.mark.parametrize("shares", [(0.8, 0.8), (0.8, 0.3)])
+def test_objective_is_the_largest_of_its_weighed_additive_problems(seed, shares):
     """F(x) = max over the weights of L(x; a, b), attained at a vertex of each window's weights
-    (a, b >= 0, 1 - eta <= a + b <= 1), and L(.; a, b) is the weighed problem's additive cost
-    plus its constant: the decomposition solves the objective it states, host floors included."""
+    (a, b >= 0, 1 - eta_w <= a + b <= 1), and L(.; a, b) is the weighed problem's additive cost
+    plus its constant: the decomposition solves the objective it states, host floors and
+    per-window shares included."""
     rng = np.random.default_rng(seed)
     problem = random_problem(rng)
-    m, eta = problem.num_edges, 0.8
-    w = solver.OverlapWindows(eta, nodes=[[0, 1], [2, 3]], edges=[list(range(0, m, 2)), list(range(1, m, 2))],
-                              floor=[0.0, float(rng.uniform(5, 40))])
-    vertices = [(1.0, 0.0), (0.0, 1.0), (1.0 - eta, 0.0), (0.0, 1.0 - eta)]
+    m = problem.num_edges
+    w = solver.OverlapWindows(0.8, nodes=[[0, 1], [2, 3]], edges=[list(range(0, m, 2)), list(range(1, m, 2))],
+                              floor=[0.0, float(rng.uniform(5, 40))]).with_shares(shares)
     for choice in itertools.islice(itertools.product(range(3), repeat=6), 0, None, 37):
+        # The objective written out: each window hides eta_w of what it may, at most what it lasts.
+        total, c, h = w.terms(problem, choice)
+        span = np.maximum(c, w.floor)
+        assert w.cost(problem, choice) == pytest.approx(
+            total + sum(span - c) - sum(e * min(s, x) for e, s, x in zip(shares, span, h)))
         values = []
-        for v0, v1 in itertools.product(vertices, repeat=2):
+        for v0, v1 in itertools.product(*[[(1.0, 0.0), (0.0, 1.0), (1.0 - e, 0.0), (0.0, 1.0 - e)] for e in shares]):
             weighed, constant = w.weighed(problem, np.array([v0[0], v1[0]]), np.array([v0[1], v1[1]]))
             values.append(solver.evaluate(weighed, choice).cost + constant)
             k, p, q = w.plane(*w.terms(problem, choice))
@@ -107,12 +113,13 @@ def test_a_window_of_small_ops_lasts_its_issue_and_hides_that_much():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_windows_solve_is_never_worse_than_its_start_and_its_bound_holds(seed):
+@pytest.mark.parametrize("shares", [(0.9, 0.9), (0.9, 0.2)])
+def test_windows_solve_is_never_worse_than_its_start_and_its_bound_holds(seed, shares):
     rng = np.random.default_rng(10 + seed)
     problem = random_problem(rng, n=7)
     m = problem.num_edges
     w = solver.OverlapWindows(0.9, nodes=[[0, 1, 2], [3, 4]], edges=[list(range(0, m, 2)), list(range(1, m, 2))],
-                              floor=[0.0, 30.0])
+                              floor=[0.0, 30.0]).with_shares(shares)
     first = solver.solve(problem, time_limit=5)
     answer = solver.solve_windows(problem, w, oracle, time.perf_counter() + 20, starts=[("additive", first.choice)])
     optimum = min(w.cost(problem, c) for c in itertools.product(range(3), repeat=7))
@@ -174,6 +181,8 @@ def test_windows_refuse_what_would_count_twice_or_is_not_there():
         solver.OverlapWindows(0.5, nodes=[[0]], edges=[[0]], floor=[-1.0])
     with pytest.raises(solver.ProblemError, match="2 node sets but 1 edge sets"):
         solver.OverlapWindows(0.5, nodes=[[0], [1]], edges=[[0]])
+    with pytest.raises(solver.ProblemError, match=r"shares: expected 1 shares in \[0, 1\], found \(1.2,\)"):
+        solver.OverlapWindows(0.5, nodes=[[0]], edges=[[0]]).with_shares([1.2])
     problem, _ = prefetch_or_not()
     with pytest.raises(solver.ProblemError, match="window 0 names edge 7 but the problem has 2 edges"):
         solver.OverlapWindows(0.5, nodes=[[1]], edges=[[7]]).check(problem)

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -304,6 +305,32 @@ def test_window_terms_and_the_walk_trace_account_for_every_cost_of_a_plan(world)
     other = _llama_on_eight(world, "cpu-gloo")
     with pytest.raises(ConfigError, match="not made by this planner"):
         other.choice_of(plan)
+
+
+def test_walk_shares_weigh_each_window_by_what_the_walk_hides_there(world):
+    """An FSDP plan on gloo's profile, where some gathers wait in the walk: per window, the share
+    of what it may hide that the walk hides, in [0, eta] and below eta somewhere; F weighed by
+    them adds each window's deficit (the walk's time there beyond the window's objective) up to
+    what the window may hide, so it lies between F and F plus every deficit; at half the share,
+    half the shares."""
+    from autoshard.planning.simulate import walk_trace
+    from autoshard.planning.windows import overlap_windows, walk_shares, window_terms
+
+    planner = _llama_on_eight(world, "cpu-gloo")
+    plan = planner.solve(pins={"*": "S(0)"}, input_specs=["S(0)"])
+    _, gp = planner.variant(plan.recompute["mode"])
+    choice = planner.choice_of(plan)
+    windows = overlap_windows(gp, 1.0)
+    shares = walk_shares(gp, windows, choice)
+    assert ((shares >= 0) & (shares <= 1)).all() and (shares < 0.9).any(), shares
+    terms = window_terms(gp, choice)
+    walked = np.zeros(len(terms["compute"]))
+    for v, before, after, _ in walk_trace(gp, choice)[1]:
+        walked[terms["segment"][v]] += after - before
+    deficits = np.maximum(0.0, walked - terms["objective"])
+    f, weighed = windows.cost(gp.problem, choice), windows.with_shares(shares).cost(gp.problem, choice)
+    assert f < weighed <= f + deficits.sum() + 1e-6
+    np.testing.assert_allclose(walk_shares(gp, overlap_windows(gp, 0.5), choice), shares / 2)
 
 
 def test_collectives_start_early_in_the_memory_the_step_leaves_free(world):

@@ -95,6 +95,39 @@ def window_terms(gp, choice) -> dict[str, np.ndarray]:
             "objective": span + exposed + hideable - np.minimum(span, hideable)}
 
 
+def walk_shares(gp, windows: solver.OverlapWindows, choice) -> np.ndarray:
+    """Per window of ``windows`` (merged, as :func:`overlap_windows` makes them), ``eta_w``: the
+    share of what it may hide (``min(S_w, H_w)``) that ``choice``'s walk hides, times
+    ``windows.share``. Cut into the run's windows, the walk (every hideable move hidden,
+    :func:`autoshard.planning.simulate.walk_trace`) spends ``walk_u`` in window ``u`` where the
+    objective counts ``S_u + exposed_u + H_u - min(S_u, H_u)`` (:func:`window_terms`); what it
+    spends beyond that is hideable communication it did not hide, its ``deficit_u`` (a gather
+    queued behind the reductions issued before it on the one communication stream: the walk's
+    waits). A merged window hides what its windows may less their deficits:
+
+        eta_w = share * max(0, sum_u min(S_u, H_u) - sum_u deficit_u) / sum_u min(S_u, H_u)
+
+    (``share`` where it may hide nothing). A gather's wait falls in its reader's window, one after
+    the window the objective hides it in; tied layers' windows are merged, so both lie in the same
+    merged window but at a model's first and last layers."""
+    from autoshard.planning.simulate import walk_trace
+
+    terms = window_terms(gp, choice)
+    segment = terms["segment"]
+    walked = np.zeros(len(terms["compute"]))
+    for v, before, after, _ in walk_trace(gp, choice)[1]:
+        walked[segment[v]] += after - before
+    deficit = np.maximum(0.0, walked - terms["objective"])
+    hideable = np.minimum(np.maximum(terms["compute"], terms["floor"]), terms["hideable"])
+    out = np.full(len(windows), float(windows.share))
+    for w, members in enumerate(windows.nodes):
+        runs = np.unique(segment[members])
+        most = float(hideable[runs].sum())
+        if most > 0:
+            out[w] = windows.share * max(0.0, most - float(deficit[runs].sum())) / most
+    return out
+
+
 def segments(gp) -> tuple[np.ndarray, int]:
     """Per node its window in run order, and the number of windows: a new one wherever the run
     enters another (layer, phase); a recomputed copy runs in its original's layer's backward."""
