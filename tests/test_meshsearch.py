@@ -403,7 +403,7 @@ class _HandWrittenPlanner(_ScriptedPlanner):
         return "fsdp", SimpleNamespace(step_us=step, plan=plan)
 
 
-def _search_scripted(monkeypatch, planner, **options):
+def _search_scripted(monkeypatch, planner, overlap_objective=False, **options):
     """A search of 8 ranks by ``planner`` (a :class:`_HandWrittenPlanner`) on its own clock, in
     one process: the plan and its table's rows by shape."""
     from types import SimpleNamespace
@@ -416,8 +416,43 @@ def _search_scripted(monkeypatch, planner, **options):
     monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
     monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0, **options, overlap_objective=False), planner)
+    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0, **options, overlap_objective=overlap_objective),
+                     planner)
     return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+
+
+class _HidingPlanner(_ScriptedPlanner):
+    """Memory binds every shape; a plan costs 1.5x its shape's bound additively, and hides much of
+    that: its predicted step (``steps``) lies far below, and orders the shapes otherwise."""
+
+    bounds = {(8,): 908.0, (2, 4): 620.0, (4, 2): 504.0, (2, 2, 2): 402.0}
+    steps = {(8,): 900.0, (2, 4): 350.0, (4, 2): 453.6, (2, 2, 2): 361.8}
+
+    def bound(self) -> float:
+        return self.bounds[self.shape]
+
+    def solve(self, time_limit):
+        plan = super().solve(time_limit)
+        plan.summary["step_us"] = self.steps[self.shape]
+        return plan
+
+
+@pytest.mark.parametrize("overlap_objective", [False, True])
+def test_additive_bounds_prune_only_on_the_additive_objective(world, monkeypatch, overlap_objective):
+    """(2, 4)'s bound, 620 additive, lies above (2, 2, 2)'s plan's additive cost, 603: on the
+    additive objective it is pruned by it. With the overlap objective shapes are chosen by
+    predicted step, which an additive bound does not bound: (2, 4) is pruned only where its bound's
+    step floor (0.55 x 620 = 341 at eta 0.9) is not below the best step found (361.8); it is not,
+    and (2, 4) is solved and chosen at 350."""
+    world(8)
+    _HandWrittenPlanner.solves = _ScriptedPlanner.solves = []
+    plan, rows = _search_scripted(monkeypatch, _HidingPlanner, overlap_objective=overlap_objective)
+    if overlap_objective:
+        assert rows[(2, 4)]["outcome"] == "chosen" and plan.summary["step_us"] == 350.0
+    else:
+        assert rows[(2, 4)]["outcome"] == "pruned" and "bound 0.620 ms >= best 0.603 ms" in rows[(2, 4)]["note"]
+        assert rows[(2, 2, 2)]["outcome"] == "chosen"
+    assert rows[(8,)]["outcome"] == "pruned"
 
 
 class _RefiningPlanner(_HandWrittenPlanner):
