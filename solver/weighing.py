@@ -2,7 +2,7 @@ r"""The weighed problems of one problem and its windows, made without copying wh
 
 The overlap decomposition (:func:`solver.overlap.solve_windows`) solves, round after round, the
 additive problem of ``L(.; a, b)``: node ``v`` of window ``w`` costs ``a_w c_v``, edge ``e`` of
-window ``w`` costs ``(2 - eta - a_w - b_w) M_e``, everything else as in the problem, forbidden
+window ``w`` costs ``(2 - eta_w - a_w - b_w) M_e``, everything else as in the problem, forbidden
 entries forbidden. Every cost is its problem's cost times a *scale* ``s_p`` of one of
 ``2W + 1`` kinds ``p`` (window ``w``'s nodes, its edges, or 1 outside the windows), so
 everything a round derives linearly from the costs is a fixed combination of per-kind parts,

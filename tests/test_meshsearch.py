@@ -445,7 +445,6 @@ def test_additive_bounds_prune_only_on_the_additive_objective(world, monkeypatch
     step floor (0.55 x 620 = 341 at eta 0.9) is not below the best step found (361.8); it is not,
     and (2, 4) is solved and chosen at 350."""
     world(8)
-    _HandWrittenPlanner.solves = _ScriptedPlanner.solves = []
     plan, rows = _search_scripted(monkeypatch, _HidingPlanner, overlap_objective=overlap_objective)
     if overlap_objective:
         assert rows[(2, 4)]["outcome"] == "chosen" and plan.summary["step_us"] == 350.0

@@ -225,9 +225,7 @@ class MeshSearch:
         objective = [*(additive_solve(p) for p in self.solved.values()),
                      *([self.free_plan_us] if self.free_plan_shape not in (None, b.shape) else [])]
         best_us = min(objective, default=None)
-        # On the additive objective only: with the overlap objective plans are chosen by their
-        # simulated steps, which a shape of higher additive bound may still beat (LLaMA-8B on
-        # (2, 4, 8): additive bound 517.5 ms, its plan 323.6 ms; (8, 8) 519.1 and 327.3).
+        # On the additive objective only (module doc): plans are otherwise chosen by predicted step.
         if best_us is not None and b.bound_us >= best_us and not self.options.overlap_objective:
             return f"bound {b.bound_us / 1e3:.3f} ms >= best {best_us / 1e3:.3f} ms"
         # Shapes are chosen by predicted step: one whose every plan is predicted at or above the
@@ -372,8 +370,10 @@ class MeshSearch:
                  + f" in {res.seconds:.1f}s")
         if found is not None and found < self.free_plan_us:
             self.free_plan_us, self.free_plan_shape = found, shape
-        for b in [b for b in self.bounded if b.shape != self.free_plan_shape and b.bound_us >= self.free_plan_us
-                  and not self.options.overlap_objective]:
+        # An additive bound prunes on the additive objective only (module doc).
+        pruned = [] if self.options.overlap_objective else \
+            [b for b in self.bounded if b.shape != self.free_plan_shape and b.bound_us >= self.free_plan_us]
+        for b in pruned:
             self.bounded.remove(b)
             _prune(self.rows[b.shape], b.shape in self.known,
                    f"bound {b.bound_us / 1e3:.3f} ms >= {self.free_plan_us / 1e3:.3f} ms, the "

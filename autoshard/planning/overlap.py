@@ -52,8 +52,8 @@ def relaxed(problem: solver.Problem, share: float) -> solver.Problem:
 def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
            windows: solver.OverlapWindows | None, solve: Callable[[solver.Problem, float, list], solver.Solution],
            deadline: float, candidates: Sequence[tuple[str, np.ndarray]] = (),
-           simulated: Callable[[np.ndarray], float] | None = None, stall: int = solver.overlap.STALL,
-           walked: bool = True) -> tuple[solver.Solution, dict]:
+           simulated: Callable[[np.ndarray], float] | None = None, stall: int = solver.overlap.STALL
+           ) -> tuple[solver.Solution, dict]:
     """The plan of least simulated step (module doc) from ``first`` (the additive solve of
     ``problem``, a problem of ``gp``'s graph): with ``windows``, their objective minimized by
     :func:`solver.solve_windows` (``solve(problem, seconds, starts)`` solves each additive
@@ -65,7 +65,7 @@ def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
     ``F`` (``objective_us``). ``stall``: the decomposition's solves without a better plan
     after which it stops. ``simulated(choice)``: a plan's simulated step (default
     :func:`~autoshard.planning.simulate.simulate_plan` at ``share``; a caller's cache). With
-    ``walked``, the windows' objective is then weighed by what the kept plan's walk hides
+    ``windows``, the windows' objective is then weighed by what the kept plan's walk hides
     (:func:`_walked`)."""
     record: dict = {"share": share, "additive_us": round(float(first.cost), 3), "additive_status": first.status.value}
     ranked: list[tuple[str, np.ndarray]] = list(candidates)
@@ -107,7 +107,7 @@ def follow(problem: solver.Problem, gp, first: solver.Solution, share: float,
         return found
 
     rank(ranked)
-    if windows is not None and walked:
+    if windows is not None:
         # The walked rounds get 6 times the decomposition's longest solve, not what is left of the
         # limit: they propose plans for the simulation to judge (LLaMA-70B: 40 s were left).
         longest = max((r["seconds"] for r in answer.record), default=solver.overlap.MIN_ORACLE_SECONDS)
@@ -145,11 +145,13 @@ def _walked(problem, gp, windows, weighing, best, solve, deadline, rank, best_us
 
     rounds: list[dict] = []
     for _ in range(WALKED_ROUNDS):
-        if windows.cost(problem, best().choice) >= best_us():
+        terms = windows.terms(problem, best().choice)
+        objective = windows.value(*terms)
+        if objective >= best_us():
             break  # F does not understate the step: no window hides on paper what the walk does not
         shares = walk_shares(gp, windows, best().choice)
         weighed = windows.with_shares(shares)
-        understated = weighed.cost(problem, best().choice) - windows.cost(problem, best().choice)
+        understated = weighed.value(*terms) - objective
         out_of_time = time.perf_counter() > deadline - solver.overlap.MIN_ORACLE_SECONDS
         if understated <= solver.overlap.GAP * best_us() or out_of_time:
             break
