@@ -352,6 +352,7 @@ def solve(
     schedule: Schedule = DEFAULT_SCHEDULE,
     stall: StallRule | None = DEFAULT_STALL,
     late_starts: Callable[[], Sequence[tuple[str, np.ndarray]]] | None = None,
+    lagrange: bool = True,
 ) -> Solution:
     """Pick one strategy per node minimizing cost under the memory limit.
 
@@ -359,8 +360,8 @@ def solve(
     ``starts`` (named choices, e.g. hand-written plans); with ``pairwise`` (and pytoulbar2
     installed), toulbar2 on the tie quotient without memory (:func:`_pairwise_first`), the
     answer when it is proved and fits, else repaired into the memory limit and, where
-    ``mip_gap`` is at least :data:`LAGRANGE_MIN_GAP`, memory priced into pairwise solves
-    (:mod:`solver.lagrange`), the answer when proved within the gap; a heuristic start
+    ``mip_gap`` is at least :data:`LAGRANGE_MIN_GAP` and ``lagrange`` is on, memory priced into
+    pairwise solves (:mod:`solver.lagrange`), the answer when proved within the gap; a heuristic start
     where nothing so far fits; where memory binds,
     with ``exact``, toulbar2 on the tie quotient with the memory rows as knapsacks
     (:mod:`solver.exact`) until ``schedule.exact`` of the time, the answer when proved; then
@@ -386,7 +387,7 @@ def solve(
         done = _pairwise_stage(run)
         if done is not None:
             return done
-        if run.free is not None and run.mip_gap >= LAGRANGE_MIN_GAP:
+        if lagrange and run.free is not None and run.mip_gap >= LAGRANGE_MIN_GAP:
             done = _lagrange_stage(run)
             if done is not None:
                 return done
@@ -634,14 +635,13 @@ def _lagrange_stage(run: _Run) -> Solution | None:
         run.inc.offer(plan, "lagrange")
     run.raise_bound(ans.lower if math.isfinite(ans.lower) else None)
     seconds = time.perf_counter() - t1
+    proved = run.inc.feasible and run.bound is not None and run.inc.cost - run.bound <= run.mip_gap * abs(run.inc.cost)
     run.stats["lagrange"] = {"rounds": ans.rounds, "stopped": ans.stopped, "seconds": round(seconds, 3),
-                             "bound": ans.lower if math.isfinite(ans.lower) else None}
+                             "bound": ans.lower if math.isfinite(ans.lower) else None, "answered": bool(proved)}
     log.info(f"lagrange (memory priced, {ans.rounds} rounds, {ans.stopped}): "
              f"{'no better plan' if ans.choice is None else f'cost {ans.cost:.6g}'}, bound {ans.lower:.6g}, "
              f"after {seconds:.2f}s")
-    if run.inc.feasible and run.bound is not None and run.inc.cost - run.bound <= run.mip_gap * abs(run.inc.cost):
-        return run.finish("optimal", run.bound)
-    return None
+    return run.finish("optimal", run.bound) if proved else None
 
 
 def _exact_stage(run: _Run, model) -> Solution:

@@ -58,6 +58,12 @@ def test_a_solve_ends_at_the_stage_where_it_proves_the_gap():
         if sol.source == "lagrange":
             ended += 1
             assert sol.status.value == "optimal" and sol.stats["lagrange"]["rounds"] >= 1
+        if "lagrange" in sol.stats:  # whether the stage ended the solve, or the searches after it ran
+            assert sol.stats["lagrange"]["answered"] == ("exact" not in sol.stats and "milp_skipped" not in sol.stats)
         tight = solve(p, time_limit=10)
         assert "lagrange" not in tight.stats and tight.cost == pytest.approx(best)
+        # Turned off, the stage does not run and the searches after it answer within the gap.
+        off = solve(p, time_limit=10, mip_gap=gap, lagrange=False)
+        assert "lagrange" not in off.stats and evaluate(p, off.choice).feasible
+        assert off.cost <= best * (1 + gap) + 1e-6
     assert ended >= 1

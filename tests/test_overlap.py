@@ -251,6 +251,28 @@ def test_overlap_plan_is_predicted_no_slower_than_the_additive_one(world):
     assert alone is not None and alone["step_us"] >= ours.summary.step_us - 1e-3
 
 
+def test_weighed_solves_skip_memory_pricing_once_it_gave_way(world, monkeypatch):
+    """Within one plan's decomposition, the weighed solves after one whose Lagrangian stage gave
+    way to the exact search are made without that stage; before it, with it."""
+    world(8)
+    model = llama("tiny", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=2048, max_seq_len=128)
+    planner = autoshard.Planner(model, (torch.randint(0, 2048, (16, 128)),), autoshard.fake_mesh((2, 4), ("dp", "tp")),
+                                profile="cpu-gloo", time_limit=20)
+    real, asked = solver.solve, []
+
+    def solve(problem, **kw):
+        sol = real(problem, **kw)
+        if kw.get("mip_gap") == autoshard.planning.planner.ROUND_GAP:  # a weighed solve
+            asked.append(kw["lagrange"])
+            if len(asked) == 1:  # as if its rounds ran and the exact search followed
+                sol.stats["lagrange"] = {"rounds": 12, "stopped": "12 rounds", "answered": False}
+        return sol
+
+    monkeypatch.setattr(autoshard.planning.planner.solver, "solve", solve)
+    planner.solve(seed_baselines=False)
+    assert len(asked) >= 2 and asked[0] is True and not any(asked[1:])
+
+
 def test_follow_keeps_the_least_simulated_plan_of_those_it_is_given():
     problem, gp = prefetch_or_not()
     first = solver.solve(problem, time_limit=5)
