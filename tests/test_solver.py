@@ -94,6 +94,24 @@ def test_evaluator_reports_memory_violation():
     assert "exceeds the limit 40" in ev.reason
 
 
+def test_evaluator_names_what_breaks_a_choice():
+    """Out-of-range indices raise with the node and its strategy count; a forbidden entry, a pin
+    and a tie each make the choice infeasible with the reason, the cost still exact."""
+    p = solver.load_iopddl(EXAMPLE)
+    with pytest.raises(ValueError, match=r"choice\[2\] = 7 is out of range: node has 3 strategies"):
+        evaluate(p, [0, 0, 7, 1, 0])
+    with pytest.raises(ValueError, match=r"choice\[0\] = -1 is out of range"):
+        evaluate(p, [-1, 0, 0, 0, 0])
+    costs = [c.copy() for c in p.node_costs]
+    costs[3][1] = solver.FORBIDDEN
+    forbidden = p.with_costs(node_costs=costs)
+    ev = evaluate(forbidden, [0, 0, 2, 1, 0])
+    assert not ev.feasible and "forbidden" in ev.reason and ev.cost == 445 - 75 + solver.FORBIDDEN
+    assert "node 3 is pinned to 0 but takes 1" in evaluate(p.replaced(pins={3: 0}), [0, 0, 2, 1, 0]).reason
+    tied = evaluate(p.replaced(ties=[[1, 3]]), [0, 0, 2, 1, 0])
+    assert not tied.feasible and "tied nodes [1, 3] take different strategies [0, 1]" in tied.reason
+
+
 def test_infeasible_reports_smallest_limit():
     p = solver.load_iopddl(EXAMPLE)
     p.usage_limit = 20
