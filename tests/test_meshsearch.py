@@ -541,6 +541,31 @@ def test_a_solve_that_pays_restarts_the_stall_count(world, monkeypatch):
     assert rows[(2, 4)]["step_us"] == 290.0
 
 
+class _OutOfTimePlanner(_HandWrittenPlanner):
+    """As :class:`_HandWrittenPlanner`, but (2, 2, 2)'s solve finds no plan that fits in its time."""
+
+    def solve(self, time_limit):
+        from autoshard.errors import MemoryBudgetError
+
+        if self.shape == (2, 2, 2):
+            self.solves.append((self.shape, time_limit))
+            raise MemoryBudgetError("no plan within the memory budget was found in the time its solve had",
+                                    budget_bytes=10, min_feasible_bytes=5)
+        return super().solve(time_limit)
+
+
+def test_a_shape_whose_solve_finds_nothing_in_time_keeps_its_hand_written_plan(world, monkeypatch):
+    """A solve that finds no plan fitting the budget in its time leaves its shape planned by its
+    hand-written plan, which fits (the row says so), not infeasible; a faster shape still wins."""
+    world(8)
+    plan, rows = _search_scripted(monkeypatch, _OutOfTimePlanner, mesh_margin=None)
+    assert (2, 2, 2) in [shape for shape, _ in _HandWrittenPlanner.solves]
+    row = rows[(2, 2, 2)]
+    assert row["outcome"] == "planned" and row["step_us"] == 700.0
+    assert "its solve found none faster that fits: no plan within the memory budget" in row["note"]
+    assert rows[(4, 2)]["outcome"] == "chosen" and plan.summary["step_us"] == 300.0
+
+
 class _NearHandWrittenPlanner(_HandWrittenPlanner):
     hand = {**_HandWrittenPlanner.hand, (2, 4): 360.0}
 
