@@ -130,10 +130,11 @@ class PlanOptions:
     at least ``1 + mesh_margin`` times the best plan of k - 1 axes (or, bounded without a plan, a
     bound ``1 + mesh_margin`` times the least of them), or was pruned; and a shape whose plan
     (its hand-written one, where memory binds) is predicted ``1 + mesh_margin`` times the best plan
-    found is not solved. A heuristic: a refinement lays out its coarser shapes' plans and mixes
-    them, so it is rarely much faster than the best of them, and a solve gains little on its
-    shape's hand-written plan. ``None`` bounds every shape and solves every
-    one its bounds allow (the search then costs about a shape's plan per shape, on each core)."""
+    found is not solved, unless it refines the best plan's shape (it lays out that plan, which its
+    own hand-written plans do not). A heuristic: a refinement lays out its coarser shapes' plans
+    and mixes them, so it is rarely much faster than the best of them, and elsewhere a solve gains
+    little on its shape's hand-written plan. ``None`` bounds every shape and solves every one its
+    bounds allow (the search then costs about a shape's plan per shape, on each core)."""
 
     loss_fn: Callable | None = None
     """Maps the model's output to a scalar loss (default: the output's mean, or the model's own

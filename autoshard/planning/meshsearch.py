@@ -23,7 +23,8 @@ inter-node axes cost the same and are tried once. The model is traced once.
    that fits, or where memory binds its best hand-written plan), the shape competes with that
    plan's predicted step.
 2. *Solving* (:meth:`MeshSearch.solve`): shapes with a hand-written plan first, by its predicted
-   step, then by increasing bound; each solved as a plan on a given mesh is, with half the time
+   step, then by increasing bound, the refinements of the best shape taken in turn by the axis of
+   it they split (:meth:`MeshSearch.ordered`); each solved as a plan on a given mesh is, with half the time
    left while another shape is worth solving after it, else all of it; where its worker keeps its
    planner, there (shapes kept by different workers at once, a core each). A shape whose bounds'
    step floor is not below the best plan's predicted step is pruned unsolved, and, on the
@@ -38,8 +39,9 @@ inter-node axes cost the same and are tried once. The model is traced once.
 ``mesh_margin`` (a heuristic; None turns it off) leaves out what is that much slower: a shape
 whose every coarser shape is that much slower than the best of its axes is not bounded
 (:meth:`MeshSearch.coarse_slower`), and a shape whose plan is that much slower than the best
-found is not solved. Every shape goes in the table, with its bound and why it was pruned or
-skipped or what it cost. Measured figures: ``benchmarks/mesh_search.py`` and ``benchmarks/RESULTS.md``.
+found is not solved, unless it refines the best shape. Every shape goes in the table, with its
+bound and why it was pruned or skipped or what it cost. Measured figures:
+``benchmarks/mesh_search.py`` and ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -215,6 +217,35 @@ class MeshSearch:
         k = self.known.get(b.shape)
         return b.no_free, k is None, k.step_us if k is not None else b.bound_us, b.order
 
+    def best_shape(self) -> Shape | None:
+        """The shape of the least predicted step found so far (bounding or solve)."""
+        steps = {s: k.step_us for s, k in self.known.items()}
+        for shape, p in self.solved.items():
+            steps[shape] = min(steps.get(shape, float("inf")), p.summary.step_us)
+        return min(steps, key=lambda shape: (steps[shape], self.shapes.index(shape)), default=None)
+
+    def ordered(self, entries) -> list[BoundedShape]:
+        """``entries`` in :meth:`solve_order`, but the refinements of the best shape found taken in
+        turn by the axis of it they split, in the places they hold: a refinement lays out every plan
+        of the shape it refines and more (:func:`~autoshard.planning.meshshapes.next_to_bound`),
+        and those that split the same axis gain or not alike. LLaMA-8B on 512 ranks: (64, 2, 4)
+        and (64, 4, 2), which split (64, 8)'s tensor axis, are first by their hand-written plans
+        and gain nothing on (64, 8)'s; (8, 8, 8), (4, 16, 8) and (2, 32, 8), which split its data
+        axis, are 0.5% faster alone, but their hand-written plans are 20% slower, and the stall
+        rule ended the search before them."""
+        ranked = sorted(entries, key=self.solve_order)
+        best = self.best_shape()
+        split = [next((a for a, c in enumerate(coarsenings(b.shape)) if c == best), None) for b in ranked]
+        families: dict[int, list[BoundedShape]] = {}
+        for b, a in zip(ranked, split):
+            if a is not None:
+                families.setdefault(a, []).append(b)
+        turns = []  # the refinements in turn by family, each family in its own order
+        while any(families.values()):
+            turns += [f.pop(0) for f in families.values() if f]
+        # They take the places the refinements held in the ranking; the other shapes keep theirs.
+        return [turns.pop(0) if a is not None else b for b, a in zip(ranked, split)]
+
     def plan_floor(self, b: BoundedShape) -> float:
         """What every plan of ``b`` is predicted at least, by its bounds: on the additive objective
         the floor of a step with that additive and compute (:func:`step_floor`)."""
@@ -238,8 +269,12 @@ class MeshSearch:
                     f"{found_us / 1e3:.3f} ms, the best plan found")
         # Heuristic (mesh_margin): a solve starts from the shape's hand-written plan and gains
         # little on it, so one whose plan is mesh_margin slower than the best found is left as it is.
+        # Not for a refinement of the best shape: it lays out that shape's plans, which its own
+        # hand-written plans do not (LLaMA-8B on (2, 4, 8): FSDP+TP 409.7 ms, 25.2% slower than (8,
+        # 8)'s plan; solved, 323.6 ms, faster).
         margin, own = self.options.mesh_margin, self.known.get(b.shape)
-        if margin is not None and own is not None and own.step_us >= (1 + margin) * found_us:
+        refines_best = self.best_shape() in coarsenings(b.shape)
+        if margin is not None and own is not None and not refines_best and own.step_us >= (1 + margin) * found_us:
             return (f"its plan is predicted {own.step_us / 1e3:.3f} ms, {own.step_us / found_us - 1:.0%} slower than "
                     f"the best found ({found_us / 1e3:.3f} ms; mesh_margin={margin}, None solves it)")
         return None
@@ -328,8 +363,7 @@ class MeshSearch:
         # Nothing left to bound: an idle worker solves a shape it keeps among those that would be
         # solved first, at once (the best, one per worker), while the last shapes bound.
         left = self._left()
-        leading = [b for b in sorted(self.bounded, key=self.solve_order)
-                   if b.plan is None and self.unpromising(b) is None]
+        leading = [b for b in self.ordered(self.bounded) if b.plan is None and self.unpromising(b) is None]
         for b in leading[:self.pool.workers]:
             if b.shape not in self.running and self.pool.holder_idle(b.shape) \
                     and self.pool.start_solve(b.shape, max(MIN_SHAPE_SOLVE_SECONDS, left / 2), alone=False):
@@ -385,14 +419,14 @@ class MeshSearch:
         # found where the bounding did not assemble it, assembled): the others' memory goes back.
         listed = {b.shape for b in self.bounded}
         waiting = [*self.bounded, *(k.entry for s, k in self.known.items() if k.plan is None and s not in listed)]
-        self.pool.keep([b.shape for b in sorted(waiting, key=self.solve_order)])
+        self.pool.keep([b.shape for b in self.ordered(waiting)])
 
     # -- phase 2: solving -----------------------------------------------------------------
 
     def solve(self) -> None:
         """Solve the bounded shapes in :meth:`solve_order` until the time or the stall rule ends it."""
         self.stall = RunsWithoutGain(DEFAULT_STALL, max(2, self.pool.workers), known=self.best_known())
-        self.bounded.sort(key=self.solve_order)
+        self.bounded = self.ordered(self.bounded)
         self.queue = [b for b in self.bounded if b.shape not in self.running]
         while (self.queue or self.running) and not self.stall.stalled:
             self._start_solves()
@@ -515,10 +549,7 @@ class MeshSearch:
     def choose(self) -> Plan:
         """The least predicted step of every plan found (ties: the search order's first), with the
         table; the closest budget where no shape fits."""
-        steps = {shape: k.step_us for shape, k in self.known.items()}
-        for shape, p in self.solved.items():
-            steps[shape] = min(steps.get(shape, float("inf")), p.summary.step_us)
-        best = min(steps, key=lambda shape: (steps[shape], self.shapes.index(shape)), default=None)
+        best = self.best_shape()
         if best in self.known and (best not in self.solved
                                    or self.known[best].step_us < self.solved[best].summary.step_us):
             self._adopt_known(best)
