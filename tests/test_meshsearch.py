@@ -403,8 +403,8 @@ class _HandWrittenPlanner(_ScriptedPlanner):
         return "fsdp", SimpleNamespace(step_us=step, plan=plan)
 
 
-def _search_scripted(monkeypatch, planner, overlap_objective=False, **options):
-    """A search of 8 ranks by ``planner`` (a :class:`_HandWrittenPlanner`) on its own clock, in
+def _search_scripted(monkeypatch, planner, overlap_objective=False, ranks=8, time_limit=200.0, **options):
+    """A search of ``ranks`` by ``planner`` (a :class:`_HandWrittenPlanner`) on its own clock, in
     one process: the plan and its table's rows by shape."""
     from types import SimpleNamespace
 
@@ -416,8 +416,8 @@ def _search_scripted(monkeypatch, planner, overlap_objective=False, **options):
     monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
     monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
     _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 8, PlanOptions(time_limit=200.0, **options, overlap_objective=overlap_objective),
-                     planner)
+    plan = ms.search(None, (), ranks, PlanOptions(time_limit=time_limit, **options,
+                                                  overlap_objective=overlap_objective), planner)
     return plan, {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
 
 
@@ -650,19 +650,8 @@ def test_the_stall_count_starts_over_after_a_solve_that_pays(world, monkeypatch)
     """(2, 8)'s solve pays nothing (1), (4, 4)'s pays (0 again, not still 1), (8, 2)'s and
     (2, 2, 4)'s pay nothing (1, 2): four solves, where a count that only skipped paying solves would
     have stopped after three."""
-    from types import SimpleNamespace
-
-    import autoshard.planning.meshsearch as ms
-    from autoshard.options import PlanOptions
-
     world(16)
-    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
-    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
-    _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 16, PlanOptions(time_limit=1000.0, overlap_objective=False), _RestartPlanner)
-    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
+    plan, rows = _search_scripted(monkeypatch, _RestartPlanner, ranks=16, time_limit=1000.0)
     assert [shape for shape, _ in _HandWrittenPlanner.solves] == [(2, 8), (4, 4), (8, 2), (2, 2, 4)]
     assert rows[(4, 4)]["outcome"] == "chosen" and plan.summary["step_us"] == 280.0
     assert "not solved: the last 2 solves found no plan 0.1% faster" in rows[(2, 4, 2)]["note"]
@@ -689,20 +678,9 @@ def test_refinements_of_the_best_shape_are_solved_in_turn_by_the_axis_they_split
     hand-written plan is 40% slower, as it lays out (4, 8)'s plans), then (4, 4, 2); by their
     hand-written plans alone (4, 4, 2) came before (2, 2, 8), and two solves that paid nothing ended
     the search before it."""
-    from types import SimpleNamespace
-
-    import autoshard.planning.meshsearch as ms
-    from autoshard.options import PlanOptions
-
     world(32)
-    monkeypatch.setattr(ms, "bounding_workers", lambda shapes: 1)
-    monkeypatch.setattr(ms, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(sb, "time", SimpleNamespace(perf_counter=lambda: _HandWrittenPlanner.clock[0]))
-    monkeypatch.setattr(sb, "hand_written_plan", lambda name, seed: seed.plan)
-    _HandWrittenPlanner.clock[0], _HandWrittenPlanner.solves = 0.0, []
-    plan = ms.search(None, (), 32, PlanOptions(time_limit=400.0, overlap_objective=False), _FamiliesPlanner)
+    plan, rows = _search_scripted(monkeypatch, _FamiliesPlanner, ranks=32, time_limit=400.0)
     solved = [shape for shape, _ in _HandWrittenPlanner.solves]
-    rows = {tuple(r["shape"]): r for r in plan.summary["mesh_search"]}
     assert solved[:3] == [(4, 8), (4, 2, 4), (2, 2, 8)]
     assert rows[(2, 2, 8)]["outcome"] == "chosen" and plan.summary["step_us"] == 250.0
 
