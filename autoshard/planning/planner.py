@@ -849,13 +849,13 @@ class Planner:
         # them, as they differ from it only in their weights and the rows bind them alike (LLaMA-8B
         # on (2, 4, 8): 12 rounds and 9.9 s to 0.2% of a plan the exact search then proved in 1.8 s;
         # in 8 later solves the first round found nothing that fits, 0.9 s each).
-        priced = {"pays": True}
+        pricing = True
 
         def solve_weighed(weighed: solver.Problem, seconds: float, round_starts) -> solver.Solution:
+            nonlocal pricing
             got = solver.solve(weighed, time_limit=seconds, backend=opts.backend, starts=round_starts,
-                               mip_gap=ROUND_GAP, stall=ORACLE_STALL, pairwise=free_stage, lagrange=priced["pays"])
-            if "lagrange" in got.stats and not got.stats["lagrange"]["answered"]:
-                priced["pays"] = False
+                               mip_gap=ROUND_GAP, stall=ORACLE_STALL, pairwise=free_stage, lagrange=pricing)
+            pricing = pricing and ("lagrange" not in got.stats or got.stats["lagrange"]["answered"])
             return got
 
         # The solve's other answers of about its cost compete by their simulated step too: among
