@@ -38,7 +38,8 @@ def available() -> bool:
 def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], seconds: float,
                  scale: float, upper: float | None = None, rows: Sequence[KnapsackRow] = (),
                  method: str = "hbfs", progress: bool = False,
-                 restarts: int | None = None) -> tuple[list[int] | None, bool, float]:
+                 restarts: int | None = None, backtracks: int | None = None,
+                 work: dict | None = None) -> tuple[list[int] | None, bool, float]:
     """Minimize sum_i costs[i][x_i] + sum_(a,b) edges[a,b][x_a, x_b]: (choice, proved, gap).
 
     Costs are multiplied by ``scale`` and rounded (toulbar2's costs are integers);
@@ -65,6 +66,11 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     search that ends by its work, not by a clock, so the same in every run (issue
     "reproducible solves"; toulbar2's backtrack limit does not bound DGVNS). Without, DGVNS
     restarts 10000 times: in effect until its time limit or a signal.
+
+    ``backtracks`` bounds the search by its work (toulbar2's backtrack limit; ``seconds``, CPU
+    seconds, stays the guard): a search it ends is the same in every run, where one a CPU limit
+    ends is not. ``work``, a dict, is filled with what the search did: ``backtracks``, ``nodes``
+    and ``limited`` (whether a limit, of either kind, ended it).
     """
     if method not in ("hbfs", "vns"):
         raise ValueError(f"method: expected 'hbfs' or 'vns', found {method!r}")
@@ -80,12 +86,26 @@ def solve_tables(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarra
     pytoulbar2.pytb2.init()
     net = pytoulbar2.CFN(ub, resolution=0, verbose=0 if progress else -1, seed=1,
                          vns=-4 if method == "vns" else None)
+    if backtracks is not None:
+        if backtracks < 1:
+            raise ValueError(f"backtracks: expected >= 1, found {backtracks}")
+        pytoulbar2.pytb2.option.backtrackLimit = int(backtracks)
     if restarts is not None and method == "vns":
         if restarts < 1:
             raise ValueError(f"restarts: expected >= 1, found {restarts}")
         pytoulbar2.pytb2.option.restart = int(restarts)
     # DGVNS with its restarts bounded ends in branch and bound, whose bound proves as hbfs's does.
     proves = method == "hbfs" or restarts is not None
+    try:
+        return _search(net, costs, edges, scale, rows, seconds, upper, rounding, proves)
+    finally:
+        if work is not None:
+            work.update(backtracks=int(net.GetNbBacktracks()), nodes=int(net.GetNbNodes()),
+                        limited=bool(pytoulbar2.pytb2.option.limited))
+
+
+def _search(net, costs, edges, scale, rows, seconds, upper, rounding, proves) -> tuple[list[int] | None, bool, float]:
+    """:func:`solve_tables`'s search, once its network's options are set."""
     try:
         for i, c in enumerate(costs):
             net.AddVariable(f"x{i}", list(range(c.size)))

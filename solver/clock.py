@@ -11,8 +11,9 @@ guard: past ``guard`` every deadline has passed (:attr:`WorkClock.cut` says so) 
 returns its best so far.
 
 CPU seconds are work up to the machine's own jitter (a few per cent a stage), so a run whose
-stage ends on the edge of one more round may still part from another; the stages' searches
-(toulbar2's backtracks, HiGHS's nodes) are the next to count work exactly.
+stage ends on the edge of one more round may still part from another. Searches that count their
+work exactly are charged by it (:meth:`WorkClock.charge`): the weight search's toulbar2 rounds,
+bounded by backtracks and priced per backtrack (:class:`solver.core.CoreSolver`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class WallClock:
     def seconds_until(self, deadline: float) -> float:
         return deadline - time.perf_counter()
 
+    def charge(self, spent: float, work: float) -> None:
+        """Nothing: the wall clock counts what a search took."""
+
+    def mark(self, what: str) -> None:
+        """Nothing: on the wall clock every search's answer hangs on the machine."""
+
 
 #: The clock of searches given none.
 WALL = WallClock()
@@ -53,11 +60,13 @@ class WorkClock:
         self.guard = guard
         """The ``time.perf_counter()`` value past which every deadline has passed."""
         self.cut = False
-        """Whether the guard has ended a search (its work did not fit in the wall time)."""
+        """Whether a clock, not its work, ended a search (the guard, or a search's own limit)."""
+        self.cut_by: list[str] = []
+        """What ended searches by a clock (:meth:`mark`): ``guard``, or a search's name."""
 
     def __call__(self) -> float:
         if time.perf_counter() >= self.guard:
-            self.cut = True
+            self.mark("guard")
             return math.inf
         return self.origin + time.process_time() - self.cpu0
 
@@ -73,3 +82,16 @@ class WorkClock:
         """Seconds a wall-clock-limited search (HiGHS) may take to end by ``deadline``: the work
         left, and no more than the wall clock left to the guard."""
         return min(deadline - self(), self.guard - time.perf_counter())
+
+    def charge(self, spent: float, work: float) -> None:
+        """Count a search that just took ``spent`` CPU seconds as ``work`` seconds instead: its
+        work priced at fixed rates (toulbar2's backtracks, :class:`solver.core.CoreSolver`), the
+        same in every run, where the CPU seconds it took are not."""
+        self.origin += work - spent
+
+    def mark(self, what: str) -> None:
+        """Record that a clock, not its work, ended ``what`` (the guard, or a search's own limit):
+        its answer may differ between runs."""
+        self.cut = True
+        if what not in self.cut_by:
+            self.cut_by.append(what)

@@ -14,6 +14,16 @@ off without finding anything doubles the limit once, and if the doubled search f
 nothing either, the limit returns to the base until a search completes or pays again. The
 caller caps the limit (:attr:`CoreSolver.cap`).
 
+The limit is in seconds of work, not of the clock: toulbar2 gets a backtrack budget,
+``(limit - prep) / per_backtrack``, with its preprocessing ``prep`` and each backtrack priced per
+entry of the core's tables (:data:`PREP_PER_ENTRY`, :data:`BACKTRACK_PER_ENTRY`), and the search
+is charged that price (:meth:`solver.clock.WorkClock.charge`), not the CPU seconds it took. Cut
+by a CPU limit, a round's answer hung on how many backtracks the machine gave it in that time
+(IOPDDL K's first round: 8.13e8, 8.22e8 and 8.31e8 in three runs, and every later round parted
+from there); cut by its budget, it is the same in every run, and so are the limits that follow.
+The CPU limit stays as a guard (:data:`GUARD`), which a run that reaches it reports
+(:attr:`CoreSolver.cut`).
+
 Measured with a fixed 5 s: on IOPDDL A toulbar2 proves the cores in 6.5-8 s, and cut at
 5 s the rounds fell back to a descent's answer, twice the cost. On T, toulbar2 cut the
 descent's cost by 24-26% in the first two rounds, and rounds whose search was doubled fitted
@@ -28,20 +38,41 @@ import time
 import numpy as np
 
 from solver import cfn
+from solver.clock import WALL, WallClock, WorkClock
 from solver.descent import Network, descend
 from solver.problem import FORBIDDEN, Problem
 
 #: A search cut off after lowering the descent's cost by at least this share gets twice the time.
 PAYING = 0.1
 
+#: toulbar2's preprocessing (before its first node), CPU seconds per table entry of the core:
+#: measured 0.62-0.73 us on IOPDDL K's core (1.6M entries) and 0.56-0.83 us on A's (5.0M), over
+#: their rounds' weights.
+PREP_PER_ENTRY = 0.75e-6
+
+#: One backtrack of toulbar2's search, CPU seconds per table entry: measured 0.45-1.4 ns over
+#: K's rounds, 2.2 ns on A's. Work priced at a fixed rate is the same in every run; how far it is
+#: from the seconds it takes on a machine moves only where the stage's time goes.
+BACKTRACK_PER_ENTRY = 1.0e-9
+
+#: The CPU limit a search gets as a guard, as a multiple of its priced work (the rates above are
+#: a third to two and a half times a search's own).
+GUARD = 3.0
+
 
 class CoreSolver:
     """``__call__(costs, edges)``: a choice per core node (the ``core_solver`` of
     :meth:`solver.eliminate.Eliminator.solve`), warm-started from the previous call."""
 
-    def __init__(self, seconds: float, scale: float):
+    def __init__(self, seconds: float, scale: float, clock: WorkClock | WallClock = WALL):
         self.seconds = seconds
-        """toulbar2's time limit for the next call, adapted after each (:meth:`adapt`)."""
+        """toulbar2's limit for the next call in seconds of work (see the module doc), adapted after
+        each (:meth:`adapt`)."""
+        self.clock = clock
+        """What the searches are charged to (their priced work, not their CPU seconds)."""
+        self.cut = False
+        """Whether a search's CPU guard ended it before its backtrack budget (its answer then hung
+        on the machine's speed)."""
         self.base = seconds
         self.doubled = False
         self.cap = np.inf
@@ -68,23 +99,32 @@ class CoreSolver:
         start = min(starts, key=lambda c: net.cost(np.asarray(c)))
         upper = net.cost(np.asarray(start))
         limit = max(1.0, min(self.seconds, self.cap))
-        # toulbar2's limit counts this process's CPU seconds: so does the time its search took
-        # (a search a busy machine slowed would look cut off on the wall clock, and double the next).
-        t0 = time.process_time()
-        picked, _, self.gap = cfn.solve_tables(costs, edges, limit, self.scale,
-                                               upper if upper < FORBIDDEN else None)
+        entries = sum(c.size for c in costs) + sum(m.size for m in edges.values())
+        prep, per_backtrack = PREP_PER_ENTRY * entries, BACKTRACK_PER_ENTRY * max(entries, 1)
+        budget = max(1, int((limit - prep) / per_backtrack))
+        guard = max(2.0, GUARD * limit, limit + GUARD * prep)
+        t0, work = time.process_time(), {}
+        picked, _, self.gap = cfn.solve_tables(costs, edges, min(guard, max(1.0, self.clock.cpu_until_guard())),
+                                               self.scale, upper if upper < FORBIDDEN else None,
+                                               backtracks=budget, work=work)
+        used = min(work["backtracks"], budget)
+        # Ended by itself (proved), by its budget, or (``cut``) by the CPU guard short of it.
+        ended = not work["limited"]
+        self.cut = self.cut or (work["limited"] and work["backtracks"] < budget)
+        took = prep + used * per_backtrack
+        self.clock.charge(time.process_time() - t0, took)
         gain = 0.0 if picked is None else (upper - net.cost(np.asarray(picked))) / max(abs(upper), 1e-12)
         # toulbar2 may hand the start's cost back (proved optimal): found means found cheaper.
         self.found = picked is not None and (upper >= FORBIDDEN or gain > 0)
-        self.adapt(limit, time.process_time() - t0, self.found, gain)
+        self.adapt(limit, took, ended, self.found, gain)
         self.previous = list(picked if picked is not None else start)
         return self.previous
 
-    def adapt(self, limit: float, took: float, found: bool, gain: float = 0.0) -> None:
-        """The next limit from this search's (see the module doc): ``gain`` is how much of the
-        descent's cost the search's answer saved. toulbar2 counts whole CPU seconds, so a search
-        "ended early" when it took a second less than its limit."""
-        if took < int(limit) - 1.0:
+    def adapt(self, limit: float, took: float, ended: bool, found: bool, gain: float = 0.0) -> None:
+        """The next limit from this search's (see the module doc): it took ``took`` seconds of work
+        and ``ended`` by itself (else by its limit); ``gain`` is how much of the descent's cost the
+        search's answer saved."""
+        if ended:
             self.seconds, self.doubled = max(self.base, 2.0 * took), False
         elif found:
             self.seconds = 2.0 * limit if gain >= PAYING else max(self.base, 0.5 * (limit + self.base))

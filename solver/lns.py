@@ -181,9 +181,10 @@ def _trading_seeds(problem, adj, choice, live: np.ndarray, rng, count: int = 6) 
 
 
 def solve_window(sub: Problem, start: np.ndarray, seconds: float,
-                 model: highs_model.ArrayModel | None = None) -> np.ndarray | None:
+                 model: highs_model.ArrayModel | None = None, report: dict | None = None) -> np.ndarray | None:
     """HiGHS on ``sub`` (its MILP ``model``, built here when not given) for ``seconds`` from
-    ``start``: its answer, or None when it found none."""
+    ``start``: its answer, or None when it found none. ``report``, a dict, gets ``cut``: whether
+    the time limit ended HiGHS (its answer then hangs on the machine's speed)."""
     import highspy
 
     model = model if model is not None else highs_model.build(sub)
@@ -195,6 +196,8 @@ def solve_window(sub: Problem, start: np.ndarray, seconds: float,
     sol.value_valid = True
     h.setSolution(sol)
     h.run()
+    if report is not None:
+        report["cut"] = h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
     if h.getInfo().primal_solution_status < 2:
         return None
     return highs_model.extract(model, np.asarray(h.getSolution().col_value), sub.num_nodes)
@@ -218,6 +221,8 @@ class WindowSearch:
             for v in g.tolist():
                 self.group_of.setdefault(v, []).append(i)
         self.windows = self.improved = 0
+        self.cut = 0
+        """Windows whose HiGHS its time limit ended (their answers hang on the machine's speed)."""
         self.restart(choice)
 
     def restart(self, choice: np.ndarray) -> None:
@@ -249,10 +254,12 @@ class WindowSearch:
         seconds = min(self.window_seconds, clock.seconds_until(deadline) - 0.2)
         if seconds < 0.2:
             return False
+        report: dict = {}
         try:
-            found = solve_window(sub, start, seconds)
+            found = solve_window(sub, start, seconds, report=report)
         except ProvedInfeasible:  # the window's fixed surroundings leave it no feasible choice
             return False
+        self.cut += report.get("cut", False)
         if found is None:
             return False
         after = evaluate(sub, found)

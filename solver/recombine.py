@@ -57,10 +57,12 @@ def merge_problem(problem: Problem, adj: local.Adjacency, mem: local.Memory, bas
 
 
 def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline: float,
-          adj: local.Adjacency | None = None, clock: WorkClock | WallClock = WALL) -> np.ndarray | None:
+          adj: local.Adjacency | None = None, clock: WorkClock | WallClock = WALL,
+          report: dict | None = None) -> np.ndarray | None:
     """The merge's answer (see the module doc) found by HiGHS before ``deadline`` (on ``clock``,
     else the wall clock), started from ``base`` (feasible): a cheaper feasible answer, or None
-    (nothing cheaper, no time, or a model over :data:`MAX_NONZEROS`)."""
+    (nothing cheaper, no time, or a model over :data:`MAX_NONZEROS`). ``report`` (a dict) gets
+    ``cut`` where ``deadline`` ended HiGHS (:func:`solver.lns.solve_window`)."""
     base = np.asarray(base, dtype=np.int64)
     others = [np.asarray(o, dtype=np.int64) for o in others if not np.array_equal(o, base)]
     before = evaluate(problem, base)
@@ -78,7 +80,7 @@ def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline
     if seconds < 0.5:
         return None
     start = np.concatenate([base[free], np.zeros(sub.num_nodes - free.size, dtype=np.int64)])
-    found = lns.solve_window(sub, start, seconds, model)
+    found = lns.solve_window(sub, start, seconds, model, report)
     if found is None:
         return None
     trial = base.copy()

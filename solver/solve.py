@@ -823,7 +823,7 @@ def _milp_or_weights(run: _Run) -> Solution:
         run.stats["milp_skipped"] = str(exc)
         lower, cut = _weights_and_windows(run.problem, inc, run.t0, run.time_limit, run.bound, run.sched)
         if cut:
-            run.stats["clock_cut"] = ["weights"]
+            run.stats["clock_cut"] = [f"weights ({', '.join(cut)})"]
     except ProvedInfeasible as exc:
         log.info(f"milp: {exc}")
         return run.finish(status, lower)
@@ -832,20 +832,30 @@ def _milp_or_weights(run: _Run) -> Solution:
     return run.finish(status, lower)
 
 
+#: Windows per epoch of the windows stage, in this process and in each window child, and per
+#: answer the weight search hands a child: a child's work counted in windows (about ten seconds
+#: of them on IOPDDL K), so that what it hands back is the same in every run.
+EPOCH_WINDOWS = 30
+
+
 def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
     """Models too large for the MILP: the per-node weight search, windowed MILPs (:mod:`solver.lns`)
-    and a last polish improve ``inc``; returns (the best lower bound known, whether the wall clock
-    cut them short).
+    and a last polish improve ``inc``; returns (the best lower bound known, what a clock cut short:
+    ``guard`` and the names of searches their own time limits ended; empty where every search ended
+    by its work).
 
-    Their shares of the time limit are counted in this process's CPU seconds
-    (:class:`solver.clock.WorkClock`), from when they begin, so a busy machine does not change
-    where they go; the wall clock at ``sched.polish`` of the limit is the guard.
+    The weight search's shares of the time limit are counted in this process's CPU seconds with
+    its toulbar2 rounds at their priced work (:class:`solver.clock.WorkClock`), from when it
+    begins, so a busy machine does not change where it goes; the windows stage that follows
+    counts CPU seconds from the wall clock's time then, so whatever the prices made of the weight
+    search's wall time, the windows take up the rest of their share. The wall clock at
+    ``sched.polish`` of the limit is the guard.
 
-    With more than one core, windows run the whole time in child processes
-    (:mod:`solver.lns_child`, one per core beside this one, each with its own random windows), on every
-    cheaper answer the weight search finds; once the weight search ends (its share of the
-    time, or stalled) this process runs windows too, each side taking up the cheapest answer
-    between windows. On one core the two run one after the other.
+    With more than one core, windows run in child processes (:mod:`solver.lns_child`, one per core
+    beside this one, each with its own random windows) from the weight search's first answer on:
+    each answer it finds is a task of ``EPOCH_WINDOWS`` windows for each child. Once the weight
+    search ends (its share of the time, or stalled) the windows stage runs in epochs
+    (:func:`_windows`). On one core the two run one after the other.
     """
     end = sched.deadline("windows", t0, time_limit)
     clock = WorkClock(guard=sched.deadline("polish", t0, time_limit))
@@ -859,11 +869,11 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
             # (IOPDDL L after D). This process's stages count CPU seconds: a busy machine
             # stretches their wall time instead.
             spare = min(cores() - 1, MAX_LNS_CHILDREN)
-            children.extend(LnsChild(problem, choice, clock.seconds_until(end), seed=1 + i) for i in range(spare))
+            children.extend(LnsChild(problem, choice, clock.seconds_until(math.inf), seed=1 + i) for i in range(spare))
             if children:
                 log.info(f"lns runs beside the weight search in {len(children)} child process(es) ({cores()} cores)")
         for child in children:
-            child.offer(choice, cost)
+            child.task(choice, cost, EPOCH_WINDOWS)
 
     try:
         if inc.feasible:
@@ -876,11 +886,13 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
                 lower = bound
             inc.offer(found, "weights")
         if inc.feasible:
+            weighed, clock = clock, WorkClock(guard=clock.guard)
+            clock.cut_by.extend(weighed.cut_by)
             _windows(problem, inc, children, end, clock)
     finally:
         for child in children:
             child.close()
-    cut = clock.cut
+    cut = list(clock.cut_by)
     # The polish's own guard is the time limit's end, less the evaluations after it.
     clock = WorkClock(guard=sched.deadline("polish", t0, time_limit) + 0.02 * time_limit, origin=clock())
     more, until = inc.choice, sched.deadline("polish", t0, time_limit)
@@ -892,37 +904,55 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
             break
     if not np.array_equal(more, inc.choice):
         inc.offer(more, "polish")
-    return lower, cut or clock.cut
+    return lower, cut + [c for c in clock.cut_by if c not in cut]
 
 
 def _windows(problem, inc, children, deadline, clock):
-    """Windowed MILPs here until ``deadline`` on ``clock``, trading answers with the ``children``
-    between windows."""
+    """Windowed MILPs until ``deadline`` on ``clock``, in epochs: each epoch, this process and each
+    of the ``children`` run ``EPOCH_WINDOWS`` windows from the best answer known (a child from its
+    own where that is cheaper), then the cheapest of their answers (this process's first, then
+    the children's in order, on equal costs) is the next epoch's start. An epoch waits for the
+    children's windows: the windows run and the answers taken are the same in every run, up to
+    the epoch the deadline ends (where a slower child held an answer "so far", each run took
+    another). Marks the clock (:meth:`~solver.clock.WorkClock.mark`) where the guard ended a wait or
+    a window's time limit ended its HiGHS."""
     t0 = time.perf_counter()
     search = lns.WindowSearch(problem, inc.choice)
+    results: list = [None] * len(children)
 
     def said():
         log.info(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
-            f"({time.perf_counter() - t0:.1f}s)")
+                 f"({time.perf_counter() - t0:.1f}s)")
 
-    def theirs():
-        answers = [a for a in (child.best() for child in children) if a is not None]
-        return min(answers, key=lambda a: a[1]) if answers else None
-
-    while clock.seconds_until(deadline) > 0.5:
-        best = theirs()
-        if best is not None and best[1] < search.cost:
+    epoch = 0.0
+    while clock.seconds_until(deadline) > max(0.5, epoch):
+        began = clock()
+        tasks = [child.task(search.current, search.cost, EPOCH_WINDOWS) for child in children]
+        for _ in range(EPOCH_WINDOWS):
+            # A window's full time, not what is left to the deadline: one cut short would part runs.
+            search.step(math.inf, clock)
+        best, waited_out = (search.current, search.cost), False
+        for i, (child, task) in enumerate(zip(children, tasks)):
+            results[i] = child.result(task, timeout=max(0.0, clock.seconds_until(math.inf)))
+            if results[i] is None:  # the guard came first
+                clock.mark("guard")
+                waited_out = True
+            elif results[i][1] < best[1]:
+                best = results[i][:2]
+        if waited_out:
+            break
+        if best[1] < search.cost:
             search.restart(best[0])
-        if search.step(deadline, clock):
-            for child in children:
-                child.offer(search.current, search.cost)
-            if search.improved % 10 == 1:
-                said()
+        epoch = clock() - began
+        said()
     said()
+    # A child whose epoch never came (the stage had no time for one) hands back its last task's.
+    results = [got if got is not None else child.best() for got, child in zip(results, children)]
+    if search.cut or any(r is not None and r[2].get("cut") for r in results):
+        clock.mark("windows")
     inc.offer(search.current, "lns")
-    for i, child in enumerate(children):
-        best = child.best()
-        if best is not None:
-            log.info(f"lns (child {i}): {best[2]['windows']} windows, {best[2]['improved']} improved, "
-                f"{best[2]['restarts']} restarts, cost {best[1]:.6g}")
-            inc.offer(best[0], "lns")
+    for i, got in enumerate(results):
+        if got is not None:
+            log.info(f"lns (child {i}): {got[2]['windows']} windows, {got[2]['improved']} improved, "
+                     f"{got[2]['restarts']} restarts, cost {got[1]:.6g}")
+            inc.offer(got[0], "lns")

@@ -43,6 +43,7 @@ on the whole graph); here one chain of rounds runs on exact elimination's core.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -77,8 +78,14 @@ FREE_ROUND_SHARE = 0.5
 STALL_ROUNDS = 5
 STALL_SHARE = 1 / 2
 
-#: Share of the remaining time one merge (:func:`solver.recombine.merge`) may take at most.
+#: Share of the remaining time one merge (:func:`solver.recombine.merge`) is planned to take.
 MERGE_SHARE = 0.25
+
+#: What a merge may take, as a multiple of its planned share, before HiGHS is cut: a merge cut by
+#: its time hangs on the machine's speed (IOPDDL K: 2.30069e9 and 2.30065e9 from the same three
+#: answers in two runs, and the rounds after it parted), one that ends by itself does not. K's
+#: merges cut at their share were proved optimal in 14 s against their 3.5-6.3 s share.
+MERGE_GUARD = 3.0
 
 
 class Brackets:
@@ -107,6 +114,14 @@ class Brackets:
         mid = np.where(self.lo > 0, mid, np.where(known, self.hi / 4, 0.0))
         self.w = np.where(self.active, np.where(known, mid, GROWTH * self.lo), 0.0)
         return self.w
+
+
+def _coarse(seconds: float) -> float:
+    """``seconds`` (>= 1) rounded down to a power of two. A cap read off the clock moves with the
+    CPU seconds of the rounds before it (descents, repairs, merges: 107.5 s against 111.0 s by
+    IOPDDL K's eighth round in two runs), and toulbar2's backtrack budget follows the cap:
+    rounded, the budget is the same in both unless the cap lies near a power of two."""
+    return 2.0 ** math.floor(math.log2(seconds))
 
 
 def _interval_max(mem, values: np.ndarray) -> np.ndarray:
@@ -195,7 +210,7 @@ class _WeightSearch:
             ev = evaluate(problem, start)
             if ev.feasible:
                 self.best, self.upper = start.copy(), ev.cost
-        self.core = CoreSolver(core_seconds, cost_scale(problem, np.inf))
+        self.core = CoreSolver(core_seconds, cost_scale(problem, np.inf), clock=now)
         log.info(f"weights: {n} nodes -> core of {self.elim.core.size} nodes, {len(self.elim.core_edges)} edges "
                  f"after elimination; {int(self.active.sum())} nodes can overflow the limit")
         self.brackets, self.lower = None, None
@@ -208,6 +223,8 @@ class _WeightSearch:
         """The last round merged."""
         self.adj = local.Adjacency(problem)
         self.rounds = 0
+        self.cut = False
+        """Whether a merge's HiGHS ran to its time limit."""
         self.own, self.last_gain, self.gain_round = np.inf, 0.0, 0
         """The search's own answers (the start aside): the best, when and in which round it came."""
 
@@ -232,7 +249,7 @@ class _WeightSearch:
                 break
             # toulbar2's limit adapts round to round (CoreSolver.adapt), up to a fifth of what is left.
             share = ROUND_SHARE if self.brackets is not None else FREE_ROUND_SHARE
-            core.cap = max(1.0, min(deadline - now - 1.0, share * (deadline - now), self.now.cpu_until_guard() - 1.0))
+            core.cap = _coarse(max(1.0, min(deadline - now - 1.0, share * (deadline - now))))
             choice = self.elim.solve(_weighted(problem, self.w, self.low), core)
             self.rounds += 1
             if self.brackets is None and not core.found and not retried:
@@ -265,6 +282,10 @@ class _WeightSearch:
                      f"{'-' if merged is None else f'{merged:.6g}'}, best {self.upper:.6g} "
                      f"({self.now() - self.t_begin:.1f}s)")
             last = self.now() - now
+        if core.cut:
+            self.now.mark("toulbar2")
+        if self.cut:
+            self.now.mark("merge")
         return self.best, self.lower
 
     def _repair(self, choice, raw, broken) -> float | None:
@@ -307,8 +328,12 @@ class _WeightSearch:
         # costs less than the best.
         self.merged_with.add(key)
         now = self.now()
-        until = min(deadline, now + max(5.0, MERGE_SHARE * (deadline - now)))
-        found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj, clock=self.now)
+        # Past the stage's deadline if need be: the merge's work, not the clock, should end it.
+        until = now + MERGE_GUARD * max(5.0, MERGE_SHARE * (deadline - now))
+        report: dict = {}
+        found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj, clock=self.now,
+                                report=report)
+        self.cut = self.cut or report.get("cut", False)
         self.partner = [choice]
         if found is None:
             self.no_gain_at = raw.peak_usage

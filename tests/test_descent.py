@@ -82,25 +82,25 @@ def test_core_time_limit_adapts_to_the_last_search():
     from solver.core import CoreSolver
 
     core = CoreSolver(5.0, 1.0)
-    core.adapt(limit=5.0, took=5.2, found=False)  # cut off with nothing: doubled once
+    core.adapt(limit=5.0, took=5.0, ended=False, found=False)  # cut off with nothing: doubled once
     assert core.seconds == 10.0
-    core.adapt(limit=10.0, took=7.5, found=True)  # ended early: twice its time
+    core.adapt(limit=10.0, took=7.5, ended=True, found=True)  # ended early: twice its time
     assert core.seconds == 15.0
-    core.adapt(limit=15.0, took=1.0, found=False)  # ended early, nothing better exists: the base
+    core.adapt(limit=15.0, took=1.0, ended=True, found=False)  # ended early, nothing better exists: the base
     assert core.seconds == 5.0
-    core.adapt(limit=5.0, took=5.1, found=True, gain=0.25)  # cut off, paying well: doubled
+    core.adapt(limit=5.0, took=5.0, ended=False, found=True, gain=0.25)  # cut off, paying well: doubled
     assert core.seconds == 10.0
-    core.adapt(limit=10.0, took=10.2, found=True, gain=0.05)  # cut off, paying little: halfway back
+    core.adapt(limit=10.0, took=10.0, ended=False, found=True, gain=0.05)  # cut off, paying little: halfway back
     assert core.seconds == 7.5
-    core.adapt(limit=7.5, took=2.0, found=True)
+    core.adapt(limit=7.5, took=2.0, ended=True, found=True)
     assert core.seconds == 5.0
-    core.adapt(limit=5.0, took=5.2, found=False)  # cut off with nothing: doubled ...
-    core.adapt(limit=10.0, took=10.3, found=False)  # ... and cut off again: back to the base
+    core.adapt(limit=5.0, took=5.0, ended=False, found=False)  # cut off with nothing: doubled ...
+    core.adapt(limit=10.0, took=10.0, ended=False, found=False)  # ... and cut off again: back to the base
     assert core.seconds == 5.0
-    core.adapt(limit=5.0, took=5.2, found=False)  # no more doubling until a search completes
+    core.adapt(limit=5.0, took=5.0, ended=False, found=False)  # no more doubling until a search completes
     assert core.seconds == 5.0
-    core.adapt(limit=5.0, took=2.0, found=True)
-    core.adapt(limit=5.0, took=5.2, found=False)
+    core.adapt(limit=5.0, took=2.0, ended=True, found=True)
+    core.adapt(limit=5.0, took=5.0, ended=False, found=False)
     assert core.seconds == 10.0
 
 
@@ -117,3 +117,75 @@ def test_core_solver_answers_within_its_cap_and_never_worse_than_a_descent():
     picked = core(costs, edges)
     assert time.perf_counter() - t0 < 8.0
     assert table_cost(costs, edges, picked) <= table_cost(costs, edges, descend(costs, edges, None, pairs=True))
+
+
+def _hard_network(seed=0, n=60, d=6):
+    """A network toulbar2 proves in about a thousand backtracks."""
+    rng = np.random.default_rng(seed)
+    costs = [rng.integers(0, 100, d).astype(float) for _ in range(n)]
+    edges = {}
+    for a in range(n):
+        for b in rng.choice(n, 4, replace=False).tolist():
+            if a < b:
+                edges[(a, b)] = rng.integers(0, 100, (d, d)).astype(float)
+    return costs, edges
+
+
+def test_toulbar2_ends_by_its_backtrack_budget_and_says_what_it_did():
+    from solver import cfn
+
+    costs, edges = _hard_network()
+    answers = []
+    for _ in range(2):
+        work = {}
+        picked, proved, _ = cfn.solve_tables(costs, edges, 30, 1.0, backtracks=50, work=work)
+        assert work["limited"] and not proved and 50 <= work["backtracks"] <= 51
+        answers.append(picked)
+    assert answers[0] == answers[1]  # ended by its work: the same answer every time
+    work = {}
+    cfn.solve_tables(costs, edges, 30, 1.0, work=work)
+    assert not work["limited"] and work["backtracks"] > 51  # the same search unbounded proves, later
+    with pytest.raises(ValueError, match="backtracks: expected >= 1, found 0"):
+        cfn.solve_tables(costs, edges, 30, 1.0, backtracks=0)
+
+
+class _Ledger:
+    """A work clock that records what it is charged."""
+
+    cut = False
+
+    def __init__(self):
+        self.charges = []
+
+    def cpu_until_guard(self):
+        return np.inf
+
+    def charge(self, spent, work):
+        self.charges.append(work)
+
+
+def test_core_searches_are_bounded_and_charged_by_their_work_not_the_clock(monkeypatch):
+    from solver import core as core_module
+    from solver.core import CoreSolver
+
+    # Priced high enough that the one-second floor of a limit buys 20 backtracks: every search ends by its budget.
+    entries_price = 1e-5
+    monkeypatch.setattr(core_module, "BACKTRACK_PER_ENTRY", entries_price)
+    costs, edges = _hard_network()
+    entries = sum(c.size for c in costs) + sum(m.size for m in edges.values())
+    per_backtrack = entries_price * entries
+    runs = []
+    for _ in range(2):
+        clock = _Ledger()
+        core = CoreSolver(1.0, 1.0, clock=clock)
+        picked, limits = [], []
+        for k in range(3):  # costs moved between calls, as the weight rounds move them
+            shifted = [c + k * (np.arange(c.size) % 2) for c in costs]
+            picked.append(core(shifted, edges))
+            limits.append(core.seconds)
+        assert not core.cut
+        runs.append((picked, limits, clock.charges))
+    assert runs[0] == runs[1]
+    first_limit = 1.0
+    # Cut by its budget: charged the budget's price, within one backtrack of the limit.
+    assert abs(runs[0][2][0] - first_limit) <= per_backtrack

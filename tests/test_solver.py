@@ -239,7 +239,7 @@ def test_the_weight_path_cut_by_the_wall_clock_returns_its_best_and_says_so(monk
     p = random_problem(np.random.default_rng(11), n=30, kmax=4, density=0.3)
     sol = solve(p, time_limit=5, max_nonzeros=10, pairwise=False, exact=False)
     assert evaluate(p, sol.choice).feasible and sol.source == "heuristic"  # the start: nothing ran after it
-    assert sol.stats["cut_by_clock"] == ["weights"]
+    assert sol.stats["cut_by_clock"] == ["weights (guard)"]
 
 
 def test_the_work_clock_counts_this_process_cpu_seconds_and_stops_at_its_guard():
@@ -258,7 +258,28 @@ def test_the_work_clock_counts_this_process_cpu_seconds_and_stops_at_its_guard()
     assert b - a < 0.1 and c - b > 0.1 and not clock.cut
     assert clock.seconds_until(c + 100) <= 60
     late = WorkClock(guard=time.perf_counter() - 1)
-    assert late() == float("inf") and late.cut and late.seconds_until(1e9) < 0
+    assert late() == float("inf") and late.cut and late.cut_by == ["guard"] and late.seconds_until(1e9) < 0
+
+
+def test_the_work_clock_counts_a_priced_search_at_its_price():
+    """A search bounded by its work is charged its price, not the CPU seconds it took, so the clock
+    reads the same after it in every run; what a search's own clock ended is named."""
+    import time
+
+    from solver.clock import WorkClock
+
+    clock = WorkClock(guard=time.perf_counter() + 60)
+    a = clock()
+    t0 = time.process_time()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        pass
+    clock.charge(time.process_time() - t0, 2.0)
+    assert clock() - a == pytest.approx(2.0, abs=0.05)
+    assert not clock.cut
+    clock.mark("merge")
+    clock.mark("merge")
+    assert clock.cut and clock.cut_by == ["merge"]
 
 
 def test_a_search_ended_by_the_wall_clock_is_said_and_one_ended_by_its_work_is_not():
@@ -500,11 +521,9 @@ def test_lns_never_worse_and_reaches_the_optimum_on_small_problems(seed):
     assert ev.cost == pytest.approx(best)  # the window (budget) covers the whole problem
 
 
-def test_lns_child_takes_up_cheaper_offers_and_improves():
-    """The child process moves to an offered answer only when it is cheaper than its own, and
-    never publishes a worse or infeasible one."""
-    import time
-
+def test_lns_child_works_by_tasks_counted_in_windows():
+    """The child moves to a task's answer only where it is cheaper than its own, runs the task's
+    windows, and hands back the same results when the same tasks are given again."""
     from solver.lns_child import LnsChild
 
     rng = np.random.default_rng(402)
@@ -515,21 +534,24 @@ def test_lns_child_takes_up_cheaper_offers_and_improves():
     assert optimum.status == "optimal"
     if evaluate(p, start).cost <= optimum.cost:
         pytest.skip("the start is already optimal")
-    child = LnsChild(p, start, seconds=30)
-    try:
-        child.offer(start, evaluate(p, start).cost)  # no cheaper: ignored
-        child.offer(optimum.choice, optimum.cost)
-        deadline = time.perf_counter() + 25
-        while time.perf_counter() < deadline:
-            best = child.best()
-            if best is not None and best[2]["restarts"] >= 1:
-                break
-            time.sleep(0.1)
-        choice, cost, counters = child.best()
-        assert counters["restarts"] == 1
+    runs = []
+    for _ in range(2):
+        child = LnsChild(p, start, seconds=60)
+        try:
+            first = child.task(start, evaluate(p, start).cost, 0)  # no cheaper, no windows: the start back
+            second = child.task(optimum.choice, optimum.cost, 3)
+            with pytest.raises(ValueError, match="task: expected one of 1..2, found 3"):
+                child.result(3, timeout=1)
+            got = [child.result(k, timeout=30) for k in (first, second)]
+        finally:
+            child.close()
+        assert got[0][2]["windows"] == 0 and got[0][2]["restarts"] == 0
+        assert got[0][1] == pytest.approx(evaluate(p, start).cost)
+        choice, cost, counters = got[1]
+        assert counters == {"windows": 3, "improved": 0, "restarts": 1, "task": 2, "cut": 0}
         assert cost == pytest.approx(optimum.cost) and evaluate(p, choice).feasible
-    finally:
-        child.close()
+        runs.append([(r[0].tolist(), r[1]) for r in got])
+    assert runs[0] == runs[1]
 
 
 def test_weight_path_with_windows_in_a_child(monkeypatch, caplog):
