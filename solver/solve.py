@@ -925,8 +925,10 @@ def _windows(problem, inc, children, deadline, clock):
                  f"({time.perf_counter() - t0:.1f}s)")
 
     epoch = 0.0
-    while clock.seconds_until(deadline) > max(0.5, epoch):
-        began = clock()
+    # ``deadline`` on both clocks: an epoch waits for its children, which this process's CPU
+    # seconds do not count, and one that ran on past the guard would leave the polish no time.
+    while min(clock.seconds_until(deadline), deadline - time.perf_counter()) > max(0.5, epoch):
+        began, began_wall = clock(), time.perf_counter()
         tasks = [child.task(search.current, search.cost, EPOCH_WINDOWS) for child in children]
         for _ in range(EPOCH_WINDOWS):
             # A window's full time, not what is left to the deadline: one cut short would part runs.
@@ -943,7 +945,7 @@ def _windows(problem, inc, children, deadline, clock):
             break
         if best[1] < search.cost:
             search.restart(best[0])
-        epoch = clock() - began
+        epoch = max(clock() - began, time.perf_counter() - began_wall)
         said()
     said()
     # A child whose epoch never came (the stage had no time for one) hands back its last task's.
