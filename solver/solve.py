@@ -879,9 +879,12 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
         if inc.feasible:
             share(inc.choice, inc.cost)
         if problem.usage_limit is not None and cfn.available() and not problem.ties:
+            # Its share counted from its own start, as if the stages before it had taken all of
+            # theirs: how long they took hangs on the machine (IOPDDL K's start: 2.9 s in one run,
+            # 5.1 s in another), and the weight search's rounds would follow it.
+            share_of_weights = (sched.weights - sched.start_polish) * time_limit
             found, bound = weights.weight_search(problem, inc.choice if inc.feasible else None,
-                                                 deadline=sched.deadline("weights", t0, time_limit),
-                                                 on_best=share, clock=clock)
+                                                 deadline=clock() + share_of_weights, on_best=share, clock=clock)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
             inc.offer(found, "weights")
@@ -924,7 +927,7 @@ def _windows(problem, inc, children, deadline, clock):
         log.info(f"lns: {search.windows} windows, {search.improved} improved, cost {search.cost:.6g} "
                  f"({time.perf_counter() - t0:.1f}s)")
 
-    epoch = 0.0
+    epoch, epochs = 0.0, 0
     # ``deadline`` on both clocks: an epoch waits for its children, which this process's CPU
     # seconds do not count, and one that ran on past the guard would leave the polish no time.
     while min(clock.seconds_until(deadline), deadline - time.perf_counter()) > max(0.5, epoch):
@@ -945,7 +948,10 @@ def _windows(problem, inc, children, deadline, clock):
             break
         if best[1] < search.cost:
             search.restart(best[0])
-        epoch = max(clock() - began, time.perf_counter() - began_wall)
+        # The first epoch waits for the children's last tasks from the weight search too: no
+        # measure of the next.
+        epochs += 1
+        epoch = clock() - began if epochs == 1 else max(clock() - began, time.perf_counter() - began_wall)
         said()
     said()
     # A child whose epoch never came (the stage had no time for one) hands back its last task's.

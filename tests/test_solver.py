@@ -571,6 +571,57 @@ def test_weight_path_with_windows_in_a_child(monkeypatch, caplog):
     assert sol.cost == pytest.approx(brute_force(p))
 
 
+class _ScriptedChild:
+    """A window child that answers every task with one given answer (None: never in time)."""
+
+    def __init__(self, answer):
+        self.answer, self.tasks = answer, []
+
+    def task(self, choice, cost, windows):
+        self.tasks.append((np.asarray(choice).tolist(), cost, windows))
+        return len(self.tasks)
+
+    def result(self, task, timeout):
+        return self.answer
+
+    def best(self):
+        return self.answer
+
+
+def test_the_windows_stage_takes_its_childrens_answers_at_the_end_of_each_epoch():
+    """Each epoch gives every child a task of EPOCH_WINDOWS windows from the best answer known and
+    takes the cheapest answer back when they are done; a child the guard ends is said."""
+    import importlib
+    import time
+
+    from solver.clock import WorkClock
+
+    solve_module = importlib.import_module("solver.solve")
+    rng = np.random.default_rng(402)
+    p = random_problem(rng, n=8, kmax=3, density=0.3, limit=True)
+    start = np.array([int(np.argmin(u)) for u in p.node_usages])
+    p.usage_limit = float(max(p.usage_limit, evaluate(p, start).peak_usage))
+    optimum = solve(p, time_limit=10, pairwise=False, exact=False)
+    if evaluate(p, start).cost <= optimum.cost:
+        pytest.skip("the start is already optimal")
+    inc = solve_module._Incumbent(p)
+    inc.offer(start, "start")
+    counters = {"windows": 1, "improved": 0, "restarts": 0}
+    dearer = _ScriptedChild((start, evaluate(p, start).cost, counters))
+    cheapest = _ScriptedChild((optimum.choice, optimum.cost, counters))
+    clock = WorkClock(guard=time.perf_counter() + 30)
+    solve_module._windows(p, inc, [dearer, cheapest], time.perf_counter() + 0.8, clock)
+    assert inc.cost == pytest.approx(optimum.cost)
+    assert len(dearer.tasks) == len(cheapest.tasks) >= 1
+    assert all(windows == solve_module.EPOCH_WINDOWS for _, _, windows in dearer.tasks)
+    assert dearer.tasks[0][0] == start.tolist()  # the first epoch starts from the incumbent
+    assert not clock.cut
+    late = _ScriptedChild(None)
+    clock = WorkClock(guard=time.perf_counter() + 30)
+    solve_module._windows(p, inc, [late], time.perf_counter() + 0.8, clock)
+    assert len(late.tasks) == 1 and clock.cut_by == ["guard"]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_lns_keeps_ties(seed):
     """Windows take whole tie groups, so repeated layers move together and answers stay tied."""
