@@ -884,7 +884,7 @@ def _weights_and_windows(problem, inc, t0, time_limit, lower, sched):
             # 5.1 s in another), and the weight search's rounds would follow it.
             share_of_weights = (sched.weights - sched.start_polish) * time_limit
             found, bound = weights.weight_search(problem, inc.choice if inc.feasible else None,
-                                                 deadline=clock() + share_of_weights, on_best=share, clock=clock)
+                                                 deadline=clock.origin + share_of_weights, on_best=share, clock=clock)
             if bound is not None and (lower is None or bound > lower):
                 lower = bound
             inc.offer(found, "weights")
