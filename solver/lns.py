@@ -184,7 +184,8 @@ def solve_window(sub: Problem, start: np.ndarray, seconds: float,
                  model: highs_model.ArrayModel | None = None, report: dict | None = None) -> np.ndarray | None:
     """HiGHS on ``sub`` (its MILP ``model``, built here when not given) for ``seconds`` from
     ``start``: its answer, or None when it found none. ``report``, a dict, gets ``cut``: whether
-    the time limit ended HiGHS (its answer then hangs on the machine's speed)."""
+    the time limit ended HiGHS (its answer then hangs on the machine's speed), ``iterations``
+    (its LP iterations) and ``size`` (the model's rows and columns)."""
     import highspy
 
     model = model if model is not None else highs_model.build(sub)
@@ -197,7 +198,9 @@ def solve_window(sub: Problem, start: np.ndarray, seconds: float,
     h.setSolution(sol)
     h.run()
     if report is not None:
-        report["cut"] = h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
+        report["cut"] = h.getModelStatus() in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt)
+        report["iterations"] = int(h.getInfo().simplex_iteration_count)
+        report["size"] = int(h.getNumCol() + h.getNumRow())
     if h.getInfo().primal_solution_status < 2:
         return None
     return highs_model.extract(model, np.asarray(h.getSolution().col_value), sub.num_nodes)

@@ -62,7 +62,8 @@ def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline
     """The merge's answer (see the module doc) found by HiGHS before ``deadline`` (on ``clock``,
     else the wall clock), started from ``base`` (feasible): a cheaper feasible answer, or None
     (nothing cheaper, no time, or a model over :data:`MAX_NONZEROS`). ``report`` (a dict) gets
-    ``cut`` where ``deadline`` ended HiGHS (:func:`solver.lns.solve_window`)."""
+    ``cut`` where ``deadline`` ended HiGHS, its LP ``iterations`` and the model's ``size``
+    (:func:`solver.lns.solve_window`), and ``size`` alone where the merge was built and not run."""
     base = np.asarray(base, dtype=np.int64)
     others = [np.asarray(o, dtype=np.int64) for o in others if not np.array_equal(o, base)]
     before = evaluate(problem, base)
@@ -76,6 +77,8 @@ def merge(problem: Problem, base: np.ndarray, others: list[np.ndarray], deadline
     except (highs_model.ModelTooLarge, ProvedInfeasible) as exc:
         log.info(f"merge of {len(others) + 1} answers on {free.size} nodes skipped: {exc}")
         return None
+    if report is not None:
+        report["size"] = int(model.cost.size + model.n_rows)
     seconds = clock.seconds_until(deadline)
     if seconds < 0.5:
         return None

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import numpy as np
 
@@ -80,6 +81,14 @@ STALL_SHARE = 1 / 2
 
 #: Share of the remaining time one merge (:func:`solver.recombine.merge`) is planned to take.
 MERGE_SHARE = 0.25
+
+#: A merge's price, seconds: per row and column of its model (building it) and per LP iteration
+#: and row and column (HiGHS): measured 10-19 us and 7-42 ns on IOPDDL A, K, M, S and T's merges.
+#: Charged at its CPU seconds, a merge moved every later deadline by as much as the machine's
+#: load moved it (K's second merge: 13.2-15.6 s in runs alone, 30 s beside a test run), and the
+#: weight search's last rounds with them.
+MERGE_BUILD_PER_ENTRY = 12e-6
+MERGE_ITERATION_PER_ENTRY = 15e-9
 
 #: What a merge may take, as a multiple of its planned share, before HiGHS is cut: a merge cut by
 #: its time hangs on the machine's speed (IOPDDL K: 2.30069e9 and 2.30065e9 from the same three
@@ -331,8 +340,12 @@ class _WeightSearch:
         # Past the stage's deadline if need be: the merge's work, not the clock, should end it.
         until = now + MERGE_GUARD * max(5.0, MERGE_SHARE * (deadline - now))
         report: dict = {}
+        t0 = time.process_time()
         found = recombine.merge(problem, self.best, [choice] + self.partner, until, self.adj, clock=self.now,
                                 report=report)
+        if "size" in report:  # built (a merge skipped before is charged its CPU seconds)
+            self.now.charge(time.process_time() - t0, report["size"] * (
+                MERGE_BUILD_PER_ENTRY + MERGE_ITERATION_PER_ENTRY * report.get("iterations", 0)))
         self.cut = self.cut or report.get("cut", False)
         self.partner = [choice]
         if found is None:
