@@ -33,7 +33,9 @@ class Schedule:
     exact_beside_milp: float = 0.95
     """The same, while the MILP runs in a child process on a spare core."""
     weights: float = 0.8
-    """The per-node weight search on models too large for the MILP."""
+    """The per-node weight search on models too large for the MILP: ``weights - start_polish`` of
+    the time limit counted from its own start, in work (:mod:`solver.clock`), so that how long the
+    stages before it took on the machine does not move it."""
     windows: float = 0.95
     """Windowed MILPs after (and, on spare cores, beside) the weight search."""
     polish: float = 0.97
@@ -44,8 +46,8 @@ class Schedule:
             share = getattr(self, f.name)
             if not 0 < share <= 1:
                 raise ValueError(f"schedule.{f.name}: expected a share of the time limit in (0, 1], found {share}")
-        for a, b in (("start_descent", "start_repair"), ("start_repair", "start_polish"), ("weights", "windows"),
-                     ("windows", "polish")):
+        for a, b in (("start_descent", "start_repair"), ("start_repair", "start_polish"), ("start_polish", "weights"),
+                     ("weights", "windows"), ("windows", "polish")):
             if getattr(self, a) > getattr(self, b):
                 raise ValueError(f"schedule: {a} ({getattr(self, a)}) must end no later than {b} "
                                  f"({getattr(self, b)})")
