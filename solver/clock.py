@@ -13,7 +13,8 @@ returns its best so far.
 CPU seconds are work up to the machine's own jitter (a few per cent a stage), so a run whose
 stage ends on the edge of one more round may still part from another. Searches that count their
 work exactly are charged by it (:meth:`WorkClock.charge`): the weight search's toulbar2 rounds,
-bounded by backtracks and priced per backtrack (:class:`solver.core.CoreSolver`).
+bounded by backtracks and priced per backtrack (:class:`solver.core.CoreSolver`), and its merges,
+priced per LP iteration (:mod:`solver.weights`).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class WorkClock:
 
     def charge(self, spent: float, work: float) -> None:
         """Count a search that just took ``spent`` CPU seconds as ``work`` seconds instead: its
-        work priced at fixed rates (toulbar2's backtracks, :class:`solver.core.CoreSolver`), the
-        same in every run, where the CPU seconds it took are not."""
+        work priced at fixed rates (toulbar2's backtracks, HiGHS's LP iterations), the same in
+        every run, where the CPU seconds it took are not."""
         self.origin += work - spent
 
     def mark(self, what: str) -> None:

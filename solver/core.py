@@ -18,9 +18,10 @@ The limit is in seconds of work, not of the clock: toulbar2 gets a backtrack bud
 ``(limit - prep) / per_backtrack``, with its preprocessing ``prep`` and each backtrack priced per
 entry of the core's tables (:data:`PREP_PER_ENTRY`, :data:`BACKTRACK_PER_ENTRY`), and the search
 is charged that price (:meth:`solver.clock.WorkClock.charge`), not the CPU seconds it took. Cut
-by a CPU limit, a round's answer hung on how many backtracks the machine gave it in that time
-(IOPDDL K's first round: 8.13e8, 8.22e8 and 8.31e8 in three runs, and every later round parted
-from there); cut by its budget, it is the same in every run, and so are the limits that follow.
+by a CPU limit, a round's answer hangs on how many backtracks the machine gives it in that time
+(IOPDDL K's first round under a 5 s limit: 8.13e8, 8.22e8 and 8.31e8 in three runs, every later
+round apart from there); cut by its budget, it is the same in every run, and so are the limits
+that follow.
 The CPU limit stays as a guard (:data:`GUARD`), which a run that reaches it reports
 (:attr:`CoreSolver.cut`).
 

@@ -8,9 +8,9 @@ search's first answer on.
 The child works by tasks, in the order they are given (:meth:`LnsChild.task`): move to the
 task's answer where it is cheaper than the child's own, then run the task's number of
 windows, then publish the result under the task's number (:meth:`LnsChild.result` waits for
-it). Counted in windows, not seconds, what the child hands back is the same in every run: an
-answer it took up "when it came", between two windows, and a best read "so far" hung on how
-fast each process had got (IOPDDL K's runs parted there once the weight rounds did not).
+it). Counted in windows, not seconds, what the child hands back is the same in every run,
+where an answer taken up "when it came" and a best read "so far" would hang on how fast each
+process had got.
 Between tasks the child waits. Both directions go through files (:mod:`solver.child`).
 """
 

@@ -84,9 +84,9 @@ MERGE_SHARE = 0.25
 
 #: A merge's price, seconds: per row and column of its model (building it) and per LP iteration
 #: and row and column (HiGHS): measured 10-19 us and 7-42 ns on IOPDDL A, K, M, S and T's merges.
-#: Charged at its CPU seconds, a merge moved every later deadline by as much as the machine's
-#: load moved it (K's second merge: 13.2-15.6 s in runs alone, 30 s beside a test run), and the
-#: weight search's last rounds with them.
+#: Charged at its CPU seconds, a merge would move every later deadline by as much as the
+#: machine's load moves it (K's second merge: 13.2-15.6 s in runs alone, 30 s beside a test run),
+#: and the weight search's last rounds with them.
 MERGE_BUILD_PER_ENTRY = 12e-6
 MERGE_ITERATION_PER_ENTRY = 15e-9
 
